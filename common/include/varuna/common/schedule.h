@@ -1,0 +1,72 @@
+// The pipeline schedule: the order in which each stage runs the forward,
+// recompute and backward passes of the micro-batches of one training step.
+//
+// Pure functions. The worker runtime executes exactly this order and the
+// simulator (AutoConfig) replays exactly this order, so prediction and
+// execution never drift apart.
+//
+// Kinds:
+//  - kVaruna: Varuna's own. Ready tasks are served in the priority
+//    backward > recompute > forward. A forward whose backward is not the stage's
+//    very next task keeps no activations (only its input) and is recomputed just
+//    in time, when the next stage starts that micro-batch's backward. The last
+//    stage never recomputes. 2 stages, 3 micro-batches:
+//      stage 0: f0 f1 f2 r0 b0 r1 b1 r2 b2      stage 1: f0 b0 f1 b1 f2 b2
+//  - k1F1B: warm-up forwards, then one forward one backward, no recompute.
+//  - kGPipe: all forwards, then all backwards, no recompute.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace varuna {
+
+enum class ScheduleKind { kVaruna, k1F1B, kGPipe };
+enum class TaskType { kForward, kRecompute, kBackward };
+
+ScheduleKind parseScheduleKind(std::string_view name);  // "varuna", "1f1b", "gpipe"
+std::string toString(ScheduleKind kind);
+
+struct Task {
+  TaskType type;
+  int microbatch;
+  // Forward only: keep the activations for the backward. False means the
+  // forward runs without autograd and a kRecompute task precedes the backward.
+  bool keepActivations = true;
+
+  bool operator==(const Task&) const = default;
+};
+
+// Per stage, the ordered list of its tasks for one step.
+using StageSchedule = std::vector<Task>;
+using Schedule = std::vector<StageSchedule>;
+
+// Throws ConfigError for stages < 1 or microbatches < 1.
+Schedule generateSchedule(ScheduleKind kind, int stages, int microbatches);
+
+// "f0 f1 r0 b0 ..." (f = forward without kept activations is still "f").
+std::string describe(const StageSchedule& stage);
+
+// Relative costs used to replay a schedule.
+struct TaskCosts {
+  double forward = 1.0;
+  double recompute = 1.0;
+  double backward = 2.0;
+  double transfer = 0.0;  // activation/gradient transfer between neighbouring stages
+};
+
+struct ScheduleTiming {
+  double makespan = 0.0;
+  // Per stage, start and end times of its tasks, in schedule order.
+  std::vector<std::vector<double>> start, end;
+  std::vector<double> busy;  // per stage, total compute time
+};
+
+// Replays the static per-stage order with the given costs: each task starts when
+// its stage is free and its inputs have arrived (sends never block). Throws
+// std::logic_error if the order can deadlock or a dependency is missing, which
+// makes it the schedule generator's own consistency check.
+ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCosts>& stageCosts);
+
+}  // namespace varuna

@@ -1,0 +1,113 @@
+#include <catch2/catch.hpp>
+
+#include "varuna/common/errors.h"
+#include "varuna/common/schedule.h"
+
+using namespace varuna;
+
+namespace {
+
+int countType(const StageSchedule& s, TaskType type) {
+  int n = 0;
+  for (const Task& t : s) n += t.type == type;
+  return n;
+}
+
+std::vector<TaskCosts> uniformCosts(int P, TaskCosts c = {}) { return std::vector<TaskCosts>(P, c); }
+
+}  // namespace
+
+TEST_CASE("Varuna schedule matches the reference example (2 stages, 3 micro-batches)", "[schedule]") {
+  auto schedule = generateSchedule(ScheduleKind::kVaruna, 2, 3);
+  REQUIRE(schedule.size() == 2);
+  CHECK(describe(schedule[0]) == "f0 f1 f2 r0 b0 r1 b1 r2 b2");
+  CHECK(describe(schedule[1]) == "f0 b0 f1 b1 f2 b2");
+  // Stage 0 recomputes every micro-batch, so none of its forwards keep activations.
+  for (const Task& t : schedule[0]) {
+    if (t.type == TaskType::kForward) CHECK_FALSE(t.keepActivations);
+  }
+  for (const Task& t : schedule[1]) {
+    if (t.type == TaskType::kForward) CHECK(t.keepActivations);
+  }
+}
+
+TEST_CASE("every schedule runs each micro-batch once per stage and never deadlocks", "[schedule]") {
+  for (auto kind : {ScheduleKind::kVaruna, ScheduleKind::k1F1B, ScheduleKind::kGPipe}) {
+    for (int P : {1, 2, 3, 4, 7}) {
+      for (int m : {1, 2, 3, 4, 8, 13}) {
+        INFO(toString(kind) << " P=" << P << " m=" << m);
+        auto schedule = generateSchedule(kind, P, m);
+        REQUIRE(static_cast<int>(schedule.size()) == P);
+        for (int s = 0; s < P; ++s) {
+          CHECK(countType(schedule[s], TaskType::kForward) == m);
+          CHECK(countType(schedule[s], TaskType::kBackward) == m);
+          // Forwards and backwards each run in micro-batch order.
+          int nextF = 0, nextB = 0;
+          for (const Task& t : schedule[s]) {
+            if (t.type == TaskType::kForward) CHECK(t.microbatch == nextF++);
+            if (t.type == TaskType::kBackward) CHECK(t.microbatch == nextB++);
+          }
+          if (kind != ScheduleKind::kVaruna || s == P - 1) {
+            CHECK(countType(schedule[s], TaskType::kRecompute) == 0);
+          }
+        }
+        // replaySchedule checks every dependency (recompute after an
+        // activation-free forward, backward only with activations) and deadlock.
+        CHECK_NOTHROW(replaySchedule(schedule, uniformCosts(P)));
+      }
+    }
+  }
+}
+
+TEST_CASE("Varuna recomputes exactly the forwards that dropped their activations", "[schedule]") {
+  for (int P : {2, 3, 5}) {
+    for (int m : {1, 4, 9}) {
+      auto schedule = generateSchedule(ScheduleKind::kVaruna, P, m);
+      for (int s = 0; s < P; ++s) {
+        int dropped = 0;
+        for (const Task& t : schedule[s]) dropped += t.type == TaskType::kForward && !t.keepActivations;
+        CHECK(countType(schedule[s], TaskType::kRecompute) == dropped);
+      }
+    }
+  }
+}
+
+TEST_CASE("1F1B warm-up depth and steady state", "[schedule]") {
+  auto schedule = generateSchedule(ScheduleKind::k1F1B, 4, 6);
+  CHECK(describe(schedule[0]) == "f0 f1 f2 f3 b0 f4 b1 f5 b2 b3 b4 b5");
+  CHECK(describe(schedule[3]) == "f0 b0 f1 b1 f2 b2 f3 b3 f4 b4 f5 b5");
+  CHECK(describe(generateSchedule(ScheduleKind::kGPipe, 2, 3)[1]) == "f0 f1 f2 b0 b1 b2");
+}
+
+TEST_CASE("replayed GPipe and 1F1B have the textbook bubble", "[schedule]") {
+  for (auto kind : {ScheduleKind::k1F1B, ScheduleKind::kGPipe}) {
+    for (int P : {2, 4}) {
+      for (int m : {4, 8}) {
+        auto timing = replaySchedule(generateSchedule(kind, P, m), uniformCosts(P));
+        // (m + P - 1) slots of forward+backward: bubble fraction (P-1)/(m+P-1).
+        CHECK(timing.makespan == Approx((m + P - 1) * 3.0));
+        const double bubble = 1.0 - timing.busy[0] / timing.makespan;
+        CHECK(bubble == Approx(double(P - 1) / (m + P - 1)));
+      }
+    }
+  }
+}
+
+TEST_CASE("Varuna's recompute costs time only on non-last stages", "[schedule]") {
+  auto schedule = generateSchedule(ScheduleKind::kVaruna, 2, 4);
+  auto timing = replaySchedule(schedule, uniformCosts(2));
+  const int recomputes = countType(schedule[0], TaskType::kRecompute);
+  CHECK(recomputes > 0);
+  CHECK(timing.busy[0] == Approx(4 * 3.0 + recomputes * 1.0));
+  CHECK(timing.busy[1] == Approx(4 * 3.0));
+}
+
+TEST_CASE("bad schedule inputs are refused", "[schedule]") {
+  CHECK_THROWS_AS(generateSchedule(ScheduleKind::kGPipe, 0, 3), ConfigError);
+  CHECK_THROWS_AS(generateSchedule(ScheduleKind::kVaruna, 2, 0), ConfigError);
+  CHECK_THROWS_AS(parseScheduleKind("pipedream"), ConfigError);
+  CHECK(parseScheduleKind("1f1b") == ScheduleKind::k1F1B);
+  // A hand-made order with a backward before its forward is caught by the replay.
+  Schedule broken = {{{TaskType::kBackward, 0, true}, {TaskType::kForward, 0, true}}};
+  CHECK_THROWS_AS(replaySchedule(broken, uniformCosts(1)), std::logic_error);
+}
