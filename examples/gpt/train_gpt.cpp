@@ -1,0 +1,182 @@
+// Trains the example GPT with Varuna. Started by a launcher (run_varuna,
+// scripts/varuna_launch.py or torchrun) once per worker; the launcher's
+// arguments (--rank --local_rank --stage_to_rank_map --chunk_size --batch-size
+// --resume_step) and the torchrun environment are read by parseLaunchArgs, the
+// rest of the command line by this program.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+#include <torch/utils.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "char_dataset.h"
+#include "gpt_model.h"
+#include "varuna/common/log.h"
+#include "varuna/worker/varuna.h"
+
+namespace {
+
+struct TrainOptions {
+  int64_t steps = 50;
+  std::string data = "/usr/share/common-licenses";
+  std::string optimizer = "adamw";
+  double lr = 3e-3;
+  double momentum = 0.9;
+  double clip = 1.0;  // <= 0: no clipping
+  std::string precision = "fp32";
+  std::string schedule = "varuna";
+  double initLossScale = 65536;
+  int64_t growthInterval = 1000;
+  uint64_t dataSeed = 7;
+  int64_t logEvery = 1;
+  std::string dumpDir;
+  std::string pieceCosts;  // comma-separated; empty: balance by parameter count
+  int threads = 1;
+  double peerTimeoutSeconds = 60;
+  std::string logLevel = "info";
+  gpt::GptConfig model;
+};
+
+std::vector<double> parseCosts(const std::string& text) {
+  std::vector<double> costs;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) costs.push_back(std::stod(item));
+  return costs;
+}
+
+void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
+  CLI::App app{"train_gpt: the Varuna example character-level GPT"};
+  app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--data", o.data, "text file or directory of text files");
+  app.add_option("--optimizer", o.optimizer, "adamw or sgd")->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--lr", o.lr, "learning rate");
+  app.add_option("--momentum", o.momentum, "SGD momentum");
+  app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)");
+  app.add_option("--precision", o.precision, "fp32, bf16 or fp16")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_option("--schedule", o.schedule, "varuna, 1f1b or gpipe")->check(CLI::IsMember({"varuna", "1f1b", "gpipe"}));
+  app.add_option("--init_loss_scale", o.initLossScale, "fp16 initial loss scale");
+  app.add_option("--loss_scale_growth_interval", o.growthInterval, "fp16 clean steps before the scale grows");
+  app.add_option("--data_seed", o.dataSeed, "seed of the data order");
+  app.add_option("--log_every", o.logEvery, "print every N steps");
+  app.add_option("--dump_dir", o.dumpDir, "write per-step results and final parameters here");
+  app.add_option("--piece_costs", o.pieceCosts, "comma-separated per-piece costs for partitioning");
+  app.add_option("--threads", o.threads, "intra-op threads per worker")->check(CLI::PositiveNumber);
+  app.add_option("--peer_timeout_s", o.peerTimeoutSeconds, "declare a silent peer lost after this long");
+  app.add_option("--log_level", o.logLevel, "debug, info, warn, error");
+  app.add_option("--d_model", o.model.dModel, "model width")->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.model.layers, "transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--heads", o.model.heads, "attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--seq_len", o.model.seqLen, "characters per sample")->check(CLI::PositiveNumber);
+  app.add_option("--dropout", o.model.dropout, "dropout probability");
+  app.add_option("--model_seed", o.model.seed, "seed of the initial weights");
+  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help() << std::endl;
+    std::exit(0);
+  } catch (const CLI::ParseError& e) {
+    throw varuna::ConfigError(varuna::strCat("train_gpt: ", e.what(), " (see --help)"));
+  }
+}
+
+void writeParameters(const varuna::Varuna& model, const std::filesystem::path& path) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [name, tensor] : model.namedParameters()) dict.insert(name, tensor.detach().cpu());
+  const auto bytes = torch::pickle_save(dict);
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+int run(int argc, char** argv) {
+  const auto launch = varuna::parseLaunchArgs(argc, argv, varuna::currentEnvironment());
+  TrainOptions o;
+  parseTrainOptions(launch.userArgs, o);
+  varuna::log::configure({.component = "train_gpt", .rank = launch.rank}, varuna::log::parseLevel(o.logLevel));
+  torch::set_num_threads(o.threads);
+
+  const auto data = gpt::CharDataset::fromPath(o.data);
+  o.model.vocabSize = data.vocabSize();
+
+  varuna::VarunaOptions options;
+  options.applyLaunchArgs(launch);
+  options.model = gpt::makeGptModel(o.model);
+  if (!o.pieceCosts.empty()) options.model.pieceCosts = parseCosts(o.pieceCosts);
+  const auto map = varuna::StageToRankMap::parse(options.stageToRankMap);
+  const int64_t perReplica = launch.batchSize > 0 ? launch.batchSize : 8;
+  options.batchSize = perReplica * map.numReplicas();
+  options.chunkSize = launch.chunkSize > 0 ? launch.chunkSize : std::min<int64_t>(perReplica, 4);
+  options.precision = varuna::parsePrecision(o.precision);
+  options.schedule = varuna::parseScheduleKind(o.schedule);
+  options.peerTimeout = std::chrono::milliseconds(static_cast<int64_t>(o.peerTimeoutSeconds * 1000));
+  const uint64_t dataSeed = o.dataSeed;
+  const int64_t seqLen = o.model.seqLen;
+  options.getBatch = [&data, seqLen, dataSeed](int64_t size, torch::Device device) {
+    auto batch = data.samples(0, size, seqLen, dataSeed);
+    for (auto& [key, t] : batch) t = t.to(device);
+    return batch;
+  };
+
+  varuna::Varuna model(std::move(options));
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  if (o.optimizer == "sgd") {
+    optimizer = std::make_shared<torch::optim::SGD>(model.parameters(), torch::optim::SGDOptions(o.lr).momentum(o.momentum));
+  } else {
+    optimizer = std::make_shared<torch::optim::AdamW>(model.parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.0));
+  }
+  varuna::LossScaleOptions lossScale;
+  lossScale.initialScale = o.initLossScale;
+  lossScale.growthInterval = o.growthInterval;
+  model.setOptimizer(optimizer, lossScale);
+
+  std::ofstream stepLog;
+  if (!o.dumpDir.empty()) {
+    std::filesystem::create_directories(o.dumpDir);
+    stepLog.open(std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_steps.jsonl"));
+  }
+  const int64_t globalBatch = perReplica * map.numReplicas();
+  const bool reporter = launch.rank == 0;
+  if (reporter) {
+    varuna::log::info("training ", o.steps, " steps: global batch ", globalBatch, " x ", seqLen, " characters, vocab ",
+                      data.vocabSize(), ", text of ", data.size(), " characters");
+  }
+  const int64_t firstStep = launch.resumeStep >= 0 ? launch.resumeStep : 0;
+  for (int64_t step = firstStep; step < firstStep + o.steps; ++step) {
+    const auto batch = data.replicaBatch(step, globalBatch, model.replica(), model.numReplicas(), seqLen, dataSeed);
+    const auto start = std::chrono::steady_clock::now();
+    const auto result = model.step(batch, o.clip > 0 ? std::optional<double>(o.clip) : std::nullopt);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (stepLog.is_open()) {
+      stepLog << nlohmann::json{{"step", step},        {"loss", result.loss},       {"overflow", result.overflow},
+                                {"grad_norm", result.gradNorm}, {"loss_scale", result.lossScale}, {"time_s", seconds}}
+                     .dump()
+              << "\n";
+      stepLog.flush();
+    }
+    if (reporter && (step % o.logEvery == 0 || step + 1 == firstStep + o.steps)) {
+      std::cout << "step " << step << " loss " << result.loss << " grad_norm " << result.gradNorm
+                << (result.overflow ? " overflow(skipped)" : "") << " time " << seconds << "s tokens/s "
+                << static_cast<int64_t>(globalBatch * seqLen / seconds) << std::endl;
+    }
+  }
+  if (!o.dumpDir.empty()) {
+    writeParameters(model, std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_params.pt"));
+  }
+  if (reporter) std::cout << "done" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    varuna::exitAfterFailure(e);
+  }
+}

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Local launcher: starts a Varuna job of P stages x D replicas on this machine.
+
+Every worker gets the arguments run_varuna passes (--rank --local_rank
+--stage_to_rank_map --chunk_size --batch-size [--resume_step]) and the
+torchrun-style environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). Placement is Varuna's "clustered" one: replica r holds ranks
+r*P .. r*P+P-1.
+
+    scripts/varuna_launch.py --nstages 2 --replicas 2 --chunk_size 4 \
+        --batch_size 8 -- build/examples/gpt/train_gpt --steps 20
+
+If a worker fails, the others get --grace seconds to notice (they exit by
+themselves with a clear error) before they are killed; the launcher exits with
+the first failing worker's code.
+"""
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clustered_map(stages: int, replicas: int) -> str:
+    return "".join(",".join(str(r * stages + s) for r in range(replicas)) + ";" for s in range(stages))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nstages", type=int, required=True, help="pipeline stages P")
+    parser.add_argument("--replicas", type=int, default=1, help="data-parallel replicas D")
+    parser.add_argument("--chunk_size", type=int, required=True, help="micro-batch size")
+    parser.add_argument("--batch_size", type=int, required=True, help="per-replica batch size")
+    parser.add_argument("--resume_step", type=int, default=None)
+    parser.add_argument("--master_port", type=int, default=0, help="0: pick a free port")
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds survivors get to exit after a failure")
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="-- program [args...]")
+    args = parser.parse_args()
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    if not program:
+        parser.error("give the training program after --")
+    if args.nstages < 1 or args.replicas < 1:
+        parser.error("--nstages and --replicas must be >= 1")
+
+    world = args.nstages * args.replicas
+    port = args.master_port or free_port()
+    stage_map = clustered_map(args.nstages, args.replicas)
+    print(f"varuna_launch: {args.nstages} stages x {args.replicas} replicas, stage_to_rank_map {stage_map}, "
+          f"port {port}", flush=True)
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = [program[0], "--rank", str(rank), "--local_rank", str(rank), "--stage_to_rank_map", stage_map,
+               "--chunk_size", str(args.chunk_size), "--batch-size", str(args.batch_size)]
+        if args.resume_step is not None:
+            cmd += ["--resume_step", str(args.resume_step)]
+        procs.append(subprocess.Popen(cmd + program[1:], env=env))
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGUSR1, forward)
+
+    first_failure = None
+    deadline = None
+    while any(p.poll() is None for p in procs):
+        for rank, p in enumerate(procs):
+            code = p.poll()
+            if code not in (None, 0) and first_failure is None:
+                first_failure = (rank, code)
+                deadline = time.monotonic() + args.grace
+                print(f"varuna_launch: rank {rank} exited with code {code}", file=sys.stderr, flush=True)
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    if first_failure is None:
+        for rank, p in enumerate(procs):
+            if p.returncode != 0:
+                first_failure = (rank, p.returncode)
+                break
+    if first_failure:
+        return first_failure[1] if first_failure[1] > 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+// The arguments a launcher (run_varuna, scripts/varuna_launch.py, torchrun or a
+// person) passes to every worker, parsed from the command line and the
+// torchrun-style environment. Read in main(); nothing else reads the environment.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace varuna {
+
+struct LaunchArgs {
+  int rank = 0;
+  int localRank = 0;
+  int worldSize = 1;
+  std::string stageToRankMap;  // empty: one stage, every rank a data-parallel replica
+  int64_t chunkSize = 0;       // micro-batch size; 0: not given
+  int64_t batchSize = 0;       // per-replica batch (the original's --batch-size); 0: not given
+  int64_t resumeStep = -1;     // -1: fresh start
+  std::string masterAddr = "127.0.0.1";
+  int masterPort = 29500;
+  // The rendezvous store is hosted by someone else (a test harness or the
+  // manager) instead of rank 0.
+  bool externalStore = false;
+  // Everything the runtime did not recognise, for the training program itself.
+  std::vector<std::string> userArgs;
+};
+
+// Parses `--rank --local_rank --stage_to_rank_map --chunk_size --batch-size
+// --resume_step --master_addr --master_port --external_store`; missing values
+// fall back to RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in `env`.
+// Throws ConfigError naming the bad argument.
+LaunchArgs parseLaunchArgs(int argc, const char* const* argv,
+                           const std::map<std::string, std::string>& env);
+
+// The process environment as a map (call from main()).
+std::map<std::string, std::string> currentEnvironment();
+
+}  // namespace varuna

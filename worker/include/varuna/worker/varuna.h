@@ -1,0 +1,114 @@
+// Varuna: trains one model as P pipeline stages x D data-parallel replicas,
+// exactly as a single process would train it on the same global batches.
+//
+// One instance per worker process; construct it in every rank of the job with
+// the same ModelSpec. It builds only this rank's stage, joins the c10d process
+// groups (Gloo for CPU tensors, NCCL for CUDA tensors) and runs the pipeline
+// schedule. Not thread-safe: call it from the training thread only.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "varuna/common/partition.h"
+#include "varuna/common/schedule.h"
+#include "varuna/common/stage_map.h"
+#include "varuna/worker/launch_args.h"
+#include "varuna/worker/loss_scaler.h"
+#include "varuna/worker/model.h"
+
+namespace varuna {
+
+enum class Precision { kFp32, kBf16, kFp16 };
+Precision parsePrecision(const std::string& name);  // "fp32", "bf16", "fp16"
+std::string toString(Precision precision);
+
+// Sample inputs of a given batch size on a device, as the manual's get_batch_fn.
+using GetBatchFn = std::function<Batch(int64_t size, torch::Device device)>;
+
+struct RendezvousOptions {
+  std::string masterAddr = "127.0.0.1";
+  int masterPort = 29500;
+  bool externalStore = false;  // false: rank 0 hosts the TCPStore
+};
+
+struct VarunaOptions {
+  ModelSpec model;
+  std::string stageToRankMap;  // the launcher's string, e.g. "0,2;1,3;"
+  int rank = 0;
+  int localRank = 0;
+  GetBatchFn getBatch;       // required: used to learn the shapes crossing each cut
+  int64_t batchSize = 0;     // global batch size (all replicas together)
+  int64_t chunkSize = 0;     // micro-batch size
+  Precision precision = Precision::kFp32;
+  torch::Device device = torch::kCPU;
+  ScheduleKind schedule = ScheduleKind::kVaruna;
+  RendezvousOptions rendezvous;
+  // A peer silent for this long (or whose connection breaks) fails the job
+  // with PeerLostError naming it.
+  std::chrono::milliseconds peerTimeout{std::chrono::seconds(60)};
+  // Data-parallel gradient buckets, all-reduced as soon as they are complete.
+  int64_t bucketBytes = 4 << 20;
+
+  // Fills rank, local rank, map and rendezvous from the launcher's arguments.
+  void applyLaunchArgs(const LaunchArgs& args);
+};
+
+struct StepResult {
+  double loss = 0.0;       // mean over the global batch, identical on every rank
+  bool overflow = false;   // fp16: inf/NaN gradients somewhere, step skipped everywhere
+  double gradNorm = 0.0;   // global L2 norm over all stages (tied weights once), before clipping
+  double lossScale = 1.0;  // the scale used for this step (1 unless fp16)
+};
+
+class Varuna {
+ public:
+  explicit Varuna(VarunaOptions options);
+  ~Varuna();
+  Varuna(const Varuna&) = delete;
+  Varuna& operator=(const Varuna&) = delete;
+
+  // This stage's parameters, for building the optimizer (after construction).
+  std::vector<torch::Tensor> parameters() const;
+  // Full names ("block3.attn.qkv.weight") and tensors of this stage.
+  std::vector<std::pair<std::string, torch::Tensor>> namedParameters() const;
+
+  // Registers the optimizer over parameters(). Loss-scale options apply to fp16.
+  void setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale = {});
+
+  // One training step over this replica's share of the global batch
+  // (batchSize / numReplicas samples; every stage of a replica gets the same
+  // inputs). Must be called on every rank. Throws PeerLostError if a peer dies.
+  StepResult step(const Batch& inputs, std::optional<double> clipGradMaxNorm = std::nullopt);
+
+  // Mean loss over every replica's inputs, no gradients. Called on every rank.
+  double evaluate(const Batch& inputs);
+
+  int rank() const;
+  int stage() const;
+  int replica() const;
+  int numStages() const;
+  int numReplicas() const;
+  bool isLastStage() const { return stage() == numStages() - 1; }
+  const Partition& partition() const;
+  const StageToRankMap& stageToRankMap() const;
+  torch::Device device() const;
+  const LossScaler& lossScaler() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Ends a worker after an expected failure: logs `error`, flushes, and exits at
+// once with its exit code without running destructors that could wait on dead
+// peers. Use it in main's catch block.
+[[noreturn]] void exitAfterFailure(const std::exception& error);
+
+}  // namespace varuna

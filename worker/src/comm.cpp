@@ -1,0 +1,226 @@
+#include "comm.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef VARUNA_HAVE_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include "varuna/common/log.h"
+
+namespace varuna {
+namespace {
+
+constexpr const char* kFailureCountKey = "varuna/failure_count";
+constexpr const char* kFailureKey = "varuna/failure";
+
+std::string heartbeatKey(int rank) { return "varuna/hb/" + std::to_string(rank); }
+
+std::string toString(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+
+c10::intrusive_ptr<c10d::TCPStore> connectStore(const std::string& addr, int port, bool isServer, int worldSize,
+                                                std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(port);
+  opts.isServer = isServer;
+  opts.numWorkers = worldSize;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(addr, opts);
+}
+
+bool isLoopback(const std::string& addr) {
+  return addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1";
+}
+
+}  // namespace
+
+PeerMonitor::PeerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int worldSize,
+                         std::chrono::milliseconds interval, std::function<std::string(int)> describeRank)
+    : store_(std::move(store)), rank_(rank), worldSize_(worldSize), interval_(interval),
+      describeRank_(std::move(describeRank)) {
+  thread_ = std::thread([this] { run(); });
+}
+
+PeerMonitor::~PeerMonitor() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+void PeerMonitor::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    lock.unlock();
+    try {
+      store_->add(heartbeatKey(rank_), 1);
+    } catch (const std::exception&) {
+      // The store host is gone; whoever waits on a peer will diagnose it.
+    }
+    lock.lock();
+    wake_.wait_for(lock, interval_, [this] { return stop_; });
+  }
+}
+
+void PeerMonitor::recordFailure(const std::string& message) {
+  try {
+    if (store_->add(kFailureCountKey, 1) == 1) {
+      store_->set(kFailureKey, std::vector<uint8_t>(message.begin(), message.end()));
+    }
+  } catch (const std::exception&) {
+    // Nobody can read it either; peers fall back to heartbeats.
+  }
+}
+
+std::vector<int64_t> PeerMonitor::readHeartbeats() {
+  std::vector<int64_t> beats(worldSize_);
+  for (int r = 0; r < worldSize_; ++r) beats[r] = store_->add(heartbeatKey(r), 0);
+  return beats;
+}
+
+PeerLostError PeerMonitor::diagnose(const std::string& during, const std::string& cause) {
+  const std::string noticed = strCat("; rank ", rank_, " noticed while ", during, ": ", cause);
+  try {
+    // A failure someone already diagnosed (or a rank's own error) wins, so every
+    // rank names the same culprit.
+    auto readRecorded = [this]() -> std::optional<std::string> {
+      if (store_->add(kFailureCountKey, 0) == 0) return std::nullopt;
+      store_->wait({kFailureKey}, interval_ * 10);
+      return toString(store_->get(kFailureKey));
+    };
+    if (auto recorded = readRecorded()) {
+      const int culprit = std::stoi(recorded->substr(0, recorded->find('|')));
+      return PeerLostError(recorded->substr(recorded->find('|') + 1) + noticed, culprit);
+    }
+    const auto before = readHeartbeats();
+    std::this_thread::sleep_for(interval_ * 4);  // long enough for every live rank to beat
+    if (auto recorded = readRecorded()) {
+      const int culprit = std::stoi(recorded->substr(0, recorded->find('|')));
+      return PeerLostError(recorded->substr(recorded->find('|') + 1) + noticed, culprit);
+    }
+    const auto after = readHeartbeats();
+    for (int r = 0; r < worldSize_; ++r) {
+      if (r != rank_ && after[r] == before[r]) {
+        const std::string what = strCat("rank ", r, " (", describeRank_(r), ") was lost: it stopped sending heartbeats");
+        recordFailure(strCat(r, "|", what));
+        return PeerLostError(what + noticed, r);
+      }
+    }
+    return PeerLostError(strCat("a peer connection of rank ", rank_, " failed but every rank still heartbeats", noticed), -1);
+  } catch (const std::exception& e) {
+    return PeerLostError(strCat("the rendezvous store is unreachable (", e.what(),
+                                "): rank 0 (", describeRank_(0), "), which hosts it, was probably lost", noticed),
+                         0);
+  }
+}
+
+Communicator::Communicator(const CommOptions& options, const StageToRankMap& map)
+    : options_(options), map_(map) {
+  store_ = connectStore(options.masterAddr, options.masterPort, options.hostStore, options.worldSize, options.timeout);
+  // The monitor gets its own connection: it beats from another thread.
+  const int port = options.hostStore ? static_cast<c10d::TCPStore&>(*store_).getPort() : options.masterPort;
+  auto monitorStore = connectStore(options.masterAddr, port, false, options.worldSize, options.timeout);
+  monitor_ = std::make_unique<PeerMonitor>(monitorStore, options.rank, options.worldSize, options.heartbeatInterval,
+                                           [this](int r) { return describeRank(r); });
+  world_ = makeBackend("world", options.rank, options.worldSize);
+}
+
+Communicator::~Communicator() = default;
+
+std::string Communicator::describeRank(int rank) const {
+  if (rank < 0 || rank >= map_.worldSize()) return "unknown";
+  return strCat("stage ", map_.stageOf(rank), ", replica ", map_.replicaOf(rank));
+}
+
+c10::intrusive_ptr<c10d::Backend> Communicator::makeBackend(const std::string& prefix, int groupRank, int groupSize) {
+  auto store = c10::make_intrusive<c10d::PrefixStore>("varuna/pg/" + prefix, store_);
+  if (options_.device.is_cuda()) {
+#ifdef VARUNA_HAVE_NCCL
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = options_.timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, groupRank, groupSize, opts);
+#else
+    throw ConfigError("the device is CUDA but this build has no NCCL path: rebuild with a CUDA libtorch");
+#endif
+  }
+  // One transport device per process, shared by every group. On loopback jobs
+  // bind loopback; elsewhere the address this host's name resolves to.
+  static const auto device = isLoopback(options_.masterAddr)
+                                 ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                 : c10d::ProcessGroupGloo::createDefaultDevice();
+  auto opts = c10d::ProcessGroupGloo::Options::create();
+  opts->timeout = options_.timeout;
+  opts->devices = {device};
+  opts->threads = 2;
+  try {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, groupRank, groupSize, opts);
+  } catch (const std::exception& e) {
+    throw monitor_->diagnose(strCat("joining process group '", prefix, "'"), e.what());
+  }
+}
+
+const c10::intrusive_ptr<c10d::Backend>& Communicator::group(const std::string& name, const std::vector<int>& ranks) {
+  auto it = groups_.find(name);
+  if (it != groups_.end()) return it->second;
+  const auto pos = std::find(ranks.begin(), ranks.end(), options_.rank);
+  VARUNA_CHECK(pos != ranks.end(), "rank ", options_.rank, " is not in group ", name);
+  auto backend = makeBackend(name, static_cast<int>(pos - ranks.begin()), static_cast<int>(ranks.size()));
+  return groups_.emplace(name, std::move(backend)).first->second;
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::send(torch::Tensor& tensor, int dstRank, int tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  try {
+    return world_->send(tensors, dstRank, tag);
+  } catch (const std::exception& e) {
+    throw monitor_->diagnose(strCat("sending to rank ", dstRank), e.what());
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::recv(torch::Tensor& tensor, int srcRank, int tag) {
+  std::vector<at::Tensor> tensors{tensor};
+  try {
+    return world_->recv(tensors, srcRank, tag);
+  } catch (const std::exception& e) {
+    throw monitor_->diagnose(strCat("receiving from rank ", srcRank), e.what());
+  }
+}
+
+void Communicator::waitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* during) {
+  try {
+    if (!work->wait(options_.timeout)) throw std::runtime_error("timed out");
+  } catch (const PeerLostError&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string cause = e.what();
+    if (auto nl = cause.find('\n'); nl != std::string::npos) cause.resize(nl);  // drop c10 backtraces
+    throw monitor_->diagnose(during, cause);
+  }
+}
+
+void Communicator::agreeOnStartup(const std::string& key, const std::string& myError) {
+  const std::string prefix = "varuna/startup/" + key + "/";
+  store_->set(prefix + std::to_string(options_.rank), std::vector<uint8_t>(myError.begin(), myError.end()));
+  if (!myError.empty()) throw ConfigError(myError);
+  for (int r = 0; r < options_.worldSize; ++r) {
+    const std::string k = prefix + std::to_string(r);
+    try {
+      store_->wait({k}, options_.timeout);
+    } catch (const std::exception& e) {
+      throw monitor_->diagnose(strCat("waiting for rank ", r, " to start (", key, ")"), e.what());
+    }
+    const std::string theirs = toString(store_->get(k));
+    if (!theirs.empty()) throw ConfigError(strCat("rank ", r, " (", describeRank(r), ") failed to start: ", theirs));
+  }
+}
+
+void Communicator::recordFailure(const std::string& message) {
+  monitor_->recordFailure(strCat(options_.rank, "|rank ", options_.rank, " (", describeRank(options_.rank),
+                                 ") failed: ", message));
+}
+
+}  // namespace varuna

@@ -1,0 +1,111 @@
+// Communicator: this worker's c10d process groups and the failure detector.
+//
+// Owned by Varuna::Impl; used from the training thread only (c10d's own
+// threads run the asynchronous work). Tensors move only through c10d backends:
+// ProcessGroupGloo for CPU tensors, ProcessGroupNCCL for CUDA tensors.
+//
+// Failure handling: every wait goes through waitFor(), which turns a c10d error
+// or timeout into PeerLostError naming the lost rank. The name comes from
+// PeerMonitor: each rank bumps a heartbeat counter in the rendezvous store, and
+// the first rank that diagnoses a failure records it there so every other rank
+// reports the same culprit instead of the neighbour that merely exited.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/types.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "varuna/common/errors.h"
+#include "varuna/common/stage_map.h"
+
+namespace varuna {
+
+struct CommOptions {
+  std::string masterAddr;
+  int masterPort = 0;
+  bool hostStore = false;  // this process hosts the TCPStore
+  int rank = 0;
+  int worldSize = 1;
+  torch::Device device = torch::kCPU;
+  std::chrono::milliseconds timeout{60000};
+  std::chrono::milliseconds heartbeatInterval{200};
+};
+
+// Heartbeats and post-mortem diagnosis through the rendezvous store.
+class PeerMonitor {
+ public:
+  PeerMonitor(c10::intrusive_ptr<c10d::Store> store, int rank, int worldSize,
+              std::chrono::milliseconds interval, std::function<std::string(int)> describeRank);
+  ~PeerMonitor();
+
+  // Records this rank's own failure (first writer wins) so peers can name it.
+  void recordFailure(const std::string& message);
+  // Works out which rank is gone after `cause` and returns the error to throw.
+  PeerLostError diagnose(const std::string& during, const std::string& cause);
+
+ private:
+  void run();
+  std::vector<int64_t> readHeartbeats();
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int worldSize_;
+  std::chrono::milliseconds interval_;
+  std::function<std::string(int)> describeRank_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class Communicator {
+ public:
+  Communicator(const CommOptions& options, const StageToRankMap& map);
+  ~Communicator();
+
+  int rank() const { return options_.rank; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  // The whole job (point-to-point uses global ranks through it).
+  const c10::intrusive_ptr<c10d::Backend>& world() const { return world_; }
+  // A group over `ranks` (which must contain this rank), created on first use
+  // under `name`; every member must ask for it in the same order.
+  const c10::intrusive_ptr<c10d::Backend>& group(const std::string& name, const std::vector<int>& ranks);
+
+  c10::intrusive_ptr<c10d::Work> send(torch::Tensor& tensor, int dstRank, int tag);
+  c10::intrusive_ptr<c10d::Work> recv(torch::Tensor& tensor, int srcRank, int tag);
+
+  // Waits; converts any c10d failure into PeerLostError (see header comment).
+  void waitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* during);
+
+  // Store-based all-ranks check used at start-up: every rank publishes "" (ok)
+  // or an error message; throws ConfigError with the first error found.
+  void agreeOnStartup(const std::string& key, const std::string& myError);
+
+  // Called when this rank fails for a local reason, before rethrowing.
+  void recordFailure(const std::string& message);
+  PeerMonitor& monitor() { return *monitor_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> makeBackend(const std::string& prefix, int groupRank, int groupSize);
+  std::string describeRank(int rank) const;
+
+  CommOptions options_;
+  StageToRankMap map_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> world_;
+  std::map<std::string, c10::intrusive_ptr<c10d::Backend>> groups_;
+  std::unique_ptr<PeerMonitor> monitor_;
+};
+
+}  // namespace varuna

@@ -1,0 +1,88 @@
+#include "grad_buckets.h"
+
+#include <torch/csrc/autograd/variable.h>
+
+#include "comm.h"
+
+namespace varuna {
+
+void GradBuckets::add(const std::vector<BucketedParam>& params, c10::intrusive_ptr<c10d::Backend> group,
+                      bool countInNorm, int64_t bucketBytes) {
+  std::vector<BucketedParam> current;
+  int64_t bytes = 0;
+  for (const auto& p : params) {
+    const bool typeChanges = !current.empty() && (current.back().param.scalar_type() != p.param.scalar_type() ||
+                                                  current.back().param.device() != p.param.device());
+    if (typeChanges || (!current.empty() && bytes >= bucketBytes)) {
+      seal(current, group, countInNorm);
+      bytes = 0;
+    }
+    current.push_back(p);
+    bytes += p.param.numel() * static_cast<int64_t>(p.param.element_size());
+  }
+  if (!current.empty()) seal(current, group, countInNorm);
+}
+
+void GradBuckets::seal(std::vector<BucketedParam>& params, const c10::intrusive_ptr<c10d::Backend>& group,
+                       bool countInNorm) {
+  int64_t total = 0;
+  for (const auto& p : params) total += p.param.numel();
+  Bucket bucket;
+  bucket.flat = torch::zeros({total}, params.front().param.options().requires_grad(false));
+  bucket.group = group;
+  bucket.countInNorm = countInNorm;
+  int64_t offset = 0;
+  for (auto& p : params) {
+    const int64_t n = p.param.numel();
+    // The gradient is a view into the bucket: autograd accumulates in place.
+    p.param.mutable_grad() = bucket.flat.narrow(0, offset, n).view(p.param.sizes());
+    offset += n;
+    bucket.pieces.insert(p.piece);
+  }
+  buckets_.push_back(std::move(bucket));
+  params.clear();
+}
+
+void GradBuckets::launch(Bucket& bucket) {
+  if (bucket.work || !bucket.group) return;
+  std::vector<at::Tensor> tensors{bucket.flat};
+  bucket.work = bucket.group->allreduce(tensors);
+}
+
+void GradBuckets::markPieceDone(int piece) {
+  for (auto& bucket : buckets_) {
+    if (bucket.pending.erase(piece) && bucket.pending.empty()) launch(bucket);
+  }
+}
+
+void GradBuckets::finish(Communicator& comm) {
+  for (auto& bucket : buckets_) launch(bucket);
+  for (auto& bucket : buckets_) {
+    if (bucket.work) comm.waitFor(bucket.work, "all-reducing gradients");
+    bucket.work.reset();
+  }
+}
+
+void GradBuckets::zero() {
+  for (auto& bucket : buckets_) {
+    VARUNA_CHECK(!bucket.work, "zeroing a bucket whose all-reduce is in flight");
+    bucket.flat.zero_();
+    bucket.pending = bucket.pieces;
+  }
+}
+
+double GradBuckets::sumOfSquares() const {
+  double total = 0.0;
+  for (const auto& bucket : buckets_) {
+    if (!bucket.countInNorm) continue;
+    const double norm = bucket.flat.norm().item<double>();
+    total += norm * norm;
+  }
+  return total;
+}
+
+void GradBuckets::scale(double factor) {
+  for (auto& bucket : buckets_) bucket.flat.mul_(factor);
+}
+
+}  // namespace varuna

@@ -1,0 +1,59 @@
+// GradBuckets: this stage's gradients, stored as views into flat buckets so a
+// bucket is all-reduced in place, as one message, the moment its gradients are
+// final (during the step's last backward), overlapping the rest of the backward.
+//
+// Owned by Varuna::Impl, used from the training thread; the all-reduces run on
+// c10d's threads. Gradients accumulate across micro-batches in the buckets, so
+// nothing else may replace param.grad() (never call optimizer.zero_grad()).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/types.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+namespace varuna {
+
+class Communicator;
+
+struct BucketedParam {
+  torch::Tensor param;
+  int piece;  // local piece index whose backward finalises this gradient
+};
+
+class GradBuckets {
+ public:
+  // Adds params reduced (summed) over `group` (null: nothing to reduce). Give
+  // them in the order their gradients become final (last piece first).
+  // countInNorm: whether they count in the global gradient norm on this rank.
+  void add(const std::vector<BucketedParam>& params, c10::intrusive_ptr<c10d::Backend> group,
+           bool countInNorm, int64_t bucketBytes);
+
+  // A piece's backward for the step's last micro-batch is done: launch every
+  // bucket that now has only final gradients.
+  void markPieceDone(int piece);
+  // Launches whatever is left and waits for every reduction.
+  void finish(Communicator& comm);
+
+  void zero();
+  double sumOfSquares() const;  // over the buckets counted in the norm
+  void scale(double factor);
+
+ private:
+  struct Bucket {
+    torch::Tensor flat;
+    std::set<int> pieces;   // pieces whose gradients live here
+    std::set<int> pending;  // not yet final this step
+    c10::intrusive_ptr<c10d::Backend> group;
+    c10::intrusive_ptr<c10d::Work> work;
+    bool countInNorm = true;
+  };
+  void launch(Bucket& bucket);
+  void seal(std::vector<BucketedParam>& params, const c10::intrusive_ptr<c10d::Backend>& group, bool countInNorm);
+
+  std::vector<Bucket> buckets_;
+};
+
+}  // namespace varuna

@@ -1,0 +1,79 @@
+#include "varuna/worker/launch_args.h"
+
+#include <CLI/CLI.hpp>
+
+#include <charconv>
+#include <cstdlib>
+
+#include "varuna/common/errors.h"
+
+extern char** environ;
+
+namespace varuna {
+namespace {
+
+template <typename T>
+T envNumber(const std::map<std::string, std::string>& env, const char* key, T fallback) {
+  auto it = env.find(key);
+  if (it == env.end() || it->second.empty()) return fallback;
+  T value{};
+  const char* end = it->second.data() + it->second.size();
+  auto [ptr, ec] = std::from_chars(it->second.data(), end, value);
+  if (ec != std::errc() || ptr != end) {
+    throw ConfigError(strCat("environment variable ", key, "='", it->second, "' is not a number"));
+  }
+  return value;
+}
+
+}  // namespace
+
+LaunchArgs parseLaunchArgs(int argc, const char* const* argv, const std::map<std::string, std::string>& env) {
+  LaunchArgs args;
+  args.rank = envNumber<int>(env, "RANK", 0);
+  args.localRank = envNumber<int>(env, "LOCAL_RANK", args.rank);
+  args.worldSize = envNumber<int>(env, "WORLD_SIZE", 1);
+  args.masterPort = envNumber<int>(env, "MASTER_PORT", 29500);
+  if (auto it = env.find("MASTER_ADDR"); it != env.end() && !it->second.empty()) args.masterAddr = it->second;
+
+  CLI::App app{"varuna worker"};
+  app.allow_extras();
+  app.set_help_flag();  // --help belongs to the training program
+  bool localRankGiven = false;
+  app.add_option("--rank", args.rank, "global rank")->check(CLI::NonNegativeNumber);
+  app.add_option_function<int>("--local_rank,--local-rank", [&](int v) { args.localRank = v; localRankGiven = true; },
+                               "rank within this machine")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--world_size", args.worldSize, "number of workers")->check(CLI::PositiveNumber);
+  app.add_option("--stage_to_rank_map", args.stageToRankMap, "e.g. 0,2;1,3;");
+  app.add_option("--chunk_size", args.chunkSize, "micro-batch size")->check(CLI::PositiveNumber);
+  app.add_option("--batch-size,--batch_size", args.batchSize, "per-replica batch size")->check(CLI::PositiveNumber);
+  app.add_option("--resume_step", args.resumeStep, "checkpoint step to resume from")->check(CLI::NonNegativeNumber);
+  app.add_option("--master_addr", args.masterAddr, "rendezvous host");
+  app.add_option("--master_port", args.masterPort, "rendezvous port")->check(CLI::Range(1, 65535));
+  app.add_flag("--external_store", args.externalStore, "the rendezvous store is not hosted by rank 0");
+  std::vector<std::string> tokens;
+  for (int i = argc - 1; i >= 1; --i) tokens.emplace_back(argv[i]);  // CLI11 parses a reversed vector
+  try {
+    app.parse(tokens);
+  } catch (const CLI::ParseError& e) {
+    throw ConfigError(strCat("bad worker argument: ", e.what()));
+  }
+  args.userArgs = app.remaining();
+  if (!localRankGiven && env.find("LOCAL_RANK") == env.end()) args.localRank = args.rank;
+  if (args.rank >= args.worldSize && args.stageToRankMap.empty()) {
+    throw ConfigError(strCat("--rank ", args.rank, " is not below WORLD_SIZE ", args.worldSize));
+  }
+  return args;
+}
+
+std::map<std::string, std::string> currentEnvironment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    std::string entry(*e);
+    auto eq = entry.find('=');
+    if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  return env;
+}
+
+}  // namespace varuna

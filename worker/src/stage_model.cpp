@@ -1,0 +1,140 @@
+#include "stage_model.h"
+
+#include <ATen/Context.h>
+#include <torch/autograd.h>
+
+#include "varuna/common/errors.h"
+
+namespace varuna {
+namespace {
+
+std::string shapeString(const torch::Tensor& t) {
+  std::string s = "(";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + ")";
+}
+
+// Generator of the device the model runs on (dropout etc. draw from it).
+at::Generator generatorFor(torch::Device device) {
+  return at::globalContext().defaultGenerator(device);
+}
+
+}  // namespace
+
+StageModel::StageModel(const ModelSpec& model, int begin, int end, torch::Device device)
+    : begin_(begin), device_(device) {
+  for (int i = begin; i < end; ++i) {
+    auto piece = buildPiece(model, i);
+    piece->to(device);
+    const int local = i - begin;
+    const std::string& name = model.pieces[i].name;
+    register_module(name, piece);
+    for (const auto& p : piece->named_parameters(/*recurse=*/true)) {
+      const std::string full = name + "." + p.key();
+      params_[full] = p.value();
+      localPieceOfParam_[full] = local;
+    }
+    pieces_.push_back(std::move(piece));
+    names_.push_back(name);
+  }
+}
+
+std::vector<torch::Tensor> StageModel::pieceParams(int local) const {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : pieces_[local]->parameters(/*recurse=*/true)) out.push_back(p);
+  return out;
+}
+
+int StageModel::localPieceOf(const std::string& fullName) const {
+  auto it = localPieceOfParam_.find(fullName);
+  return it == localPieceOfParam_.end() ? -1 : it->second;
+}
+
+void StageModel::checkCut(int local, const torch::Tensor& out, int64_t microbatch, bool isLastPieceOfModel) const {
+  const std::string& name = names_[local];
+  if (!out.defined()) throw ConfigError(strCat("piece '", name, "' returned an undefined tensor"));
+  if (isLastPieceOfModel) {
+    if (out.numel() != 1 || !out.is_floating_point()) {
+      throw ConfigError(strCat("the last piece '", name, "' must return the scalar loss, got a tensor of shape ",
+                               shapeString(out)));
+    }
+    return;
+  }
+  if (out.dim() < 1 || out.size(0) != microbatch) {
+    throw ConfigError(strCat("piece '", name, "' returned a tensor of shape ", shapeString(out),
+                             " at its CutPoint; what crosses a cut must be one tensor of shape (b, ...) "
+                             "with b = ", microbatch, ", the micro-batch size"));
+  }
+  if (!out.is_floating_point()) {
+    throw ConfigError(strCat("piece '", name, "' returned a ", out.scalar_type(),
+                             " tensor at its CutPoint; activations crossing cuts must be floating point "
+                             "(pass integer data such as token ids through the batch inputs instead)"));
+  }
+}
+
+torch::Tensor StageModel::runPieces(MicrobatchState* state, const torch::Tensor& input, const Batch& batch,
+                                    int64_t microbatch, bool isLastStage) {
+  torch::Tensor current = input;
+  for (int k = 0; k < numPieces(); ++k) {
+    torch::Tensor leaf = current;
+    if (state && current.defined()) {
+      leaf = current.detach().requires_grad_(true);
+      state->inputs.push_back(leaf);
+    } else if (state) {
+      state->inputs.push_back(torch::Tensor());
+    }
+    current = pieces_[k]->forward(leaf, batch);
+    checkCut(k, current, microbatch, isLastStage && k == numPieces() - 1);
+    if (state) state->outputs.push_back(current);
+  }
+  return current;
+}
+
+torch::Tensor StageModel::forward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch,
+                                  int64_t microbatch, bool keepGraph, bool isLastStage) {
+  state.stageInput = input;
+  if (keepGraph) {
+    state.hasGraph = true;
+    return runPieces(&state, input, batch, microbatch, isLastStage);
+  }
+  {
+    auto gen = generatorFor(device_);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state.rngState = gen.get_state();
+  }
+  torch::NoGradGuard noGrad;
+  return runPieces(nullptr, input, batch, microbatch, isLastStage);
+}
+
+void StageModel::recompute(MicrobatchState& state, const Batch& batch, int64_t microbatch, bool isLastStage) {
+  VARUNA_CHECK(!state.hasGraph && state.rngState.defined(), "recompute without an activation-free forward");
+  auto gen = generatorFor(device_);
+  torch::Tensor current;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    current = gen.get_state();
+    gen.set_state(state.rngState);  // same dropout masks as the original forward
+  }
+  runPieces(&state, state.stageInput, batch, microbatch, isLastStage);
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(current);
+  }
+  state.hasGraph = true;
+}
+
+torch::Tensor StageModel::backward(MicrobatchState& state, const torch::Tensor& gradOutput,
+                                   const std::function<void(int)>& onPieceDone) {
+  VARUNA_CHECK(state.hasGraph, "backward without a graph");
+  torch::Tensor grad = gradOutput;
+  for (int k = numPieces() - 1; k >= 0; --k) {
+    if (state.outputs[k].requires_grad()) torch::autograd::backward({state.outputs[k]}, {grad});
+    if (onPieceDone) onPieceDone(k);
+    const torch::Tensor& in = state.inputs[k];
+    if (!in.defined()) return torch::Tensor();
+    grad = in.grad().defined() ? in.grad() : torch::zeros_like(in);
+  }
+  return grad;
+}
+
+}  // namespace varuna

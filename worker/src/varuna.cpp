@@ -1,0 +1,587 @@
+#include "varuna/worker/varuna.h"
+
+#include <torch/autograd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+
+#include "autocast_scope.h"
+#include "comm.h"
+#include "grad_buckets.h"
+#include "stage_model.h"
+#include "varuna/common/errors.h"
+#include "varuna/common/log.h"
+
+namespace varuna {
+
+Precision parsePrecision(const std::string& name) {
+  if (name == "fp32") return Precision::kFp32;
+  if (name == "bf16") return Precision::kBf16;
+  if (name == "fp16") return Precision::kFp16;
+  throw ConfigError(strCat("unknown precision '", name, "': use fp32, bf16 or fp16"));
+}
+
+std::string toString(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
+  }
+  return "?";
+}
+
+void VarunaOptions::applyLaunchArgs(const LaunchArgs& args) {
+  rank = args.rank;
+  localRank = args.localRank;
+  stageToRankMap = args.stageToRankMap.empty() ? StageToRankMap::clustered(1, args.worldSize).toString()
+                                               : args.stageToRankMap;
+  rendezvous.masterAddr = args.masterAddr;
+  rendezvous.masterPort = args.masterPort;
+  rendezvous.externalStore = args.externalStore;
+}
+
+namespace {
+
+// Message tags: kind in the high bits, micro-batch index in the low bits.
+enum TagKind : int { kActivationTag = 1, kGradientTag = 2, kEvalTag = 3, kShapeTag = 4 };
+int tagFor(TagKind kind, int microbatch) { return (kind << 24) | microbatch; }
+
+// The shape of what crosses a cut, without the micro-batch dimension.
+struct CutShape {
+  std::vector<int64_t> trailing;
+  at::ScalarType dtype = at::kFloat;
+  bool known = false;
+
+  std::vector<int64_t> withBatch(int64_t b) const {
+    std::vector<int64_t> sizes{b};
+    sizes.insert(sizes.end(), trailing.begin(), trailing.end());
+    return sizes;
+  }
+};
+constexpr int kHeaderLength = 10;  // dtype, ndim, up to 8 dims
+
+torch::Tensor encodeShape(const torch::Tensor& t) {
+  VARUNA_CHECK(t.dim() <= kHeaderLength - 2, "activation with ", t.dim(), " dims");
+  auto header = torch::zeros({kHeaderLength}, torch::kLong);
+  auto h = header.accessor<int64_t, 1>();
+  h[0] = static_cast<int64_t>(t.scalar_type());
+  h[1] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) h[2 + d] = t.size(d);
+  return header;
+}
+
+CutShape decodeShape(const torch::Tensor& header) {
+  auto h = header.accessor<int64_t, 1>();
+  CutShape shape;
+  shape.dtype = static_cast<at::ScalarType>(h[0]);
+  for (int64_t d = 1; d < h[1]; ++d) shape.trailing.push_back(h[2 + d]);
+  shape.known = true;
+  return shape;
+}
+
+at::ScalarType autocastType(Precision p) { return p == Precision::kBf16 ? at::kBFloat16 : at::kHalf; }
+
+}  // namespace
+
+class Varuna::Impl {
+ public:
+  explicit Impl(VarunaOptions options);
+
+  StepResult step(const Batch& inputs, std::optional<double> clip);
+  double evaluate(const Batch& inputs);
+  void setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale);
+
+  // Runs `body`; a local failure is recorded for the peers before it propagates.
+  template <typename F>
+  auto guarded(F&& body) -> decltype(body()) {
+    try {
+      return body();
+    } catch (const PeerLostError&) {
+      throw;
+    } catch (const std::exception& e) {
+      if (comm_) comm_->recordFailure(e.what());
+      throw;
+    }
+  }
+
+  VarunaOptions opt_;
+  StageToRankMap map_;
+  int stage_ = 0, replica_ = 0, P_ = 1, D_ = 1;
+  Partition partition_;
+  std::unique_ptr<Communicator> comm_;
+  std::shared_ptr<StageModel> model_;
+  GradBuckets buckets_;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  LossScaler scaler_;
+  CutShape inShape_, outShape_;
+  std::map<int, Schedule> schedules_;
+
+ private:
+  bool first() const { return stage_ == 0; }
+  bool last() const { return stage_ == P_ - 1; }
+  int prevRank() const { return map_.rankOf(stage_ - 1, replica_); }
+  int nextRank() const { return map_.rankOf(stage_ + 1, replica_); }
+  int64_t localBatch() const { return opt_.batchSize / D_; }
+
+  std::vector<double> pieceCosts() const;
+  std::string checkSharedWeights() const;
+  void setUpGradients();
+  void synchroniseTiedWeights();
+  void learnCutShapes();
+  std::vector<Batch> splitMicrobatches(const Batch& inputs, int64_t expected, const char* what) const;
+  const StageSchedule& scheduleFor(int microbatches);
+  torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
+  void checkOutgoing(const torch::Tensor& out, int64_t b) const;
+
+  // Tied pairs whose two parameters live on different stages, and this
+  // rank's role: the stage holding the first name counts it in the norm.
+  struct CrossStageTie {
+    std::string localName;
+    bool primary;
+    std::string groupName;
+    std::vector<int> groupRanks;
+    int rootRank;
+  };
+  std::vector<CrossStageTie> crossTies_;
+  std::vector<SharedWeight> localTies_;  // both names on this stage
+};
+
+Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(StageToRankMap::parse(opt_.stageToRankMap)) {
+  validateModelSpec(opt_.model);
+  if (!opt_.getBatch) throw ConfigError("VarunaOptions.getBatch is required: it provides sample inputs of a given size");
+  if (opt_.batchSize < 1) throw ConfigError(strCat("global batch size must be >= 1, got ", opt_.batchSize));
+  if (opt_.chunkSize < 1) throw ConfigError(strCat("chunk size (micro-batch size) must be >= 1, got ", opt_.chunkSize));
+  P_ = map_.numStages();
+  D_ = map_.numReplicas();
+  stage_ = map_.stageOf(opt_.rank);
+  replica_ = map_.replicaOf(opt_.rank);
+  if (opt_.batchSize % D_ != 0) {
+    throw ConfigError(strCat("global batch size ", opt_.batchSize, " is not divisible by the ", D_,
+                             " data-parallel replicas of stage_to_rank_map '", map_.toString(), "'"));
+  }
+  log::setStage(stage_);
+  partition_ = partitionPieces(pieceCosts(), P_);
+
+  CommOptions comm;
+  comm.masterAddr = opt_.rendezvous.masterAddr;
+  comm.masterPort = opt_.rendezvous.masterPort;
+  comm.hostStore = opt_.rank == 0 && !opt_.rendezvous.externalStore;
+  comm.rank = opt_.rank;
+  comm.worldSize = map_.worldSize();
+  comm.device = opt_.device;
+  comm.timeout = opt_.peerTimeout;
+  comm_ = std::make_unique<Communicator>(comm, map_);
+
+  std::string error;
+  try {
+    model_ = std::make_shared<StageModel>(opt_.model, partition_.begin(stage_), partition_.end(stage_), opt_.device);
+    error = checkSharedWeights();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  comm_->agreeOnStartup("model", error);
+  if (opt_.rank == 0) {
+    std::vector<std::string> names;
+    for (const auto& p : opt_.model.pieces) names.push_back(p.name);
+    log::info("plan: ", P_, " stages x ", D_, " replicas, schedule ", toString(opt_.schedule), ", precision ",
+              toString(opt_.precision), ", micro-batch ", opt_.chunkSize, "; ", partition_.describe(names));
+  }
+  setUpGradients();
+  synchroniseTiedWeights();
+  guarded([this] { learnCutShapes(); });
+}
+
+std::vector<double> Varuna::Impl::pieceCosts() const {
+  const auto& pieces = opt_.model.pieces;
+  if (!opt_.model.pieceCosts.empty()) return opt_.model.pieceCosts;
+  std::vector<double> costs;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    int64_t count = pieces[i].paramCount;
+    if (count < 0) {
+      // Unknown size: build the piece alone, count, and free it. Give
+      // PieceSpec::paramCount to avoid this.
+      auto piece = buildPiece(opt_.model, static_cast<int>(i));
+      count = 0;
+      for (const auto& p : piece->parameters()) count += p.numel();
+    }
+    costs.push_back(static_cast<double>(std::max<int64_t>(count, 1)));
+  }
+  return costs;
+}
+
+std::string Varuna::Impl::checkSharedWeights() const {
+  const auto& params = model_->namedParams();
+  for (const auto& [a, b] : opt_.model.sharedWeights) {
+    for (const auto& name : {a, b}) {
+      const int piece = pieceOfParameter(opt_.model, name);
+      if (model_->ownsPiece(piece) && !params.count(name)) {
+        std::string known;
+        for (const auto& [n, t] : params) {
+          if (n.rfind(opt_.model.pieces[piece].name + ".", 0) == 0) known += (known.empty() ? "" : ", ") + n;
+        }
+        return strCat("shared weight '", name, "' does not exist; piece '", opt_.model.pieces[piece].name,
+                      "' has: ", known);
+      }
+    }
+    const int pa = pieceOfParameter(opt_.model, a), pb = pieceOfParameter(opt_.model, b);
+    if (model_->ownsPiece(pa) && model_->ownsPiece(pb) && !params.at(a).sizes().equals(params.at(b).sizes())) {
+      return strCat("shared weights '", a, "' ", params.at(a).sizes(), " and '", b, "' ", params.at(b).sizes(),
+                    " have different shapes");
+    }
+  }
+  return "";
+}
+
+void Varuna::Impl::setUpGradients() {
+  // Classify tied parameters.
+  std::set<std::string> excluded;  // not in the data-parallel buckets
+  std::map<std::string, std::vector<BucketedParam>> tieBuckets;
+  std::map<std::string, std::vector<int>> tieGroupRanks;
+  std::map<std::string, bool> tieCounts;
+  for (const auto& [a, b] : opt_.model.sharedWeights) {
+    const int sa = partition_.stageOfPiece(pieceOfParameter(opt_.model, a));
+    const int sb = partition_.stageOfPiece(pieceOfParameter(opt_.model, b));
+    if (sa == sb) {
+      if (sa == stage_) {
+        localTies_.push_back({a, b});
+        excluded.insert(b);  // shares a's gradient storage
+      }
+      continue;
+    }
+    if (sa != stage_ && sb != stage_) continue;
+    const int lo = std::min(sa, sb), hi = std::max(sa, sb);
+    CrossStageTie tie;
+    tie.localName = sa == stage_ ? a : b;
+    tie.primary = sa == stage_;
+    tie.groupName = strCat("tie", lo, "_", hi);
+    for (int s : {lo, hi}) {
+      for (int r : map_.ranksOfStage(s)) tie.groupRanks.push_back(r);
+    }
+    std::sort(tie.groupRanks.begin(), tie.groupRanks.end());
+    tie.rootRank = map_.rankOf(sa, 0);
+    excluded.insert(tie.localName);
+    crossTies_.push_back(tie);
+  }
+  // Groups are created in one global order (data-parallel, then ties sorted by
+  // name) so that no two ranks wait on each other's creation.
+  c10::intrusive_ptr<c10d::Backend> dp;
+  if (D_ > 1) dp = comm_->group(strCat("dp", stage_), map_.ranksOfStage(stage_));
+  std::sort(crossTies_.begin(), crossTies_.end(),
+            [](const CrossStageTie& x, const CrossStageTie& y) { return x.groupName < y.groupName; });
+  for (const auto& tie : crossTies_) comm_->group(tie.groupName, tie.groupRanks);
+
+  // Data-parallel buckets: pieces last-first, as the backward finalises them.
+  std::vector<BucketedParam> ordered;
+  for (int k = model_->numPieces() - 1; k >= 0; --k) {
+    auto params = model_->pieceParams(k);
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      bool skip = false;
+      for (const auto& [name, t] : model_->namedParams()) {
+        if (t.is_same(*it) && excluded.count(name)) skip = true;
+      }
+      if (!skip) ordered.push_back({*it, k});
+    }
+  }
+  buckets_.add(ordered, dp, /*countInNorm=*/true, opt_.bucketBytes);
+  // One bucket per tie group, reduced over both stages' replicas at once.
+  std::map<std::string, std::vector<BucketedParam>> perGroup;
+  std::map<std::string, bool> groupCounts;
+  for (const auto& tie : crossTies_) {
+    const auto& t = model_->namedParams().at(tie.localName);
+    perGroup[tie.groupName].push_back({t, model_->localPieceOf(tie.localName)});
+    groupCounts[tie.groupName] = groupCounts[tie.groupName] || tie.primary;
+  }
+  for (auto& [name, params] : perGroup) {
+    const auto& tieRanks = std::find_if(crossTies_.begin(), crossTies_.end(),
+                                        [&](const CrossStageTie& t) { return t.groupName == name; })->groupRanks;
+    buckets_.add(params, comm_->group(name, tieRanks), groupCounts[name], opt_.bucketBytes);
+  }
+  // A tied duplicate on the same stage accumulates into its twin's storage.
+  for (const auto& [a, b] : localTies_) {
+    model_->namedParams().at(b).mutable_grad() = model_->namedParams().at(a).grad();
+  }
+}
+
+void Varuna::Impl::synchroniseTiedWeights() {
+  torch::NoGradGuard noGrad;
+  for (const auto& [a, b] : localTies_) model_->namedParams().at(b).copy_(model_->namedParams().at(a));
+  for (const auto& tie : crossTies_) {
+    auto tensor = model_->namedParams().at(tie.localName).detach();
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions bopts;
+    bopts.rootRank = static_cast<int64_t>(
+        std::find(tie.groupRanks.begin(), tie.groupRanks.end(), tie.rootRank) - tie.groupRanks.begin());
+    comm_->waitFor(comm_->group(tie.groupName, tie.groupRanks)->broadcast(tensors, bopts),
+                   "broadcasting tied weights");
+  }
+}
+
+torch::Tensor Varuna::Impl::runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch,
+                                       bool keep) {
+  AutocastScope autocast(opt_.precision != Precision::kFp32, opt_.device.type(), autocastType(opt_.precision));
+  return model_->forward(state, input, batch, batch.begin()->second.size(0), keep, last());
+}
+
+void Varuna::Impl::learnCutShapes() {
+  // One sample micro-batch flows through the pipeline once, so every stage
+  // learns the shape and dtype arriving at and leaving its cuts; steps then
+  // post their receives ahead of time without any per-message header.
+  torch::NoGradGuard noGrad;
+  auto gen = at::globalContext().defaultGenerator(opt_.device);
+  torch::Tensor rng;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  Batch sample = opt_.getBatch(opt_.chunkSize, opt_.device);
+  auto micro = splitMicrobatches(sample, opt_.chunkSize, "getBatch(chunk_size)");
+  torch::Tensor input;
+  if (!first()) {
+    auto header = torch::zeros({kHeaderLength}, torch::kLong);
+    comm_->waitFor(comm_->recv(header, prevRank(), tagFor(kShapeTag, 0)), "learning activation shapes");
+    inShape_ = decodeShape(header);
+    input = torch::empty(inShape_.withBatch(opt_.chunkSize), torch::TensorOptions().dtype(inShape_.dtype).device(opt_.device));
+    comm_->waitFor(comm_->recv(input, prevRank(), tagFor(kShapeTag, 1)), "learning activation shapes");
+  }
+  MicrobatchState state;
+  torch::Tensor out = runForward(state, input, micro[0], /*keep=*/true);
+  if (!last()) {
+    out = out.contiguous();
+    auto header = encodeShape(out);
+    outShape_ = decodeShape(header);
+    comm_->waitFor(comm_->send(header, nextRank(), tagFor(kShapeTag, 0)), "learning activation shapes");
+    comm_->waitFor(comm_->send(out, nextRank(), tagFor(kShapeTag, 1)), "learning activation shapes");
+  }
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(rng);
+}
+
+std::vector<Batch> Varuna::Impl::splitMicrobatches(const Batch& inputs, int64_t expected, const char* what) const {
+  if (inputs.empty()) throw ConfigError(strCat(what, ": the input batch has no tensors"));
+  for (const auto& [key, t] : inputs) {
+    if (!t.defined() || t.dim() < 1 || t.size(0) != expected) {
+      throw ConfigError(strCat(what, ": input '", key, "' must be batch-major with ", expected,
+                               " samples along dimension 0, got ", t.defined() ? t.sizes() : at::IntArrayRef{}));
+    }
+  }
+  const int64_t m = (expected + opt_.chunkSize - 1) / opt_.chunkSize;
+  std::vector<Batch> micro(m);
+  for (const auto& [key, t] : inputs) {
+    auto onDevice = t.device() == opt_.device ? t : t.to(opt_.device);
+    auto chunks = onDevice.split(opt_.chunkSize, 0);
+    for (int64_t i = 0; i < m; ++i) micro[i][key] = chunks[i];
+  }
+  return micro;
+}
+
+const StageSchedule& Varuna::Impl::scheduleFor(int microbatches) {
+  auto it = schedules_.find(microbatches);
+  if (it == schedules_.end()) it = schedules_.emplace(microbatches, generateSchedule(opt_.schedule, P_, microbatches)).first;
+  return it->second[stage_];
+}
+
+void Varuna::Impl::checkOutgoing(const torch::Tensor& out, int64_t b) const {
+  const auto expected = outShape_.withBatch(b);
+  if (!out.sizes().equals(expected) || out.scalar_type() != outShape_.dtype) {
+    throw ConfigError(strCat("stage ", stage_, " produced an activation of shape ", out.sizes(), " ",
+                             out.scalar_type(), " but ", at::IntArrayRef(expected), " ", outShape_.dtype,
+                             " was learned from getBatch(); the dimensions after the batch must not change"));
+  }
+}
+
+void Varuna::Impl::setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale) {
+  if (!optimizer) throw ConfigError("setOptimizer: the optimizer is null");
+  optimizer_ = std::move(optimizer);
+  if (opt_.precision != Precision::kFp16) lossScale = LossScaleOptions{.dynamic = false, .initialScale = 1.0};
+  scaler_ = LossScaler(lossScale);
+}
+
+StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
+  if (!optimizer_) throw ConfigError("call setOptimizer() before step()");
+  if (clip && !(*clip > 0)) throw ConfigError(strCat("clip_grad_max_norm must be > 0, got ", *clip));
+  const auto micro = splitMicrobatches(inputs, localBatch(), "step()");
+  const int m = static_cast<int>(micro.size());
+  const StageSchedule& tasks = scheduleFor(m);
+  const double scale = scaler_.scale();
+  buckets_.zero();
+
+  std::vector<MicrobatchState> states(m);
+  std::vector<torch::Tensor> activationIn(m), gradientIn(m);
+  std::vector<c10::intrusive_ptr<c10d::Work>> activationRecv(m), gradientRecv(m);
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends;
+  auto bsize = [&](int i) { return micro[i].begin()->second.size(0); };
+  if (!first()) {
+    // Post every activation receive now: transfers overlap with compute.
+    for (int i = 0; i < m; ++i) {
+      activationIn[i] = torch::empty(inShape_.withBatch(bsize(i)),
+                                     torch::TensorOptions().dtype(inShape_.dtype).device(opt_.device));
+      activationRecv[i] = comm_->recv(activationIn[i], prevRank(), tagFor(kActivationTag, i));
+    }
+  }
+  int finalBackward = -1;
+  for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
+    if (tasks[k].type == TaskType::kBackward) finalBackward = k;
+  }
+  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
+  const std::function<void(int)> onPieceDone = [this](int piece) { buckets_.markPieceDone(piece); };
+  const std::function<void(int)> noCallback;
+
+  for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
+    const Task& task = tasks[k];
+    const int i = task.microbatch;
+    switch (task.type) {
+      case TaskType::kForward: {
+        if (!first()) comm_->waitFor(activationRecv[i], "receiving an activation");
+        torch::Tensor out = runForward(states[i], activationIn[i], micro[i], task.keepActivations);
+        if (last()) {
+          lossSum += out.detach().to(torch::kDouble) * static_cast<double>(bsize(i));
+        } else {
+          checkOutgoing(out, bsize(i));
+          auto payload = out.detach().contiguous();
+          sends.emplace_back(comm_->send(payload, nextRank(), tagFor(kActivationTag, i)), payload);
+          gradientIn[i] = torch::empty_like(payload);
+          gradientRecv[i] = comm_->recv(gradientIn[i], nextRank(), tagFor(kGradientTag, i));
+        }
+        break;
+      }
+      case TaskType::kRecompute: {
+        AutocastScope autocast(opt_.precision != Precision::kFp32, opt_.device.type(), autocastType(opt_.precision));
+        model_->recompute(states[i], micro[i], bsize(i), last());
+        break;
+      }
+      case TaskType::kBackward: {
+        torch::Tensor grad;
+        if (last()) {
+          // d(global mean loss)/d(micro-batch mean loss) = b_i / B, times the fp16 scale.
+          const double weight = scale * static_cast<double>(bsize(i)) / static_cast<double>(opt_.batchSize);
+          grad = torch::full_like(states[i].outputs.back(), weight);
+        } else {
+          comm_->waitFor(gradientRecv[i], "receiving a gradient");
+          grad = gradientIn[i];
+        }
+        torch::Tensor gradInput = model_->backward(states[i], grad, k == finalBackward ? onPieceDone : noCallback);
+        if (!first()) {
+          auto payload = gradInput.contiguous();
+          sends.emplace_back(comm_->send(payload, prevRank(), tagFor(kGradientTag, i)), payload);
+        }
+        states[i] = MicrobatchState{};
+        break;
+      }
+    }
+  }
+  for (auto& [work, tensor] : sends) comm_->waitFor(work, "sending to a neighbour stage");
+  buckets_.finish(*comm_);
+
+  // The one job-wide exchange of a step: loss, and the squared gradient norm
+  // that yields clipping and the fp16 overflow verdict identically everywhere.
+  auto stats = torch::zeros({2}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
+  stats[0] = lossSum;
+  stats[1] = buckets_.sumOfSquares();
+  if (map_.worldSize() > 1) {
+    std::vector<at::Tensor> tensors{stats};
+    comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the step's loss and gradient norm");
+  }
+  stats = stats.cpu();
+  const double sumOfSquares = stats[1].item<double>() / D_;  // every replica holds the reduced gradients
+
+  StepResult result;
+  result.loss = stats[0].item<double>() / static_cast<double>(opt_.batchSize);
+  result.lossScale = scale;
+  result.overflow = !std::isfinite(sumOfSquares);
+  result.gradNorm = std::sqrt(sumOfSquares) / scale;
+  if (!result.overflow) {
+    double factor = 1.0 / scale;
+    if (clip) {
+      const double coefficient = *clip / (result.gradNorm + 1e-6);
+      if (coefficient < 1.0) factor *= coefficient;
+    }
+    if (factor != 1.0) buckets_.scale(factor);
+    optimizer_->step();
+  } else if (opt_.precision != Precision::kFp16) {
+    log::warn("non-finite gradients in ", toString(opt_.precision), " training: step skipped");
+  }
+  scaler_.update(result.overflow);
+  return result;
+}
+
+double Varuna::Impl::evaluate(const Batch& inputs) {
+  const int64_t samples = inputs.empty() ? 0 : inputs.begin()->second.size(0);
+  const auto micro = splitMicrobatches(inputs, samples, "evaluate()");
+  torch::NoGradGuard noGrad;
+  model_->eval();
+  double lossSum = 0.0;
+  for (int i = 0; i < static_cast<int>(micro.size()); ++i) {
+    const int64_t b = micro[i].begin()->second.size(0);
+    torch::Tensor input;
+    if (!first()) {
+      input = torch::empty(inShape_.withBatch(b), torch::TensorOptions().dtype(inShape_.dtype).device(opt_.device));
+      comm_->waitFor(comm_->recv(input, prevRank(), tagFor(kEvalTag, i)), "receiving an evaluation activation");
+    }
+    MicrobatchState state;
+    torch::Tensor out = runForward(state, input, micro[i], /*keep=*/true);
+    if (last()) {
+      lossSum += out.item<double>() * static_cast<double>(b);
+    } else {
+      checkOutgoing(out, b);
+      auto payload = out.contiguous();
+      comm_->waitFor(comm_->send(payload, nextRank(), tagFor(kEvalTag, i)), "sending an evaluation activation");
+    }
+  }
+  model_->train();
+  auto stats = torch::tensor({last() ? lossSum : 0.0, last() ? static_cast<double>(samples) : 0.0},
+                             torch::TensorOptions().dtype(torch::kDouble));
+  if (map_.worldSize() > 1) {
+    stats = stats.to(opt_.device);
+    std::vector<at::Tensor> tensors{stats};
+    comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the evaluation loss");
+    stats = stats.cpu();
+  }
+  return stats[0].item<double>() / stats[1].item<double>();
+}
+
+// ---------------------------------------------------------------------------
+
+Varuna::Varuna(VarunaOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Varuna::~Varuna() = default;
+
+std::vector<torch::Tensor> Varuna::parameters() const { return impl_->model_->parameters(); }
+
+std::vector<std::pair<std::string, torch::Tensor>> Varuna::namedParameters() const {
+  return {impl_->model_->namedParams().begin(), impl_->model_->namedParams().end()};
+}
+
+void Varuna::setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale) {
+  impl_->setOptimizer(std::move(optimizer), lossScale);
+}
+
+StepResult Varuna::step(const Batch& inputs, std::optional<double> clipGradMaxNorm) {
+  return impl_->guarded([&] { return impl_->step(inputs, clipGradMaxNorm); });
+}
+
+double Varuna::evaluate(const Batch& inputs) {
+  return impl_->guarded([&] { return impl_->evaluate(inputs); });
+}
+
+int Varuna::rank() const { return impl_->opt_.rank; }
+int Varuna::stage() const { return impl_->stage_; }
+int Varuna::replica() const { return impl_->replica_; }
+int Varuna::numStages() const { return impl_->P_; }
+int Varuna::numReplicas() const { return impl_->D_; }
+const Partition& Varuna::partition() const { return impl_->partition_; }
+const StageToRankMap& Varuna::stageToRankMap() const { return impl_->map_; }
+torch::Device Varuna::device() const { return impl_->opt_.device; }
+const LossScaler& Varuna::lossScaler() const { return impl_->scaler_; }
+
+void exitAfterFailure(const std::exception& error) {
+  const auto* known = dynamic_cast<const Error*>(&error);
+  log::error(error.what());
+  log::flush();
+  std::fflush(stdout);
+  std::fflush(stderr);
+  // _Exit: c10d's threads may still be blocked on dead peers; destructors
+  // would wait for them.
+  std::_Exit(known ? known->exitCode() : 1);
+}
+
+}  // namespace varuna
