@@ -1,0 +1,60 @@
+#include "reference_trainer.h"
+
+#include <torch/autograd.h>
+#include <torch/optim/sgd.h>
+
+#include <cmath>
+#include <set>
+
+namespace varuna::test {
+
+ReferenceRun trainReference(const ModelSpec& spec, const gpt::CharDataset& data, const ReferenceConfig& config) {
+  std::vector<std::shared_ptr<Piece>> pieces;
+  std::map<std::string, torch::Tensor> named;
+  std::vector<torch::Tensor> all;
+  for (int i = 0; i < static_cast<int>(spec.pieces.size()); ++i) {
+    pieces.push_back(buildPiece(spec, i));
+    for (const auto& p : pieces.back()->named_parameters()) {
+      named[spec.pieces[i].name + "." + p.key()] = p.value();
+      all.push_back(p.value());
+    }
+  }
+  {
+    torch::NoGradGuard noGrad;
+    for (const auto& [a, b] : spec.sharedWeights) named.at(b).copy_(named.at(a));
+  }
+  torch::optim::SGD optimizer(all, torch::optim::SGDOptions(config.lr).momentum(config.momentum));
+  ReferenceRun run;
+  for (int64_t step = 0; step < config.steps; ++step) {
+    optimizer.zero_grad();
+    const Batch batch = data.samples(step * config.globalBatch, config.globalBatch, config.seqLen, config.dataSeed);
+    torch::Tensor x;
+    for (auto& piece : pieces) x = piece->forward(x, batch);
+    x.backward();
+    run.losses.push_back(x.item<double>());
+    std::set<std::string> duplicates;
+    for (const auto& [a, b] : spec.sharedWeights) {
+      auto sum = named.at(a).grad() + named.at(b).grad();
+      named.at(a).mutable_grad() = sum;
+      named.at(b).mutable_grad() = sum.clone();
+      duplicates.insert(b);
+    }
+    double sumOfSquares = 0;
+    for (const auto& [name, p] : named) {
+      if (duplicates.count(name)) continue;
+      const double n = p.grad().norm().item<double>();
+      sumOfSquares += n * n;
+    }
+    const double norm = std::sqrt(sumOfSquares);
+    run.gradNorms.push_back(norm);
+    const double coefficient = config.clip / (norm + 1e-6);
+    if (coefficient < 1.0) {
+      for (auto& p : all) p.mutable_grad().mul_(coefficient);
+    }
+    optimizer.step();
+  }
+  for (const auto& [name, p] : named) run.params[name] = p.detach().clone();
+  return run;
+}
+
+}  // namespace varuna::test
