@@ -36,6 +36,7 @@ struct TrainOptions {
   uint64_t dataSeed = 7;
   int64_t logEvery = 1;
   std::string dumpDir;
+  std::string device = "cpu";  // "cuda": cuda:<local_rank>
   std::string pieceCosts;  // comma-separated; empty: balance by parameter count
   int threads = 1;
   double peerTimeoutSeconds = 60;
@@ -64,7 +65,11 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--loss_scale_growth_interval", o.growthInterval, "fp16 clean steps before the scale grows");
   app.add_option("--data_seed", o.dataSeed, "seed of the data order");
   app.add_option("--log_every", o.logEvery, "print every N steps");
-  app.add_option("--dump_dir", o.dumpDir, "write per-step results and final parameters here");
+  app.add_option("--dump_dir", o.dumpDir,
+                 "write per-step results (rank<r>_steps.jsonl) and the initial and final parameters "
+                 "(rank<r>_initial.pt, rank<r>_params.pt, loadable with torch.load) here");
+  app.add_option("--device", o.device, "cpu, or cuda (one GPU per worker: cuda:<local_rank>)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--piece_costs", o.pieceCosts, "comma-separated per-piece costs for partitioning");
   app.add_option("--threads", o.threads, "intra-op threads per worker")->check(CLI::PositiveNumber);
   app.add_option("--peer_timeout_s", o.peerTimeoutSeconds, "declare a silent peer lost after this long");
@@ -113,6 +118,8 @@ int run(int argc, char** argv) {
   options.chunkSize = launch.chunkSize > 0 ? launch.chunkSize : std::min<int64_t>(perReplica, 4);
   options.precision = varuna::parsePrecision(o.precision);
   options.schedule = varuna::parseScheduleKind(o.schedule);
+  options.device = o.device == "cuda" ? torch::Device(torch::kCUDA, static_cast<int8_t>(launch.localRank))
+                                      : torch::Device(torch::kCPU);
   options.peerTimeout = std::chrono::milliseconds(static_cast<int64_t>(o.peerTimeoutSeconds * 1000));
   const uint64_t dataSeed = o.dataSeed;
   const int64_t seqLen = o.model.seqLen;
@@ -137,6 +144,7 @@ int run(int argc, char** argv) {
   std::ofstream stepLog;
   if (!o.dumpDir.empty()) {
     std::filesystem::create_directories(o.dumpDir);
+    writeParameters(model, std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_initial.pt"));
     stepLog.open(std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_steps.jsonl"));
   }
   const int64_t globalBatch = perReplica * map.numReplicas();
@@ -153,7 +161,9 @@ int run(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (stepLog.is_open()) {
       stepLog << nlohmann::json{{"step", step},        {"loss", result.loss},       {"overflow", result.overflow},
-                                {"grad_norm", result.gradNorm}, {"loss_scale", result.lossScale}, {"time_s", seconds}}
+                                {"grad_norm", result.gradNorm}, {"loss_scale", result.lossScale}, {"time_s", seconds},
+                                {"compute_s_per_microbatch", result.computeSecondsPerMicrobatch},
+                                {"optimizer_s", result.optimizerSeconds}}
                      .dump()
               << "\n";
       stepLog.flush();

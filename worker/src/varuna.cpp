@@ -2,6 +2,7 @@
 
 #include <torch/autograd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
@@ -427,12 +428,17 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   const std::function<void(int)> onPieceDone = [this](int piece) { buckets_.markPieceDone(piece); };
   const std::function<void(int)> noCallback;
 
+  using Clock = std::chrono::steady_clock;
+  Clock::duration computeTime{};
   for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
     const Task& task = tasks[k];
     const int i = task.microbatch;
+    // Waits for inputs are outside the timed region: only compute counts.
+    if (task.type == TaskType::kForward && !first()) comm_->waitFor(activationRecv[i], "receiving an activation");
+    if (task.type == TaskType::kBackward && !last()) comm_->waitFor(gradientRecv[i], "receiving a gradient");
+    const auto taskStart = Clock::now();
     switch (task.type) {
       case TaskType::kForward: {
-        if (!first()) comm_->waitFor(activationRecv[i], "receiving an activation");
         torch::Tensor out = runForward(states[i], activationIn[i], micro[i], task.keepActivations);
         if (last()) {
           lossSum += out.detach().to(torch::kDouble) * static_cast<double>(bsize(i));
@@ -457,7 +463,6 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
           const double weight = scale * static_cast<double>(bsize(i)) / static_cast<double>(opt_.batchSize);
           grad = torch::full_like(states[i].outputs.back(), weight);
         } else {
-          comm_->waitFor(gradientRecv[i], "receiving a gradient");
           grad = gradientIn[i];
         }
         torch::Tensor gradInput = model_->backward(states[i], grad, k == finalBackward ? onPieceDone : noCallback);
@@ -469,6 +474,7 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
         break;
       }
     }
+    computeTime += Clock::now() - taskStart;
   }
   for (auto& [work, tensor] : sends) comm_->waitFor(work, "sending to a neighbour stage");
   buckets_.finish(*comm_);
@@ -486,6 +492,8 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   const double sumOfSquares = stats[1].item<double>() / D_;  // every replica holds the reduced gradients
 
   StepResult result;
+  result.microbatches = m;
+  result.computeSecondsPerMicrobatch = std::chrono::duration<double>(computeTime).count() / m;
   result.loss = stats[0].item<double>() / static_cast<double>(opt_.batchSize);
   result.lossScale = scale;
   result.overflow = !std::isfinite(sumOfSquares);
@@ -497,7 +505,9 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
       if (coefficient < 1.0) factor *= coefficient;
     }
     if (factor != 1.0) buckets_.scale(factor);
+    const auto optimizerStart = Clock::now();
     optimizer_->step();
+    result.optimizerSeconds = std::chrono::duration<double>(Clock::now() - optimizerStart).count();
   } else if (opt_.precision != Precision::kFp16) {
     log::warn("non-finite gradients in ", toString(opt_.precision), " training: step skipped");
   }

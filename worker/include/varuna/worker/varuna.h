@@ -65,6 +65,12 @@ struct StepResult {
   bool overflow = false;   // fp16: inf/NaN gradients somewhere, step skipped everywhere
   double gradNorm = 0.0;   // global L2 norm over all stages (tied weights once), before clipping
   double lossScale = 1.0;  // the scale used for this step (1 unless fp16)
+  // This rank's own timings (not reduced): forward/recompute/backward compute,
+  // mean per micro-batch (what the manager compares to find slow machines),
+  // and the optimizer step.
+  double computeSecondsPerMicrobatch = 0.0;
+  double optimizerSeconds = 0.0;
+  int microbatches = 0;
 };
 
 class Varuna {
