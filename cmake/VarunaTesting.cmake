@@ -1,20 +1,27 @@
 # varuna_add_test(NAME name SOURCES ... LIBS ... LABELS unit|integration|e2e|gpu
-#                 [TIMEOUT seconds])
+#                 [TIMEOUT seconds] [OWN_MAIN] [SKIP_RETURN_CODE code])
 # One Catch2 executable registered as one CTest test with a timeout, labels and a
 # private scratch directory (VARUNA_TEST_TMPDIR) so parallel ctest runs never
 # share files.
 find_package(Catch2 REQUIRED)
 function(varuna_add_test)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  cmake_parse_arguments(T "OWN_MAIN" "NAME;TIMEOUT;SKIP_RETURN_CODE" "SOURCES;LIBS;LABELS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 120)
   endif()
   add_executable(${T_NAME} ${T_SOURCES})
-  target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} varuna_test_main varuna_warnings)
+  if(T_OWN_MAIN)
+    target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} varuna_warnings)
+  else()
+    target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} varuna_test_main varuna_warnings)
+  endif()
   set(_tmp "${CMAKE_BINARY_DIR}/test-tmp/${T_NAME}")
   add_test(NAME ${T_NAME} COMMAND ${T_NAME})
   set_tests_properties(${T_NAME} PROPERTIES
     TIMEOUT ${T_TIMEOUT}
     LABELS "${T_LABELS}"
     ENVIRONMENT "VARUNA_TEST_TMPDIR=${_tmp};VARUNA_BUILD_DIR=${CMAKE_BINARY_DIR};VARUNA_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
+  if(T_SKIP_RETURN_CODE)
+    set_tests_properties(${T_NAME} PROPERTIES SKIP_RETURN_CODE ${T_SKIP_RETURN_CODE})
+  endif()
 endfunction()
