@@ -37,6 +37,10 @@ struct TrainOptions {
   int64_t logEvery = 1;
   std::string dumpDir;
   std::string device = "cpu";  // "cuda": cuda:<local_rank>
+  std::string checkpointDir;     // the global store; empty: no checkpoints
+  int64_t checkpointEvery = 0;   // 0: only on demand (SIGUSR1) and at the end
+  std::string checkpointTempdir;
+  bool checkpointShard = false;
   std::string pieceCosts;  // comma-separated; empty: balance by parameter count
   int threads = 1;
   double peerTimeoutSeconds = 60;
@@ -68,6 +72,10 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--dump_dir", o.dumpDir,
                  "write per-step results (rank<r>_steps.jsonl) and the initial and final parameters "
                  "(rank<r>_initial.pt, rank<r>_params.pt, loadable with torch.load) here");
+  app.add_option("--checkpoint_dir", o.checkpointDir, "global store for checkpoints (varuna_ckpt_<step>/)");
+  app.add_option("--checkpoint_every", o.checkpointEvery, "checkpoint every N steps (0: on SIGUSR1 and at the end)");
+  app.add_option("--ckpt_tempdir", o.checkpointTempdir, "write checkpoints here first, copy in the background");
+  app.add_flag("--ckpt_shard", o.checkpointShard, "spread checkpoint writes over the data-parallel replicas");
   app.add_option("--device", o.device, "cpu, or cuda (one GPU per worker: cuda:<local_rank>)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--piece_costs", o.pieceCosts, "comma-separated per-piece costs for partitioning");
@@ -91,11 +99,22 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   }
 }
 
+// Writes this rank's parameters (torch.load-able) and a plain-JSON summary of
+// each (shape, sum, first values) that other tools can check them against.
 void writeParameters(const varuna::Varuna& model, const std::filesystem::path& path) {
   c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& [name, tensor] : model.namedParameters()) dict.insert(name, tensor.detach().cpu());
+  nlohmann::json summary;
+  for (const auto& [name, tensor] : model.namedParameters()) {
+    auto t = tensor.detach().cpu().contiguous();
+    dict.insert(name, t);
+    auto flat = t.flatten().to(torch::kDouble);
+    std::vector<double> first;
+    for (int64_t i = 0; i < std::min<int64_t>(4, flat.numel()); ++i) first.push_back(flat[i].item<double>());
+    summary[name] = {{"shape", t.sizes().vec()}, {"sum", flat.sum().item<double>()}, {"first", first}};
+  }
   const auto bytes = torch::pickle_save(dict);
   std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::ofstream(path.string() + ".summary.json") << summary.dump(1);
 }
 
 int run(int argc, char** argv) {
@@ -140,6 +159,11 @@ int run(int argc, char** argv) {
   lossScale.initialScale = o.initLossScale;
   lossScale.growthInterval = o.growthInterval;
   model.setOptimizer(optimizer, lossScale);
+  varuna::installCheckpointSignalHandler();
+  if (launch.resumeStep >= 0) {
+    if (o.checkpointDir.empty()) throw varuna::ConfigError("--resume_step needs --checkpoint_dir");
+    model.loadCheckpoint(o.checkpointDir, launch.resumeStep);
+  }
 
   std::ofstream stepLog;
   if (!o.dumpDir.empty()) {
@@ -153,8 +177,10 @@ int run(int argc, char** argv) {
     varuna::log::info("training ", o.steps, " steps: global batch ", globalBatch, " x ", seqLen, " characters, vocab ",
                       data.vocabSize(), ", text of ", data.size(), " characters");
   }
-  const int64_t firstStep = launch.resumeStep >= 0 ? launch.resumeStep : 0;
-  for (int64_t step = firstStep; step < firstStep + o.steps; ++step) {
+  // --steps counts the steps of the whole run, so a resumed job stops where an
+  // uninterrupted one would.
+  const int64_t firstStep = model.stepsDone();
+  for (int64_t step = firstStep; step < o.steps; ++step) {
     const auto batch = data.replicaBatch(step, globalBatch, model.replica(), model.numReplicas(), seqLen, dataSeed);
     const auto start = std::chrono::steady_clock::now();
     const auto result = model.step(batch, o.clip > 0 ? std::optional<double>(o.clip) : std::nullopt);
@@ -168,11 +194,29 @@ int run(int argc, char** argv) {
               << "\n";
       stepLog.flush();
     }
-    if (reporter && (step % o.logEvery == 0 || step + 1 == firstStep + o.steps)) {
+    if (result.checkpointRequested) {
+      // SIGUSR1 (a preemption notice): checkpoint this step and leave.
+      if (o.checkpointDir.empty()) {
+        varuna::log::warn("checkpoint requested but no --checkpoint_dir: exiting without one");
+        varuna::exitWorker(varuna::kExitCheckpointed);
+      }
+      model.checkpoint(o.checkpointDir, step + 1, o.checkpointTempdir, o.checkpointShard, /*onDemand=*/true);
+      if (reporter) std::cout << "checkpointed step " << step + 1 << " on demand; exiting" << std::endl;
+      varuna::exitWorker(varuna::kExitCheckpointed);
+    }
+    if (!o.checkpointDir.empty() && o.checkpointEvery > 0 && (step + 1) % o.checkpointEvery == 0 &&
+        step + 1 < o.steps) {
+      model.checkpoint(o.checkpointDir, step + 1, o.checkpointTempdir, o.checkpointShard);
+    }
+    if (reporter && (step % o.logEvery == 0 || step + 1 == o.steps)) {
       std::cout << "step " << step << " loss " << result.loss << " grad_norm " << result.gradNorm
                 << (result.overflow ? " overflow(skipped)" : "") << " time " << seconds << "s tokens/s "
                 << static_cast<int64_t>(globalBatch * seqLen / seconds) << std::endl;
     }
+  }
+  if (!o.checkpointDir.empty()) {
+    model.checkpoint(o.checkpointDir, o.steps, "", o.checkpointShard);
+    model.waitForCheckpoints();
   }
   if (!o.dumpDir.empty()) {
     writeParameters(model, std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_params.pt"));

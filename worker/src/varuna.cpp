@@ -8,13 +8,37 @@
 #include <numeric>
 
 #include "autocast_scope.h"
+#include "checkpoint_io.h"
+#include "checkpoint_writer.h"
 #include "comm.h"
 #include "grad_buckets.h"
 #include "stage_model.h"
+#include "varuna/common/checkpoint_files.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
 
+#include <signal.h>
+
+#include <atomic>
+#include <thread>
+
 namespace varuna {
+
+namespace {
+std::atomic<bool> gCheckpointSignal{false};
+static_assert(std::atomic<bool>::is_always_lock_free, "the signal handler needs a lock-free flag");
+void onCheckpointSignal(int) { gCheckpointSignal.store(true); }
+}  // namespace
+
+void installCheckpointSignalHandler() {
+  struct sigaction action {};
+  action.sa_handler = onCheckpointSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGUSR1, &action, nullptr);
+}
+
+bool checkpointSignalled() { return gCheckpointSignal.load(); }
 
 Precision parsePrecision(const std::string& name) {
   if (name == "fp32") return Precision::kFp32;
@@ -92,6 +116,9 @@ class Varuna::Impl {
   StepResult step(const Batch& inputs, std::optional<double> clip);
   double evaluate(const Batch& inputs);
   void setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale);
+  void checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
+                  bool shard, bool onDemand);
+  int64_t loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete);
 
   // Runs `body`; a local failure is recorded for the peers before it propagates.
   template <typename F>
@@ -117,6 +144,8 @@ class Varuna::Impl {
   LossScaler scaler_;
   CutShape inShape_, outShape_;
   std::map<int, Schedule> schedules_;
+  std::unique_ptr<CheckpointWriter> writer_;
+  int64_t stepsDone_ = 0;
 
  private:
   bool first() const { return stage_ == 0; }
@@ -134,6 +163,9 @@ class Varuna::Impl {
   const StageSchedule& scheduleFor(int microbatches);
   torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
   void checkOutgoing(const torch::Tensor& out, int64_t b) const;
+  NamedTensors pieceParams(int local) const;
+  std::string pieceFile(int local, const char* kind) const;
+  nlohmann::json checkpointMeta(int64_t step);
 
   // Tied pairs whose two parameters live on different stages, and this
   // rank's role: the stage holding the first name counts it in the norm.
@@ -481,9 +513,10 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
 
   // The one job-wide exchange of a step: loss, and the squared gradient norm
   // that yields clipping and the fp16 overflow verdict identically everywhere.
-  auto stats = torch::zeros({2}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
+  auto stats = torch::zeros({3}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
   stats[0] = lossSum;
   stats[1] = buckets_.sumOfSquares();
+  stats[2] = gCheckpointSignal.load() ? 1.0 : 0.0;
   if (map_.worldSize() > 1) {
     std::vector<at::Tensor> tensors{stats};
     comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the step's loss and gradient norm");
@@ -492,6 +525,9 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   const double sumOfSquares = stats[1].item<double>() / D_;  // every replica holds the reduced gradients
 
   StepResult result;
+  result.checkpointRequested = stats[2].item<double>() > 0;
+  if (result.checkpointRequested) gCheckpointSignal.store(false);
+  ++stepsDone_;
   result.microbatches = m;
   result.computeSecondsPerMicrobatch = std::chrono::duration<double>(computeTime).count() / m;
   result.loss = stats[0].item<double>() / static_cast<double>(opt_.batchSize);
@@ -550,6 +586,163 @@ double Varuna::Impl::evaluate(const Batch& inputs) {
   return stats[0].item<double>() / stats[1].item<double>();
 }
 
+
+// --- checkpoints --------------------------------------------------------------
+
+NamedTensors Varuna::Impl::pieceParams(int local) const {
+  NamedTensors out;
+  for (const auto& [name, t] : model_->namedParams()) {
+    if (model_->localPieceOf(name) == local) out.push_back({name, t});
+  }
+  return out;
+}
+
+std::string Varuna::Impl::pieceFile(int local, const char* kind) const {
+  const int global = model_->firstPiece() + local;
+  return strCat("piece_", global, "_", opt_.model.pieces[global].name, ".", kind, ".pt");
+}
+
+nlohmann::json Varuna::Impl::checkpointMeta(int64_t step) {
+  nlohmann::json pieces = nlohmann::json::array();
+  for (const auto& p : opt_.model.pieces) pieces.push_back(p.name);
+  return {{"format", 1},
+          {"step", step},
+          {"samples_seen", step * opt_.batchSize},
+          {"global_batch", opt_.batchSize},
+          {"pieces", pieces},
+          {"model_seed", opt_.model.seed},
+          {"stage_to_rank_map", map_.toString()},
+          {"precision", toString(opt_.precision)},
+          {"loss_scale", {{"scale", scaler_.scale()}, {"clean_steps", scaler_.cleanSteps()}}},
+          {"optimizer", optimizerSettings(*optimizer_)}};
+}
+
+void Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int64_t> stepArg,
+                              const std::string& tempdir, bool shard, bool onDemand) {
+  if (!optimizer_) throw ConfigError("call setOptimizer() before checkpoint()");
+  if (globalStore.empty()) throw ConfigError("checkpoint(): global_store is empty");
+  if (!writer_) writer_ = std::make_unique<CheckpointWriter>(opt_.rank, map_.worldSize());
+  const int64_t step = stepArg.value_or(stepsDone_);
+  if (ckpt::isComplete(ckpt::checkpointDir(globalStore, step))) {
+    // Never rewrite a complete checkpoint (e.g. resuming at the final step):
+    // a reader could see new files under the old marker.
+    log::info("checkpoint of step ", step, " already complete in ", globalStore);
+    return;
+  }
+  const bool background = !tempdir.empty() && !onDemand;
+  if (onDemand) writer_->drain();  // earlier checkpoints land first
+
+  // A value snapshot for background writes (training goes on and changes the
+  // tensors); the tensors themselves for synchronous ones.
+  auto capture = [background](NamedTensors tensors) {
+    if (background) {
+      for (auto& [name, t] : tensors) t = t.detach().clone();
+    }
+    return tensors;
+  };
+  CheckpointJob job;
+  job.globalStore = globalStore;
+  job.step = step;
+  job.tempdir = background ? tempdir : "";
+  for (int k = 0; k < model_->numPieces(); ++k) {
+    const int writerReplica = shard ? k % D_ : 0;  // sharding spreads a stage's pieces over its replicas
+    if (writerReplica != replica_) continue;
+    auto params = capture(pieceParams(k));
+    auto state = capture(optimizerState(*optimizer_, pieceParams(k)));
+    job.files.push_back({pieceFile(k, "params"), [params] { return pickleTensors(params); }});
+    job.files.push_back({pieceFile(k, "optim"), [state] { return pickleTensors(state); }});
+  }
+  auto rng = capture(generatorStates(opt_.device));
+  job.files.push_back({strCat("rank_", opt_.rank, ".rng.pt"), [rng] { return pickleTensors(rng); }});
+  if (opt_.rank == 0) {
+    const std::string meta = checkpointMeta(step).dump(1);
+    job.files.push_back({ckpt::kMeta, [meta] { return meta; }});
+  }
+  if (background) {
+    writer_->enqueue(std::move(job));
+    return;
+  }
+  writer_->run(job);
+  if (onDemand) {
+    // Exit code kExitCheckpointed promises a complete checkpoint: wait for the
+    // other ranks' parts (the last one to land writes the marker).
+    const auto dir = ckpt::checkpointDir(globalStore, step);
+    const auto deadline = std::chrono::steady_clock::now() + opt_.peerTimeout;
+    while (!ckpt::isComplete(dir)) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw ckpt::CheckpointError(strCat("on-demand checkpoint '", dir.string(), "' did not complete within ",
+                                           opt_.peerTimeout.count(), " ms: some rank did not write its part"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    log::info("on-demand checkpoint ", dir.string(), " complete");
+  }
+}
+
+int64_t Varuna::Impl::loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete) {
+  if (!optimizer_) throw ConfigError("call setOptimizer() before loadCheckpoint(): its state is restored too");
+  const auto dir = ckpt::checkpointDir(globalStore, iteration);
+  if (checkComplete) ckpt::verify(dir, {}, /*checksums=*/false);
+  auto read = [&](const std::string& name) {
+    if (checkComplete) ckpt::verify(dir, {name});
+    return ckpt::readFile(dir / name);
+  };
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(read(ckpt::kMeta));
+  } catch (const nlohmann::json::exception& e) {
+    throw ckpt::CheckpointError(strCat("checkpoint '", dir.string(), "': meta.json is unreadable: ", e.what()));
+  }
+  std::vector<std::string> names;
+  for (const auto& p : opt_.model.pieces) names.push_back(p.name);
+  if (meta.at("pieces").get<std::vector<std::string>>() != names) {
+    throw ckpt::CheckpointError(strCat("checkpoint '", dir.string(), "' was written by a different model: pieces ",
+                                       meta.at("pieces").dump(), " vs this model's ", nlohmann::json(names).dump()));
+  }
+  if (meta.at("global_batch").get<int64_t>() != opt_.batchSize) {
+    log::warn("checkpoint global batch ", meta.at("global_batch").get<int64_t>(), " differs from this job's ",
+              opt_.batchSize, ": the data position is kept in samples");
+  }
+  torch::NoGradGuard noGrad;
+  for (int k = 0; k < model_->numPieces(); ++k) {
+    const std::string paramsName = pieceFile(k, "params");
+    const auto saved = unpickleTensors(read(paramsName), (dir / paramsName).string());
+    const auto params = pieceParams(k);
+    for (const auto& [name, tensor] : params) {
+      auto it = saved.find(name);
+      if (it == saved.end() || !it->second.sizes().equals(tensor.sizes())) {
+        throw ckpt::CheckpointError(strCat("checkpoint '", dir.string(), "': '", paramsName, "' ",
+                                           it == saved.end() ? "has no parameter '" + name + "'"
+                                                             : "has a different shape for '" + name + "'",
+                                           ": it was written by a different model"));
+      }
+      tensor.copy_(it->second);
+    }
+    if (saved.size() != params.size()) {
+      throw ckpt::CheckpointError(strCat("checkpoint '", dir.string(), "': '", paramsName, "' has ", saved.size(),
+                                         " parameters, this model's piece has ", params.size()));
+    }
+    const std::string optimName = pieceFile(k, "optim");
+    restoreOptimizerState(*optimizer_, params, unpickleTensors(read(optimName), (dir / optimName).string()),
+                          (dir / optimName).string());
+  }
+  applyOptimizerSettings(*optimizer_, meta.at("optimizer"));
+  const auto& scale = meta.at("loss_scale");
+  if (opt_.precision == Precision::kFp16) scaler_.restore(scale.at("scale"), scale.at("clean_steps"));
+  const std::string rngName = strCat("rank_", opt_.rank, ".rng.pt");
+  if (meta.at("stage_to_rank_map").get<std::string>() == map_.toString()) {
+    restoreGeneratorStates(opt_.device, unpickleTensors(read(rngName), (dir / rngName).string()));
+  } else {
+    // Another layout: no rank's stream maps onto ours; start a fresh one that
+    // still depends only on (seed, step, rank).
+    torch::manual_seed(opt_.model.seed * 1000003ULL + static_cast<uint64_t>(iteration) * 7919ULL +
+                       static_cast<uint64_t>(opt_.rank));
+  }
+  stepsDone_ = meta.at("step").get<int64_t>();
+  if (opt_.rank == 0) log::info("resumed from ", dir.string(), " (step ", stepsDone_, ")");
+  return stepsDone_;
+}
+
 // ---------------------------------------------------------------------------
 
 Varuna::Varuna(VarunaOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
@@ -573,6 +766,22 @@ double Varuna::evaluate(const Batch& inputs) {
   return impl_->guarded([&] { return impl_->evaluate(inputs); });
 }
 
+void Varuna::checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
+                        bool shard, bool onDemand) {
+  impl_->guarded([&] { impl_->checkpoint(globalStore, step, tempdir, shard, onDemand); });
+}
+
+int64_t Varuna::loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete) {
+  return impl_->guarded([&] { return impl_->loadCheckpoint(globalStore, iteration, checkComplete); });
+}
+
+void Varuna::waitForCheckpoints() {
+  if (impl_->writer_) impl_->writer_->drain();
+}
+
+int64_t Varuna::stepsDone() const { return impl_->stepsDone_; }
+int64_t Varuna::samplesSeen() const { return impl_->stepsDone_ * impl_->opt_.batchSize; }
+
 int Varuna::rank() const { return impl_->opt_.rank; }
 int Varuna::stage() const { return impl_->stage_; }
 int Varuna::replica() const { return impl_->replica_; }
@@ -582,6 +791,13 @@ const Partition& Varuna::partition() const { return impl_->partition_; }
 const StageToRankMap& Varuna::stageToRankMap() const { return impl_->map_; }
 torch::Device Varuna::device() const { return impl_->opt_.device; }
 const LossScaler& Varuna::lossScaler() const { return impl_->scaler_; }
+
+void exitWorker(int code) {
+  log::flush();
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(code);
+}
 
 void exitAfterFailure(const std::exception& error) {
   const auto* known = dynamic_cast<const Error*>(&error);

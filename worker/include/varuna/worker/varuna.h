@@ -71,6 +71,10 @@ struct StepResult {
   double computeSecondsPerMicrobatch = 0.0;
   double optimizerSeconds = 0.0;
   int microbatches = 0;
+  // Some rank received SIGUSR1 (see installCheckpointSignalHandler) before this
+  // step's job-wide exchange: every rank sees the same value in the same step,
+  // so all of them can write the on-demand checkpoint of this step and exit.
+  bool checkpointRequested = false;
 };
 
 class Varuna {
@@ -96,6 +100,30 @@ class Varuna {
   // Mean loss over every replica's inputs, no gradients. Called on every rank.
   double evaluate(const Batch& inputs);
 
+  // Checkpoints (docs/checkpoints.md); every rank calls them with the same
+  // arguments. Writes <globalStore>/varuna_ckpt_<step>/ (step: stepsDone() by
+  // default), parameters and optimizer state per piece, keyed by name. shard:
+  // each stage's pieces are written by all its replicas, not only replica 0.
+  // tempdir: tensors are snapshotted in memory and written to this local
+  // directory then copied to the global store in the background while training
+  // goes on. onDemand: written synchronously (after any background ones) and
+  // waited for until the checkpoint is complete, for checkpoint-and-exit.
+  void checkpoint(const std::string& globalStore, std::optional<int64_t> step = std::nullopt,
+                  const std::string& tempdir = "", bool shard = false, bool onDemand = false);
+  // Loads varuna_ckpt_<iteration> under the current partition: parameters,
+  // optimizer state and settings, loss scale, generator states (when the
+  // layout is unchanged), step and data position. Call after setOptimizer().
+  // checkComplete: refuse a checkpoint without its marker, and files whose
+  // size or checksum differs from the manifest. Returns the step.
+  int64_t loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete = true);
+  // Blocks until background checkpoints have landed; rethrows their failure.
+  void waitForCheckpoints();
+  // Optimizer steps taken (attempted, including fp16-skipped ones), counting
+  // those restored from a checkpoint.
+  int64_t stepsDone() const;
+  // Global index of the next sample: data position for resuming the data order.
+  int64_t samplesSeen() const;
+
   int rank() const;
   int stage() const;
   int replica() const;
@@ -111,6 +139,15 @@ class Varuna {
   class Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Installs a SIGUSR1 handler that only sets a flag (async-signal-safe); the
+// next step() turns it into StepResult::checkpointRequested on every rank.
+void installCheckpointSignalHandler();
+bool checkpointSignalled();
+
+// Exits at once with `code` after flushing output, skipping destructors that
+// could wait on peers that already left (e.g. after an on-demand checkpoint).
+[[noreturn]] void exitWorker(int code);
 
 // Ends a worker after an expected failure: logs `error`, flushes, and exits at
 // once with its exit code without running destructors that could wait on dead

@@ -1,0 +1,235 @@
+// Checkpoints through real multi-process jobs: exact resume under other
+// layouts, fp16 resume, crash safety under kill -9, corruption, SIGUSR1.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <fstream>
+#include <random>
+
+#include "test_env.h"
+#include "varuna/common/checkpoint_files.h"
+#include "varuna/common/errors.h"
+#include "worker_job.h"
+
+using namespace varuna;
+using namespace varuna::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr double kRtol = 1e-5;  // fp32, different reduction orders
+constexpr double kAtol = 1e-6;  // for values near zero
+
+std::vector<std::string> modelArgs(const fs::path& store, int64_t steps) {
+  return {"--d_model", "32", "--heads", "2", "--layers", "4", "--seq_len", "16", "--optimizer", "sgd", "--lr", "0.1",
+          "--momentum", "0.9", "--clip", "0.5", "--steps", std::to_string(steps), "--checkpoint_dir", store.string(),
+          "--peer_timeout_s", "60"};
+}
+
+WorkerJobSpec layout(int stages, int replicas, std::vector<std::string> args) {
+  WorkerJobSpec spec;
+  spec.stages = stages;
+  spec.replicas = replicas;
+  spec.perReplicaBatch = 8 / replicas;  // global batch 8 in every layout
+  spec.chunkSize = 2;
+  spec.trainArgs = std::move(args);
+  return spec;
+}
+
+void requireSuccess(WorkerJob& job, std::chrono::seconds timeout = std::chrono::seconds(120)) {
+  const auto codes = job.waitAll(timeout);
+  for (int r = 0; r < job.worldSize(); ++r) {
+    INFO("rank " << r << " stderr:\n" << job.worker(r).stderrText());
+    REQUIRE(codes[r] == 0);
+  }
+}
+
+std::map<std::string, torch::Tensor> replicaParams(const WorkerJob& job, int stages, int replica) {
+  std::map<std::string, torch::Tensor> all;
+  for (int s = 0; s < stages; ++s) {
+    for (auto& [name, t] : job.params(replica * stages + s)) all[name] = t;
+  }
+  return all;
+}
+
+void checkClose(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want) {
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, expected] : want) {
+    INFO("parameter " << name);
+    REQUIRE(got.count(name));
+    CHECK(((got.at(name) - expected).abs() - kRtol * expected.abs()).max().item<double>() <= kAtol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a checkpoint written as 2x2 resumes exactly as 3x1 and as 1x2", "[integration][checkpoint]") {
+  const auto root = scratchDir("exact-resume");
+  WorkerJob uninterrupted(layout(2, 2, modelArgs(root / "full", 6)), root / "full-dump");
+  requireSuccess(uninterrupted);
+  const auto reference = uninterrupted.steps(0);
+  REQUIRE(reference.size() == 6);
+
+  // Write: 3 steps as 2 stages x 2 replicas, checkpoint at step 3 (the final one).
+  WorkerJob first(layout(2, 2, modelArgs(root / "store", 3)), root / "first-dump");
+  requireSuccess(first);
+  REQUIRE(ckpt::latestComplete(root / "store") == 3);
+
+  for (auto [stages, replicas] : {std::pair{3, 1}, std::pair{1, 2}}) {
+    DYNAMIC_SECTION("resume as " << stages << "x" << replicas) {
+      auto args = modelArgs(root / "store", 6);
+      args.insert(args.end(), {"--resume_step", "3"});
+      const auto dumpDir = root / ("resume-" + std::to_string(stages) + "x" + std::to_string(replicas));
+      WorkerJob resumed(layout(stages, replicas, args), dumpDir);
+      requireSuccess(resumed);
+      const auto steps = resumed.steps(0);
+      REQUIRE(steps.size() == 3);
+      for (size_t i = 0; i < steps.size(); ++i) {
+        INFO("step " << steps[i].step);
+        CHECK(steps[i].step == static_cast<int64_t>(i + 3));
+        CHECK(steps[i].loss == Approx(reference[i + 3].loss).epsilon(kRtol));
+        CHECK(steps[i].gradNorm == Approx(reference[i + 3].gradNorm).epsilon(kRtol));
+      }
+      for (int replica = 0; replica < replicas; ++replica) {
+        checkClose(replicaParams(resumed, stages, replica), replicaParams(uninterrupted, 2, 0));
+      }
+    }
+  }
+}
+
+TEST_CASE("resuming under the same layout is bit-exact, fp16 loss scale included", "[integration][checkpoint]") {
+  const auto root = scratchDir("fp16-resume");
+  auto args = [&](const std::string& store, int64_t steps) {
+    return std::vector<std::string>{"--d_model", "32", "--heads", "2", "--layers", "4", "--seq_len", "16",
+                                    "--optimizer", "adamw", "--lr", "0.01", "--precision", "fp16",
+                                    "--init_loss_scale", "1e9", "--loss_scale_growth_interval", "3",
+                                    "--steps", std::to_string(steps), "--checkpoint_dir", (root / store).string()};
+  };
+  WorkerJob full(layout(2, 1, args("full", 16)), root / "full-dump");
+  requireSuccess(full);
+  const auto reference = full.steps(0);
+  WorkerJob first(layout(2, 1, args("store", 8)), root / "first-dump");
+  requireSuccess(first);
+  auto resumeArgs = args("store", 16);
+  resumeArgs.insert(resumeArgs.end(), {"--resume_step", "8"});
+  WorkerJob resumed(layout(2, 1, resumeArgs), root / "resumed-dump");
+  requireSuccess(resumed);
+  const auto steps = resumed.steps(0);
+  REQUIRE(steps.size() == 8);
+  // The scale moved during the first half (overflows, then growth).
+  CHECK(reference[8].lossScale != 1e9);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    INFO("step " << i + 8);
+    CHECK(steps[i].lossScale == reference[i + 8].lossScale);
+    CHECK(steps[i].overflow == reference[i + 8].overflow);
+    CHECK(steps[i].loss == reference[i + 8].loss);
+  }
+  for (auto& [name, t] : replicaParams(resumed, 2, 0)) CHECK(torch::equal(t, replicaParams(full, 2, 0).at(name)));
+}
+
+TEST_CASE("kill -9 during checkpoints never yields an accepted partial checkpoint", "[integration][checkpoint][fault]") {
+  const auto root = scratchDir("crash");
+  std::mt19937 random(20261122);
+  int interruptedSeen = 0;
+  for (int trial = 0; trial < 20; ++trial) {
+    const auto store = root / ("store" + std::to_string(trial));
+    auto args = std::vector<std::string>{"--d_model", "192", "--heads", "4", "--layers", "4", "--seq_len", "16",
+                                         "--steps", "1000000", "--checkpoint_dir", store.string(),
+                                         "--checkpoint_every", "1", "--ckpt_shard", "--peer_timeout_s", "10"};
+    WorkerJob job(layout(2, 1, args), root / ("dump" + std::to_string(trial)));
+    // Ready once a first checkpoint is complete; then kill a writer at a random moment.
+    REQUIRE(waitUntil([&] { return fs::exists(store / ckpt::kLatest); }, std::chrono::seconds(60)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 400)(random)));
+    job.worker(trial % 2).kill(SIGKILL);
+    job.waitAll(std::chrono::seconds(30));
+
+    const auto latest = ckpt::latestComplete(store);
+    REQUIRE(latest.has_value());
+    for (int64_t step : ckpt::listCheckpoints(store)) {
+      const auto dir = ckpt::checkpointDir(store, step);
+      INFO("trial " << trial << " checkpoint " << step);
+      if (ckpt::isComplete(dir)) {
+        CHECK(step <= *latest);
+        CHECK_NOTHROW(ckpt::verify(dir));  // every file, full checksums
+      } else {
+        ++interruptedSeen;
+        CHECK(step > *latest);
+        CHECK_THROWS_AS(ckpt::verify(dir), ckpt::CheckpointError);
+      }
+    }
+    fs::remove_all(store);  // keep the disk footprint of 20 trials small
+  }
+  // The random kills did land inside checkpoints (else the test proves nothing).
+  CHECK(interruptedSeen > 0);
+  WARN(interruptedSeen << " of 20 kills interrupted a checkpoint");
+}
+
+TEST_CASE("the loader refuses damaged checkpoints, naming the file", "[integration][checkpoint]") {
+  const auto root = scratchDir("damaged");
+  const auto store = root / "store";
+  WorkerJob writer(layout(2, 1, modelArgs(store, 2)), root / "dump");
+  requireSuccess(writer);
+  const auto dir = ckpt::checkpointDir(store, 2);
+  REQUIRE(ckpt::isComplete(dir));
+
+  auto resumeFails = [&](const std::string& expect) {
+    auto args = modelArgs(store, 4);
+    args.insert(args.end(), {"--resume_step", "2"});
+    WorkerJob job(layout(2, 1, args), root / "resume");
+    const auto codes = job.waitAll(std::chrono::seconds(60));
+    bool named = false;
+    for (int r = 0; r < job.worldSize(); ++r) {
+      CHECK(codes[r] != 0);
+      named = named || job.worker(r).stderrText().find(expect) != std::string::npos;
+    }
+    INFO("rank 0 stderr:\n" << job.worker(0).stderrText() << "\nrank 1 stderr:\n" << job.worker(1).stderrText());
+    CHECK(named);
+  };
+  SECTION("truncated") {
+    fs::resize_file(dir / "piece_0_embed.params.pt", 100);
+    resumeFails("'piece_0_embed.params.pt' has 100 bytes");
+  }
+  SECTION("a flipped byte") {
+    const auto path = dir / "piece_5_head.optim.pt";
+    std::string bytes = ckpt::readFile(path);
+    bytes[bytes.size() / 2] ^= 0x01;
+    std::ofstream(path, std::ios::binary) << bytes;
+    resumeFails("'piece_5_head.optim.pt' fails its checksum");
+  }
+  SECTION("marker deleted") {
+    fs::remove(dir / ckpt::kMarker);
+    resumeFails("COMPLETE marker is missing");
+  }
+}
+
+TEST_CASE("SIGUSR1 makes every rank checkpoint the finished step and exit", "[integration][checkpoint]") {
+  const auto root = scratchDir("sigusr1");
+  for (const bool background : {false, true}) {
+    DYNAMIC_SECTION((background ? "during background copies" : "in the middle of a step")) {
+      const auto store = root / (background ? "bg" : "step");
+      auto args = std::vector<std::string>{"--d_model", "128", "--heads", "4", "--layers", "4", "--seq_len", "32",
+                                           "--steps", "1000000", "--checkpoint_dir", store.string()};
+      if (background) {
+        args.insert(args.end(), {"--checkpoint_every", "1", "--ckpt_tempdir", (root / "local").string()});
+      }
+      WorkerJob job(layout(2, 2, args), root / (background ? "bg-dump" : "step-dump"));
+      REQUIRE(waitUntil([&] { return job.steps(3).size() >= 3; }, std::chrono::seconds(60)));
+      // One rank only: the notice reaches agents at different times; the
+      // step's job-wide exchange makes every rank agree.
+      job.worker(2).kill(SIGUSR1);
+      const auto codes = job.waitAll(std::chrono::seconds(60));
+      for (int r = 0; r < job.worldSize(); ++r) {
+        INFO("rank " << r << " stderr:\n" << job.worker(r).stderrText());
+        CHECK(codes[r] == kExitCheckpointed);
+      }
+      const auto latest = ckpt::latestComplete(store);
+      REQUIRE(latest.has_value());
+      const auto lastStep = job.steps(0).back().step;
+      CHECK(*latest == lastStep + 1);  // the finished step
+      CHECK_NOTHROW(ckpt::verify(ckpt::checkpointDir(store, *latest)));
+      CHECK_THAT(job.worker(0).stdoutText(), Catch::Contains("on demand"));
+      for (int64_t step : ckpt::listCheckpoints(store)) CHECK_NOTHROW(ckpt::verify(ckpt::checkpointDir(store, step)));
+    }
+  }
+}

@@ -1,0 +1,175 @@
+#include "checkpoint_io.h"
+
+#include <ATen/Context.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+
+#include "varuna/common/checkpoint_files.h"
+
+namespace varuna {
+
+std::string pickleTensors(const NamedTensors& tensors) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [name, t] : tensors) dict.insert(name, t.detach().cpu().contiguous());
+  const auto bytes = torch::pickle_save(dict);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+std::map<std::string, torch::Tensor> unpickleTensors(const std::string& bytes, const std::string& source) {
+  std::map<std::string, torch::Tensor> out;
+  try {
+    const auto value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+    for (const auto& entry : value.toGenericDict()) out[entry.key().toStringRef()] = entry.value().toTensor();
+  } catch (const std::exception& e) {
+    throw ckpt::CheckpointError(strCat("'", source, "' is not a tensor dictionary: ", e.what()));
+  }
+  return out;
+}
+
+namespace {
+
+template <typename State>
+State* stateOf(torch::optim::Optimizer& optimizer, const torch::Tensor& p) {
+  auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+  return it == optimizer.state().end() ? nullptr : static_cast<State*>(it->second.get());
+}
+
+enum class Kind { kSgd, kAdam, kAdamW };
+
+Kind kindOf(torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) return Kind::kAdamW;
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer)) return Kind::kAdam;
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) return Kind::kSgd;
+  throw ConfigError("checkpoints support the SGD, Adam and AdamW optimizers; this optimizer's state cannot be saved");
+}
+
+torch::Tensor stepTensor(int64_t step) { return torch::tensor({step}, torch::kLong); }
+
+template <typename AdamState>
+void saveAdam(AdamState* s, const std::string& name, NamedTensors& out) {
+  out.push_back({name + "/step", stepTensor(s->step())});
+  out.push_back({name + "/exp_avg", s->exp_avg()});
+  out.push_back({name + "/exp_avg_sq", s->exp_avg_sq()});
+  if (s->max_exp_avg_sq().defined()) out.push_back({name + "/max_exp_avg_sq", s->max_exp_avg_sq()});
+}
+
+template <typename AdamState>
+std::unique_ptr<torch::optim::OptimizerParamState> loadAdam(const std::string& name, const torch::Tensor& p,
+                                                            const std::map<std::string, torch::Tensor>& saved) {
+  auto s = std::make_unique<AdamState>();
+  s->step(saved.at(name + "/step").item<int64_t>());
+  s->exp_avg(saved.at(name + "/exp_avg").to(p.device()));
+  s->exp_avg_sq(saved.at(name + "/exp_avg_sq").to(p.device()));
+  if (auto it = saved.find(name + "/max_exp_avg_sq"); it != saved.end()) s->max_exp_avg_sq(it->second.to(p.device()));
+  return s;
+}
+
+}  // namespace
+
+NamedTensors optimizerState(torch::optim::Optimizer& optimizer, const NamedTensors& params) {
+  const Kind kind = kindOf(optimizer);
+  NamedTensors out;
+  for (const auto& [name, p] : params) {
+    switch (kind) {
+      case Kind::kAdamW:
+        if (auto* s = stateOf<torch::optim::AdamWParamState>(optimizer, p)) saveAdam(s, name, out);
+        break;
+      case Kind::kAdam:
+        if (auto* s = stateOf<torch::optim::AdamParamState>(optimizer, p)) saveAdam(s, name, out);
+        break;
+      case Kind::kSgd:
+        if (auto* s = stateOf<torch::optim::SGDParamState>(optimizer, p); s && s->momentum_buffer().defined()) {
+          out.push_back({name + "/momentum_buffer", s->momentum_buffer()});
+        }
+        break;
+    }
+  }
+  return out;
+}
+
+void restoreOptimizerState(torch::optim::Optimizer& optimizer, const NamedTensors& params,
+                           const std::map<std::string, torch::Tensor>& saved, const std::string& source) {
+  const Kind kind = kindOf(optimizer);
+  for (const auto& [name, p] : params) {
+    const std::string probe = kind == Kind::kSgd ? name + "/momentum_buffer" : name + "/step";
+    if (!saved.count(probe)) continue;  // the parameter had no state yet
+    try {
+      std::unique_ptr<torch::optim::OptimizerParamState> state;
+      if (kind == Kind::kAdamW) state = loadAdam<torch::optim::AdamWParamState>(name, p, saved);
+      if (kind == Kind::kAdam) state = loadAdam<torch::optim::AdamParamState>(name, p, saved);
+      if (kind == Kind::kSgd) {
+        auto s = std::make_unique<torch::optim::SGDParamState>();
+        s->momentum_buffer(saved.at(probe).to(p.device()));
+        state = std::move(s);
+      }
+      optimizer.state()[p.unsafeGetTensorImpl()] = std::move(state);
+    } catch (const std::out_of_range&) {
+      throw ckpt::CheckpointError(strCat("'", source, "' lacks part of the optimizer state of '", name,
+                                         "' (was it written with another optimizer?)"));
+    }
+  }
+}
+
+nlohmann::json optimizerSettings(torch::optim::Optimizer& optimizer) {
+  auto& options = optimizer.param_groups().at(0).options();
+  nlohmann::json j;
+  switch (kindOf(optimizer)) {
+    case Kind::kAdamW: {
+      auto& o = static_cast<torch::optim::AdamWOptions&>(options);
+      j = {{"type", "adamw"}, {"lr", o.lr()}, {"beta1", std::get<0>(o.betas())}, {"beta2", std::get<1>(o.betas())},
+           {"eps", o.eps()}, {"weight_decay", o.weight_decay()}, {"amsgrad", o.amsgrad()}};
+      break;
+    }
+    case Kind::kAdam: {
+      auto& o = static_cast<torch::optim::AdamOptions&>(options);
+      j = {{"type", "adam"}, {"lr", o.lr()}, {"beta1", std::get<0>(o.betas())}, {"beta2", std::get<1>(o.betas())},
+           {"eps", o.eps()}, {"weight_decay", o.weight_decay()}, {"amsgrad", o.amsgrad()}};
+      break;
+    }
+    case Kind::kSgd: {
+      auto& o = static_cast<torch::optim::SGDOptions&>(options);
+      j = {{"type", "sgd"}, {"lr", o.lr()}, {"momentum", o.momentum()}, {"dampening", o.dampening()},
+           {"weight_decay", o.weight_decay()}, {"nesterov", o.nesterov()}};
+      break;
+    }
+  }
+  return j;
+}
+
+void applyOptimizerSettings(torch::optim::Optimizer& optimizer, const nlohmann::json& j) {
+  const Kind kind = kindOf(optimizer);
+  const std::string type = j.value("type", "");
+  const std::string expected = kind == Kind::kAdamW ? "adamw" : kind == Kind::kAdam ? "adam" : "sgd";
+  if (type != expected) {
+    throw ckpt::CheckpointError(strCat("the checkpoint was written with optimizer '", type, "' but this job uses '",
+                                       expected, "'"));
+  }
+  // The learning rate may have been scheduled: it is the one value to carry over.
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(j.at("lr").get<double>());
+}
+
+NamedTensors generatorStates(torch::Device device) {
+  NamedTensors out;
+  auto save = [&out](const char* key, at::Generator gen) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.push_back({key, gen.get_state()});
+  };
+  save("cpu", at::globalContext().defaultGenerator(torch::kCPU));
+  if (device.is_cuda()) save("cuda", at::globalContext().defaultGenerator(device));
+  return out;
+}
+
+void restoreGeneratorStates(torch::Device device, const std::map<std::string, torch::Tensor>& states) {
+  auto restore = [&states](const char* key, at::Generator gen) {
+    auto it = states.find(key);
+    if (it == states.end()) return;
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(it->second);
+  };
+  restore("cpu", at::globalContext().defaultGenerator(torch::kCPU));
+  if (device.is_cuda()) restore("cuda", at::globalContext().defaultGenerator(device));
+}
+
+}  // namespace varuna
