@@ -3,8 +3,8 @@
 torch.distributed.pipelining (Schedule1F1B or ScheduleGPipe) on Gloo, one
 process per stage. Prints one JSON line with its mean step time.
 
-The weights are the ones train_gpt dumped (rank<r>_initial.pt, written with
-torch::pickle_save), so both sides start from identical parameters. The peer's
+The weights are the ones train_gpt dumped (rank<r>_initial.pt, a plain
+torch.load-able dict), so both sides start from identical parameters. The peer's
 LM head is not tied to the embedding (torch.distributed.pipelining has no
 cross-stage weight tying); ours is, which costs us one extra all-reduce.
 """
@@ -143,8 +143,7 @@ def main():
         pieces = [(f"block{i}", Block(d, args.heads)) for i in range(half, args.layers)]
         pieces += [("head", Head(len(vocab), d))]
     stage_module = Stage(pieces)
-    # Our own files (torch::pickle_save tags the dict type, which weights_only refuses).
-    state = torch.load(os.path.join(args.weights, f"rank{args.rank}_initial.pt"), weights_only=False)
+    state = torch.load(os.path.join(args.weights, f"rank{args.rank}_initial.pt"))
     stage_module.load_state_dict(state, strict=True)  # identical start to ours
 
     stage = PipelineStage(stage_module, args.rank, 2, torch.device("cpu"))

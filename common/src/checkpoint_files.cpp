@@ -99,6 +99,19 @@ FileEntry writeFileAtomic(const fs::path& dir, const std::string& name, std::str
   return {name, bytes.size(), crc32(bytes)};
 }
 
+FileEntry writeFileStreaming(const fs::path& dir, const std::string& name, const std::function<void(const Sink&)>& produce) {
+  FileEntry entry{name, 0, 0};
+  publish(dir / name, [&](int fd, const fs::path& tmp) {
+    produce([&](const void* data, size_t size) {
+      const std::string_view chunk(static_cast<const char*>(data), size);
+      writeAll(fd, chunk, tmp);
+      entry.crc32 = crc32(chunk, entry.crc32);
+      entry.size += size;
+    });
+  });
+  return entry;
+}
+
 void copyFileAtomic(const fs::path& from, const fs::path& to) {
   const int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
   if (in < 0) ioError("cannot open", from);

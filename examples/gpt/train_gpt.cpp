@@ -7,7 +7,6 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
-#include <torch/serialize.h>
 #include <torch/utils.h>
 
 #include <chrono>
@@ -18,6 +17,7 @@
 #include "char_dataset.h"
 #include "gpt_model.h"
 #include "varuna/common/log.h"
+#include "varuna/worker/tensor_file.h"
 #include "varuna/worker/varuna.h"
 
 namespace {
@@ -102,18 +102,17 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
 // Writes this rank's parameters (torch.load-able) and a plain-JSON summary of
 // each (shape, sum, first values) that other tools can check them against.
 void writeParameters(const varuna::Varuna& model, const std::filesystem::path& path) {
-  c10::Dict<std::string, at::Tensor> dict;
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
   nlohmann::json summary;
   for (const auto& [name, tensor] : model.namedParameters()) {
     auto t = tensor.detach().cpu().contiguous();
-    dict.insert(name, t);
+    tensors.push_back({name, t});
     auto flat = t.flatten().to(torch::kDouble);
     std::vector<double> first;
     for (int64_t i = 0; i < std::min<int64_t>(4, flat.numel()); ++i) first.push_back(flat[i].item<double>());
     summary[name] = {{"shape", t.sizes().vec()}, {"sum", flat.sum().item<double>()}, {"first", first}};
   }
-  const auto bytes = torch::pickle_save(dict);
-  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  varuna::saveTensorFile(path.string(), tensors);
   std::ofstream(path.string() + ".summary.json") << summary.dump(1);
 }
 

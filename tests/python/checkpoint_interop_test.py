@@ -14,7 +14,6 @@ import sys
 import tempfile
 
 import torch
-import torch.jit._pickle  # noqa: F401  (restore_type_tag, allow-listed below)
 
 BUILD = os.environ.get("VARUNA_BUILD_DIR", "build")
 SOURCE = os.environ.get("VARUNA_SOURCE_DIR", ".")
@@ -31,9 +30,7 @@ def check(condition, message):
 
 
 def load(path):
-    # torch::pickle_save tags the dict type; allow exactly that helper.
-    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
-        return torch.load(path)
+    return torch.load(path)  # weights_only=True, the default: plain tensors and dicts only
 
 
 def main():

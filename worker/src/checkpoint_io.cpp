@@ -1,20 +1,45 @@
 #include "checkpoint_io.h"
 
+#include "varuna/worker/tensor_file.h"
+
+#include <filesystem>
+
 #include <ATen/Context.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
 #include "varuna/common/checkpoint_files.h"
 
 namespace varuna {
 
-std::string pickleTensors(const NamedTensors& tensors) {
+void writeTensorArchive(const NamedTensors& tensors, const std::function<void(const void*, size_t)>& sink) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& [name, t] : tensors) dict.insert(name, t.detach().cpu().contiguous());
-  const auto bytes = torch::pickle_save(dict);
-  return std::string(bytes.begin(), bytes.end());
+  // As torch::pickle_save, but streaming and with tag_aggregates=false: a
+  // plain dict that torch.load accepts with weights_only=True.
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler([&pickle](const char* buf, size_t size) { pickle.insert(pickle.end(), buf, buf + size); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+                              /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(dict);
+  pickler.stop();
+  // The zip's own CRC32 is left out (as torch.serialization.config.save.
+  // compute_crc32 = False does; PyTorch's reader does not check it): the
+  // manifest already holds a checksum of every file.
+  caffe2::serialize::PyTorchStreamWriter writer(
+      [&sink](const void* data, size_t size) {
+        sink(data, size);
+        return size;
+      },
+      /*compute_crc32=*/false);
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
+  writer.writeEndOfFile();
 }
 
 std::map<std::string, torch::Tensor> unpickleTensors(const std::string& bytes, const std::string& source) {
@@ -170,6 +195,20 @@ void restoreGeneratorStates(torch::Device device, const std::map<std::string, to
   };
   restore("cpu", at::globalContext().defaultGenerator(torch::kCPU));
   if (device.is_cuda()) restore("cuda", at::globalContext().defaultGenerator(device));
+}
+
+}  // namespace varuna
+
+namespace varuna {
+
+void saveTensorFile(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors) {
+  const std::filesystem::path p(path);
+  ckpt::writeFileStreaming(p.parent_path().empty() ? "." : p.parent_path(), p.filename().string(),
+                           [&tensors](const ckpt::Sink& sink) { writeTensorArchive(tensors, sink); });
+}
+
+std::map<std::string, torch::Tensor> loadTensorFile(const std::string& path) {
+  return unpickleTensors(ckpt::readFile(path), path);
 }
 
 }  // namespace varuna

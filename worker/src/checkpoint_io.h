@@ -1,7 +1,8 @@
 // Tensor (de)serialisation for checkpoints and the optimizer-state bridge.
 //
-// Files are torch::pickle_save archives of a Dict[str, Tensor], which Python
-// reads with torch.load (see docs/checkpoints.md). Optimizer state is keyed by
+// Files are PyTorch zip archives of a plain dict {str: Tensor}, written as
+// torch::pickle_save does but without its type tags, so Python reads them
+// with a plain torch.load (weights_only, the default, included). Optimizer state is keyed by
 // parameter name ("<param>/exp_avg", "<param>/step", ...), never by address,
 // so it loads under any partition. Supported optimizers: SGD, Adam, AdamW.
 #pragma once
@@ -9,6 +10,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -18,7 +20,9 @@ namespace varuna {
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
-std::string pickleTensors(const NamedTensors& tensors);
+// Streams a torch.load-able archive of the dict {name: tensor} into `sink`,
+// straight from the tensors' memory (CPU tensors are not copied).
+void writeTensorArchive(const NamedTensors& tensors, const std::function<void(const void*, size_t)>& sink);
 // Throws ckpt::CheckpointError naming `source` if the bytes are not such a dict.
 std::map<std::string, torch::Tensor> unpickleTensors(const std::string& bytes, const std::string& source);
 

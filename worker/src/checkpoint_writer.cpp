@@ -1,5 +1,6 @@
 #include "checkpoint_writer.h"
 
+#include <future>
 #include <utility>
 
 #include "varuna/common/checkpoint_files.h"
@@ -19,22 +20,43 @@ CheckpointWriter::~CheckpointWriter() {
   thread_.join();
 }
 
-void CheckpointWriter::execute(const CheckpointJob& job) {
+void CheckpointWriter::execute(const CheckpointJob& job, const std::function<void()>& onCaptured) {
   namespace fs = std::filesystem;
   const fs::path dir = ckpt::checkpointDir(job.globalStore, job.step);
   const fs::path local = job.tempdir.empty() ? fs::path() : ckpt::checkpointDir(job.tempdir, job.step);
-  std::vector<ckpt::FileEntry> entries;
-  for (const auto& file : job.files) {
-    const std::string bytes = file.serialize();
-    if (local.empty()) {
-      entries.push_back(ckpt::writeFileAtomic(dir, file.name, bytes));
-    } else {
-      entries.push_back(ckpt::writeFileAtomic(local, file.name, bytes));
+  std::vector<CheckpointFile> snapshot;
+  const std::vector<CheckpointFile>* files = &job.files;
+  if (onCaptured) {
+    snapshot = job.files;
+    for (auto& file : snapshot) {
+      for (auto& [name, t] : file.tensors) t = t.detach().clone();
+    }
+    files = &snapshot;
+    onCaptured();  // training may change the live tensors from now on
+  }
+  // Two writers: serialising, checksumming and the kernel's copy of one file
+  // overlap with another file's, which a single stream cannot do.
+  std::vector<ckpt::FileEntry> entries(files->size());
+  auto writeEvery = [&](size_t first) {
+    for (size_t i = first; i < files->size(); i += 2) {
+      const auto& file = (*files)[i];
+      entries[i] = ckpt::writeFileStreaming(local.empty() ? dir : local, file.name, [&file](const ckpt::Sink& sink) {
+        if (file.raw) {
+          sink(file.raw->data(), file.raw->size());
+        } else {
+          writeTensorArchive(file.tensors, sink);
+        }
+      });
+    }
+  };
+  auto second = std::async(std::launch::async, writeEvery, 1);
+  writeEvery(0);
+  second.get();
+  if (!local.empty()) {
+    for (const auto& file : job.files) {
       ckpt::copyFileAtomic(local / file.name, dir / file.name);
       fs::remove(local / file.name);
     }
-  }
-  if (!local.empty()) {
     std::error_code ec;
     fs::remove(local, ec);  // only if empty: another rank on this host may share it
   }
@@ -44,13 +66,25 @@ void CheckpointWriter::execute(const CheckpointJob& job) {
   }
 }
 
-void CheckpointWriter::run(const CheckpointJob& job) { execute(job); }
+void CheckpointWriter::run(const CheckpointJob& job) { execute(job, nullptr); }
 
 void CheckpointWriter::enqueue(CheckpointJob job) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
   queue_.push_back(std::move(job));
+  ++uncaptured_;
   changed_.notify_all();
+}
+
+void CheckpointWriter::markCaptured() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  --uncaptured_;
+  changed_.notify_all();
+}
+
+void CheckpointWriter::waitUntilCaptured() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  changed_.wait(lock, [this] { return uncaptured_ == 0; });
 }
 
 void CheckpointWriter::drain() {
@@ -68,14 +102,19 @@ void CheckpointWriter::loop() {
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
+    bool captured = false;
     try {
-      execute(job);
+      execute(job, [&] {
+        captured = true;
+        markCaptured();
+      });
     } catch (const std::exception& e) {
       log::error("background checkpoint of step ", job.step, " failed: ", e.what());
       lock.lock();
       if (!failure_) failure_ = std::current_exception();
       lock.unlock();
     }
+    if (!captured) markCaptured();  // failed before: the tensors are free anyway
     lock.lock();
     busy_ = false;
     changed_.notify_all();

@@ -16,15 +16,19 @@
 #include <filesystem>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "checkpoint_io.h"
 
 namespace varuna {
 
 struct CheckpointFile {
   std::string name;
-  std::function<std::string()> serialize;  // runs on the writing thread
+  NamedTensors tensors;  // written as a torch.load-able archive (possibly of an empty dict)...
+  std::optional<std::string> raw;  // ...unless these bytes are given: written as they are
 };
 
 struct CheckpointJob {
@@ -40,12 +44,20 @@ class CheckpointWriter {
   ~CheckpointWriter();
 
   void run(const CheckpointJob& job);  // on the calling thread
-  void enqueue(CheckpointJob job);     // on the background thread
+  // On the background thread. The job holds the live tensors: the writer first
+  // copies them in memory (its snapshot), then writes from the copy. The
+  // caller must not change them until waitUntilCaptured() returns; Varuna
+  // waits before the next optimizer step, a whole step of compute later, so
+  // training does not stall.
+  void enqueue(CheckpointJob job);
+  // Blocks until every queued job has taken its snapshot.
+  void waitUntilCaptured();
   // Waits until every queued job has finished; rethrows the first failure.
   void drain();
 
  private:
-  void execute(const CheckpointJob& job);
+  void execute(const CheckpointJob& job, const std::function<void()>& onCaptured);
+  void markCaptured();
   void loop();
 
   int rank_;
@@ -54,6 +66,7 @@ class CheckpointWriter {
   std::condition_variable changed_;
   std::deque<CheckpointJob> queue_;
   bool busy_ = false;
+  int uncaptured_ = 0;  // queued or running jobs still reading their tensors
   bool stop_ = false;
   std::exception_ptr failure_;
   std::thread thread_;

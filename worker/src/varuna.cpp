@@ -542,6 +542,7 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
     }
     if (factor != 1.0) buckets_.scale(factor);
     const auto optimizerStart = Clock::now();
+    if (writer_) writer_->waitUntilCaptured();  // a background checkpoint still reads the tensors
     optimizer_->step();
     result.optimizerSeconds = std::chrono::duration<double>(Clock::now() - optimizerStart).count();
   } else if (opt_.precision != Precision::kFp16) {
@@ -632,14 +633,9 @@ void Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
   const bool background = !tempdir.empty() && !onDemand;
   if (onDemand) writer_->drain();  // earlier checkpoints land first
 
-  // A value snapshot for background writes (training goes on and changes the
-  // tensors); the tensors themselves for synchronous ones.
-  auto capture = [background](NamedTensors tensors) {
-    if (background) {
-      for (auto& [name, t] : tensors) t = t.detach().clone();
-    }
-    return tensors;
-  };
+  // Jobs hold the live tensors. A background job snapshots them on the writer
+  // thread while training computes; step() waits for that snapshot before the
+  // optimizer changes them.
   CheckpointJob job;
   job.globalStore = globalStore;
   job.step = step;
@@ -647,17 +643,11 @@ void Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
   for (int k = 0; k < model_->numPieces(); ++k) {
     const int writerReplica = shard ? k % D_ : 0;  // sharding spreads a stage's pieces over its replicas
     if (writerReplica != replica_) continue;
-    auto params = capture(pieceParams(k));
-    auto state = capture(optimizerState(*optimizer_, pieceParams(k)));
-    job.files.push_back({pieceFile(k, "params"), [params] { return pickleTensors(params); }});
-    job.files.push_back({pieceFile(k, "optim"), [state] { return pickleTensors(state); }});
+    job.files.push_back({pieceFile(k, "params"), pieceParams(k), std::nullopt});
+    job.files.push_back({pieceFile(k, "optim"), optimizerState(*optimizer_, pieceParams(k)), std::nullopt});
   }
-  auto rng = capture(generatorStates(opt_.device));
-  job.files.push_back({strCat("rank_", opt_.rank, ".rng.pt"), [rng] { return pickleTensors(rng); }});
-  if (opt_.rank == 0) {
-    const std::string meta = checkpointMeta(step).dump(1);
-    job.files.push_back({ckpt::kMeta, [meta] { return meta; }});
-  }
+  job.files.push_back({strCat("rank_", opt_.rank, ".rng.pt"), generatorStates(opt_.device), std::nullopt});
+  if (opt_.rank == 0) job.files.push_back({ckpt::kMeta, {}, checkpointMeta(step).dump(1)});
   if (background) {
     writer_->enqueue(std::move(job));
     return;
@@ -681,6 +671,7 @@ void Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
 
 int64_t Varuna::Impl::loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete) {
   if (!optimizer_) throw ConfigError("call setOptimizer() before loadCheckpoint(): its state is restored too");
+  if (writer_) writer_->drain();
   const auto dir = ckpt::checkpointDir(globalStore, iteration);
   if (checkComplete) ckpt::verify(dir, {}, /*checksums=*/false);
   auto read = [&](const std::string& name) {

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -50,8 +51,14 @@ struct FileEntry {
 fs::path checkpointDir(const fs::path& globalStore, int64_t step);
 uint32_t crc32(std::string_view bytes, uint32_t previous = 0);
 
+// Receives a file's bytes in order, as they are produced.
+using Sink = std::function<void(const void* data, size_t size)>;
+
 // Writes `bytes` to dir/name durably and atomically; returns its entry.
 FileEntry writeFileAtomic(const fs::path& dir, const std::string& name, std::string_view bytes);
+// The same for bytes produced piecewise by `produce(sink)`: they go straight
+// to the file (no in-memory copy) and are checksummed on the way.
+FileEntry writeFileStreaming(const fs::path& dir, const std::string& name, const std::function<void(const Sink&)>& produce);
 // Copies a finished file (e.g. from a local temp dir) durably and atomically.
 void copyFileAtomic(const fs::path& from, const fs::path& to);
 std::string readFile(const fs::path& path);
