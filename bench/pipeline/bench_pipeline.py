@@ -12,6 +12,11 @@ settings). Prints a table, then as its last line one JSON object:
 efficiency = single-process step time / (P x pipelined step time), for the best
 of our schedules; bubble_bound = m / (m + P - 1).
 
+This machine's speed drifts by tens of percent within minutes (shared VM), so
+every configuration (ours x 3 schedules, single process, peer x 2) runs once
+per round, the rounds interleave them, and each figure is the best of the
+rounds' median step times.
+
     .venv/bin/python bench/pipeline/bench_pipeline.py [--build build] [--quick]
 """
 import argparse
@@ -49,7 +54,7 @@ def run_ours(build, size, stages, schedule, dump):
            "--d_model", str(cfg["d_model"]), "--layers", str(cfg["layers"]), "--heads", str(cfg["heads"]),
            "--seq_len", str(cfg["seq_len"]), "--schedule", schedule, "--clip", "0", "--threads", "1",
            "--dump_dir", dump, "--log_level", "warn", "--log_every", "1000000"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
     with open(os.path.join(dump, "rank0_steps.jsonl")) as f:
         times = [json.loads(line)["time_s"] for line in f]
     return statistics.median(times[cfg["warmup"]:])
@@ -77,27 +82,36 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--sizes", default="small,medium")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--small_chunk", type=int, default=None,
+                        help="micro-batch size of the small model (default 4; 1 stresses per-micro-batch overhead)")
     args = parser.parse_args()
+    if args.small_chunk:
+        SIZES["small"].update(chunk=args.small_chunk, warmup=5, steps=30)
     result = {}
     for size in args.sizes.split(","):
         cfg = SIZES[size]
         tokens = cfg["chunk"] * M * cfg["seq_len"]
-        with tempfile.TemporaryDirectory() as tmp:
-            ours = {}
-            for schedule in ("varuna", "1f1b", "gpipe"):
-                dump = os.path.join(tmp, schedule)
-                ours[schedule] = run_ours(args.build, size, P, schedule, dump)
-                print(f"[{size}] ours {schedule:7s} P=2: {ours[schedule]*1e3:8.1f} ms/step", flush=True)
-            single = run_ours(args.build, size, 1, "1f1b", os.path.join(tmp, "single"))
-            print(f"[{size}] ours single process: {single*1e3:8.1f} ms/step", flush=True)
-            peer = {}
-            for schedule in ("1F1B", "GPipe"):
-                peer[schedule] = run_peer(size, schedule, os.path.join(tmp, "1f1b"))
-                print(f"[{size}] peer {schedule:6s} P=2: {peer[schedule]*1e3:8.1f} ms/step", flush=True)
+        ours, peer, single = {}, {}, float("inf")
+        for rnd in range(args.rounds):
+            with tempfile.TemporaryDirectory() as tmp:
+                for schedule in ("varuna", "1f1b", "gpipe"):
+                    t = run_ours(args.build, size, P, schedule, os.path.join(tmp, schedule))
+                    ours[schedule] = min(ours.get(schedule, t), t)
+                    print(f"[{size} round {rnd}] ours {schedule:7s} P=2: {t*1e3:8.1f} ms/step", flush=True)
+                    if schedule == "1f1b":  # peers next to ours in time
+                        for peer_schedule in ("1F1B", "GPipe"):
+                            t = run_peer(size, peer_schedule, os.path.join(tmp, "1f1b"))
+                            peer[peer_schedule] = min(peer.get(peer_schedule, t), t)
+                            print(f"[{size} round {rnd}] peer {peer_schedule:6s} P=2: {t*1e3:8.1f} ms/step", flush=True)
+                t = run_ours(args.build, size, 1, "1f1b", os.path.join(tmp, "single"))
+                single = min(single, t)
+                print(f"[{size} round {rnd}] ours single process: {t*1e3:8.1f} ms/step", flush=True)
         best = min(ours, key=ours.get)
         best_peer = min(peer, key=peer.get)
         result[size] = {
-            "config": {k: cfg[k] for k in ("d_model", "layers", "seq_len", "chunk")} | {"P": P, "m": M},
+            "config": {k: cfg[k] for k in ("d_model", "layers", "seq_len", "chunk")} | {"P": P, "m": M,
+                                                                                         "rounds": args.rounds},
             "tokens_per_s": tokens / ours[best],
             "best_schedule": best,
             "ours_step_s": ours,
