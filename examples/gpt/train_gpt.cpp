@@ -88,9 +88,12 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--seq_len", o.model.seqLen, "characters per sample")->check(CLI::PositiveNumber);
   app.add_option("--dropout", o.model.dropout, "dropout probability");
   app.add_option("--model_seed", o.model.seed, "seed of the initial weights");
+  bool untied = false;
+  app.add_flag("--untied", untied, "do not tie the LM head to the token embedding");
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   try {
     app.parse(reversed);
+    o.model.tieEmbeddings = !untied;
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help() << std::endl;
     std::exit(0);
@@ -217,8 +220,14 @@ int run(int argc, char** argv) {
     model.checkpoint(o.checkpointDir, o.steps, "", o.checkpointShard);
     model.waitForCheckpoints();
   }
+  // Held-out evaluation: the global batch right after the last training step.
+  const double evalLoss =
+      model.evaluate(data.replicaBatch(o.steps, globalBatch, model.replica(), model.numReplicas(), seqLen, dataSeed));
+  if (reporter) std::cout << "eval loss " << evalLoss << std::endl;
   if (!o.dumpDir.empty()) {
     writeParameters(model, std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_params.pt"));
+    std::ofstream(std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_eval.json"))
+        << nlohmann::json{{"eval_loss", evalLoss}}.dump();
   }
   if (reporter) std::cout << "done" << std::endl;
   return 0;

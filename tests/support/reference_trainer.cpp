@@ -54,6 +54,14 @@ ReferenceRun trainReference(const ModelSpec& spec, const gpt::CharDataset& data,
     optimizer.step();
   }
   for (const auto& [name, p] : named) run.params[name] = p.detach().clone();
+  torch::NoGradGuard noGrad;
+  const Batch held = data.samples(config.steps * config.globalBatch, config.globalBatch, config.seqLen, config.dataSeed);
+  torch::Tensor x;
+  for (auto& piece : pieces) {
+    piece->eval();
+    x = piece->forward(x, held);
+  }
+  run.evalLoss = x.item<double>();
   return run;
 }
 

@@ -27,6 +27,7 @@ struct ReferenceRun {
   std::vector<double> losses;
   std::vector<double> gradNorms;
   std::map<std::string, torch::Tensor> params;  // full names
+  double evalLoss = 0;  // final model on the global batch of step `steps`, no gradients
 };
 
 ReferenceRun trainReference(const ModelSpec& spec, const gpt::CharDataset& data, const ReferenceConfig& config);

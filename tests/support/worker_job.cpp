@@ -1,5 +1,6 @@
 #include "worker_job.h"
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/serialize.h>
 
@@ -62,6 +63,11 @@ std::vector<StepRecord> WorkerJob::steps(int rank) const {
   return records;
 }
 
+double WorkerJob::evalLoss(int rank) const {
+  std::ifstream in(dir_ / ("rank" + std::to_string(rank) + "_eval.json"));
+  return nlohmann::json::parse(in).at("eval_loss").get<double>();
+}
+
 std::map<std::string, torch::Tensor> WorkerJob::params(int rank) const {
   std::ifstream in(dir_ / ("rank" + std::to_string(rank) + "_params.pt"), std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -71,6 +77,18 @@ std::map<std::string, torch::Tensor> WorkerJob::params(int rank) const {
     out[entry.key().toStringRef()] = entry.value().toTensor();
   }
   return out;
+}
+
+}  // namespace varuna::test
+
+namespace varuna::test {
+
+void requireAllSucceeded(WorkerJob& job, std::chrono::seconds timeout) {
+  const auto codes = job.waitAll(timeout);
+  for (int r = 0; r < job.worldSize(); ++r) {
+    INFO("rank " << r << " exit code " << codes[r] << ", stderr:\n" << job.worker(r).stderrText());
+    REQUIRE(codes[r] == 0);
+  }
 }
 
 }  // namespace varuna::test

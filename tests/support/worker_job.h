@@ -44,6 +44,7 @@ class WorkerJob {
 
   std::vector<StepRecord> steps(int rank) const;
   std::map<std::string, torch::Tensor> params(int rank) const;
+  double evalLoss(int rank) const;  // what train_gpt's final evaluate() returned
   const std::filesystem::path& dir() const { return dir_; }
 
  private:
@@ -53,5 +54,9 @@ class WorkerJob {
 };
 
 std::filesystem::path trainGptBinary();
+
+// Waits for every worker and REQUIREs exit code 0, showing the failing
+// worker's stderr. For Catch2 test cases only.
+void requireAllSucceeded(WorkerJob& job, std::chrono::seconds timeout = std::chrono::seconds(120));
 
 }  // namespace varuna::test

@@ -37,14 +37,6 @@ WorkerJobSpec layout(int stages, int replicas, std::vector<std::string> args) {
   return spec;
 }
 
-void requireSuccess(WorkerJob& job, std::chrono::seconds timeout = std::chrono::seconds(120)) {
-  const auto codes = job.waitAll(timeout);
-  for (int r = 0; r < job.worldSize(); ++r) {
-    INFO("rank " << r << " stderr:\n" << job.worker(r).stderrText());
-    REQUIRE(codes[r] == 0);
-  }
-}
-
 std::map<std::string, torch::Tensor> replicaParams(const WorkerJob& job, int stages, int replica) {
   std::map<std::string, torch::Tensor> all;
   for (int s = 0; s < stages; ++s) {
@@ -67,13 +59,16 @@ void checkClose(const std::map<std::string, torch::Tensor>& got, const std::map<
 TEST_CASE("a checkpoint written as 2x2 resumes exactly as 3x1 and as 1x2", "[integration][checkpoint]") {
   const auto root = scratchDir("exact-resume");
   WorkerJob uninterrupted(layout(2, 2, modelArgs(root / "full", 6)), root / "full-dump");
-  requireSuccess(uninterrupted);
+  requireAllSucceeded(uninterrupted);
   const auto reference = uninterrupted.steps(0);
   REQUIRE(reference.size() == 6);
 
-  // Write: 3 steps as 2 stages x 2 replicas, checkpoint at step 3 (the final one).
-  WorkerJob first(layout(2, 2, modelArgs(root / "store", 3)), root / "first-dump");
-  requireSuccess(first);
+  // Write: 3 steps as 2 stages x 2 replicas, checkpoint at step 3 (the final
+  // one), sharded: each stage's pieces are spread over both replicas.
+  auto firstArgs = modelArgs(root / "store", 3);
+  firstArgs.push_back("--ckpt_shard");
+  WorkerJob first(layout(2, 2, firstArgs), root / "first-dump");
+  requireAllSucceeded(first);
   REQUIRE(ckpt::latestComplete(root / "store") == 3);
 
   for (auto [stages, replicas] : {std::pair{3, 1}, std::pair{1, 2}}) {
@@ -82,7 +77,7 @@ TEST_CASE("a checkpoint written as 2x2 resumes exactly as 3x1 and as 1x2", "[int
       args.insert(args.end(), {"--resume_step", "3"});
       const auto dumpDir = root / ("resume-" + std::to_string(stages) + "x" + std::to_string(replicas));
       WorkerJob resumed(layout(stages, replicas, args), dumpDir);
-      requireSuccess(resumed);
+      requireAllSucceeded(resumed);
       const auto steps = resumed.steps(0);
       REQUIRE(steps.size() == 3);
       for (size_t i = 0; i < steps.size(); ++i) {
@@ -107,14 +102,14 @@ TEST_CASE("resuming under the same layout is bit-exact, fp16 loss scale included
                                     "--steps", std::to_string(steps), "--checkpoint_dir", (root / store).string()};
   };
   WorkerJob full(layout(2, 1, args("full", 16)), root / "full-dump");
-  requireSuccess(full);
+  requireAllSucceeded(full);
   const auto reference = full.steps(0);
   WorkerJob first(layout(2, 1, args("store", 8)), root / "first-dump");
-  requireSuccess(first);
+  requireAllSucceeded(first);
   auto resumeArgs = args("store", 16);
   resumeArgs.insert(resumeArgs.end(), {"--resume_step", "8"});
   WorkerJob resumed(layout(2, 1, resumeArgs), root / "resumed-dump");
-  requireSuccess(resumed);
+  requireAllSucceeded(resumed);
   const auto steps = resumed.steps(0);
   REQUIRE(steps.size() == 8);
   // The scale moved during the first half (overflows, then growth).
@@ -169,7 +164,7 @@ TEST_CASE("the loader refuses damaged checkpoints, naming the file", "[integrati
   const auto root = scratchDir("damaged");
   const auto store = root / "store";
   WorkerJob writer(layout(2, 1, modelArgs(store, 2)), root / "dump");
-  requireSuccess(writer);
+  requireAllSucceeded(writer);
   const auto dir = ckpt::checkpointDir(store, 2);
   REQUIRE(ckpt::isComplete(dir));
 

@@ -19,11 +19,7 @@ TEST_CASE("training on GPUs with NCCL: loss falls, ranks agree", "[gpu]") {
   spec.chunkSize = 4;
   spec.trainArgs = {"--device", "cuda", "--steps", "30", "--precision", "bf16", "--d_model", "128", "--layers", "4"};
   WorkerJob job(spec, scratchDir("gpu"));
-  const auto codes = job.waitAll(std::chrono::seconds(240));
-  for (int r = 0; r < job.worldSize(); ++r) {
-    INFO("rank " << r << " stderr:\n" << job.worker(r).stderrText());
-    REQUIRE(codes[r] == 0);
-  }
+  requireAllSucceeded(job, std::chrono::seconds(240));
   const auto steps = job.steps(0);
   REQUIRE(steps.size() == 30);
   CHECK(steps.back().loss < steps.front().loss - 0.5);

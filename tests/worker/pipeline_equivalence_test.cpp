@@ -4,6 +4,8 @@
 // (relative 1e-5, absolute 1e-6 for values near zero).
 #include <catch2/catch.hpp>
 
+#include <cmath>
+
 #include "char_dataset.h"
 #include "gpt_model.h"
 #include "reference_trainer.h"
@@ -65,11 +67,7 @@ TEST_CASE("pipeline and data-parallel training equal single-process training", "
         if (!layout.pieceCosts.empty()) spec.trainArgs.insert(spec.trainArgs.end(), {"--piece_costs", layout.pieceCosts});
         WorkerJob job(spec, scratchDir(schedule + "-" + std::to_string(layout.stages) + "x" +
                                        std::to_string(layout.replicas)));
-        const auto codes = job.waitAll(std::chrono::seconds(120));
-        for (int r = 0; r < job.worldSize(); ++r) {
-          INFO("rank " << r << " stderr:\n" << job.worker(r).stderrText());
-          REQUIRE(codes[r] == 0);
-        }
+        requireAllSucceeded(job);
         if (!layout.pieceCosts.empty()) {
           // Balanced by cost: the heavy block1 gets a stage of its own.
           CHECK_THAT(job.worker(0).stderrText(), Catch::Contains("stage 1: pieces 2-2"));
@@ -102,7 +100,64 @@ TEST_CASE("pipeline and data-parallel training equal single-process training", "
           // Tied weights: bit-identical copies, wherever they live.
           CHECK(torch::equal(seen.at("embed.wte.weight"), seen.at("head.lm_head.weight")));
         }
+        // evaluate(): the same held-out loss on every rank, equal to the reference's.
+        for (int r = 0; r < job.worldSize(); ++r) CHECK(job.evalLoss(r) == Approx(reference.evalLoss).epsilon(kRtol));
       }
+    }
+  }
+}
+
+TEST_CASE("without shared weights the pipeline equals single-process training too", "[integration]") {
+  const auto data = gpt::CharDataset::fromPath("/usr/share/common-licenses");
+  ReferenceConfig rc;
+  auto config = tinyGpt(data.vocabSize());
+  config.tieEmbeddings = false;
+  const auto reference = trainReference(gpt::makeGptModel(config), data, rc);
+  WorkerJobSpec spec;
+  spec.stages = 2;
+  spec.replicas = 2;
+  spec.perReplicaBatch = rc.globalBatch / 2;
+  spec.trainArgs = trainArgs("varuna", rc);
+  spec.trainArgs.push_back("--untied");
+  WorkerJob job(spec, scratchDir("untied"));
+  requireAllSucceeded(job);
+  const auto steps = job.steps(0);
+  REQUIRE(steps.size() == reference.losses.size());
+  for (size_t s = 0; s < steps.size(); ++s) CHECK(steps[s].loss == Approx(reference.losses[s]).epsilon(kRtol));
+  std::map<std::string, torch::Tensor> seen;
+  for (int r : {0, 1}) {
+    for (auto& [name, tensor] : job.params(r)) seen[name] = tensor;
+  }
+  REQUIRE(seen.size() == reference.params.size());
+  for (const auto& [name, expected] : reference.params) {
+    INFO(name);
+    CHECK(((seen.at(name) - expected).abs() - kRtol * expected.abs()).max().item<double>() <= kAtol);
+  }
+  CHECK_FALSE(torch::equal(seen.at("embed.wte.weight"), seen.at("head.lm_head.weight")));
+}
+
+TEST_CASE("the example learns: loss falls in fp32 and bf16", "[integration]") {
+  for (const std::string precision : {"fp32", "bf16"}) {
+    DYNAMIC_SECTION(precision) {
+      WorkerJobSpec spec;
+      spec.stages = 2;
+      spec.replicas = 1;
+      spec.perReplicaBatch = 8;
+      spec.chunkSize = 4;
+      spec.trainArgs = {"--d_model", "64", "--heads", "2", "--layers", "2", "--seq_len", "32", "--steps", "40",
+                        "--lr", "3e-3", "--precision", precision};
+      WorkerJob job(spec, scratchDir("learns-" + precision));
+      requireAllSucceeded(job);
+      const auto steps = job.steps(0);
+      REQUIRE(steps.size() == 40);
+      double first = 0, last = 0;
+      for (int i = 0; i < 5; ++i) {
+        first += steps[i].loss / 5;
+        last += steps[35 + i].loss / 5;
+      }
+      INFO("mean loss of the first 5 steps " << first << ", of the last 5 " << last);
+      CHECK(last < first - 0.7);
+      CHECK(std::isfinite(job.evalLoss(0)));
     }
   }
 }
