@@ -1,0 +1,122 @@
+// The control protocol between run_varuna (the manager), the per-host agents,
+// the workers and notify_manager_preempt. Every message is one of the plain
+// structs below; a connection carries frames of
+//     [4-byte big-endian length N][N bytes of JSON {"type": ..., fields...}]
+// The first frame on every connection must be a Hello with the protocol
+// version and the job's secret token; anything else closes the connection.
+// The codec is pure (bytes in, message or error out): no sockets here.
+// docs/protocol.md describes every message.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "varuna/common/errors.h"
+
+namespace varuna::proto {
+
+inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kMaxFrameBytes = 1u << 20;  // 1 MiB: control messages are small
+
+// --- to the manager -----------------------------------------------------------
+struct Hello {  // first frame of every connection
+  uint32_t version = kVersion;
+  std::string token;
+  std::string role;  // "worker", "agent" or "notifier"
+  std::string host;
+  int rank = -1;  // workers
+  bool operator==(const Hello&) const = default;
+};
+struct Heartbeat {
+  int rank = -1;  // -1 from an agent
+  int64_t step = 0;
+  bool operator==(const Heartbeat&) const = default;
+};
+struct StepReport {
+  int rank = 0, stage = 0, replica = 0;
+  int64_t step = 0;
+  double loss = 0, stepSeconds = 0, computeSecondsPerMicrobatch = 0;
+  bool operator==(const StepReport&) const = default;
+};
+struct WorkerExited {  // from the agent, the moment it reaps a worker
+  std::string host;
+  int rank = 0;
+  int exitCode = 0;  // -1 if killed by a signal
+  int signal = 0;
+  bool operator==(const WorkerExited&) const = default;
+};
+struct PreemptNotice {  // from notify_manager_preempt
+  std::string host;
+  int64_t deadlineUnixMs = 0;  // 0: unknown
+  bool operator==(const PreemptNotice&) const = default;
+};
+
+// --- from the manager ---------------------------------------------------------
+struct WorkerSpec {
+  int rank = 0, localRank = 0;
+  bool operator==(const WorkerSpec&) const = default;
+};
+struct LaunchWorkers {  // to an agent: start these workers of the job
+  std::vector<WorkerSpec> workers;
+  std::vector<std::string> argv;  // program and its own arguments
+  std::string codeDir;
+  std::vector<std::pair<std::string, std::string>> env;
+  std::string stageToRankMap;
+  int64_t chunkSize = 0, batchSize = 0, resumeStep = -1;
+  std::string masterAddr;
+  int masterPort = 0;
+  int worldSize = 0;
+  bool operator==(const LaunchWorkers&) const = default;
+};
+struct CheckpointAndExit {  // to an agent: SIGUSR1 to its workers
+  bool operator==(const CheckpointAndExit&) const = default;
+};
+struct KillWorkers {  // to an agent: SIGKILL its workers
+  std::string reason;
+  bool operator==(const KillWorkers&) const = default;
+};
+struct Ack {
+  bool ok = true;
+  std::string error;
+  bool operator==(const Ack&) const = default;
+};
+
+using Message = std::variant<Hello, Heartbeat, StepReport, WorkerExited, PreemptNotice, LaunchWorkers,
+                             CheckpointAndExit, KillWorkers, Ack>;
+
+// A malformed frame or message; the connection that sent it must be closed.
+class ProtocolError : public Error {
+ public:
+  explicit ProtocolError(const std::string& what) : Error(what, kExitConfigError) {}
+};
+
+std::string typeName(const Message& message);
+// The frame: length prefix + JSON body.
+std::string encode(const Message& message);
+// Parses one frame body (without the length prefix).
+Message decodeBody(std::string_view body);
+
+// Splits a byte stream into messages. Throws ProtocolError on an oversized
+// frame (before buffering it) or a malformed body.
+class FrameDecoder {
+ public:
+  explicit FrameDecoder(uint32_t maxFrameBytes = kMaxFrameBytes) : max_(maxFrameBytes) {}
+  void feed(std::string_view bytes);
+  std::optional<Message> next();
+  size_t buffered() const { return buffer_.size(); }
+
+ private:
+  uint32_t max_;
+  std::string buffer_;
+};
+
+// Checks the first message of a connection: a Hello with our version and the
+// job's token. Throws ProtocolError saying which check failed (never echoing
+// the token).
+const Hello& checkHello(const Message& first, const std::string& expectedToken);
+
+}  // namespace varuna::proto

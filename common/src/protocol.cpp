@@ -1,0 +1,124 @@
+#include "varuna/common/protocol.h"
+
+#include <nlohmann/json.hpp>
+
+namespace varuna::proto {
+namespace {
+
+using nlohmann::json;
+
+template <typename... Ts>
+struct Overloaded : Ts... {
+  using Ts::operator()...;
+};
+
+json toJson(const Hello& m) {
+  return {{"type", "hello"}, {"version", m.version}, {"token", m.token}, {"role", m.role}, {"host", m.host}, {"rank", m.rank}};
+}
+json toJson(const Heartbeat& m) { return {{"type", "heartbeat"}, {"rank", m.rank}, {"step", m.step}}; }
+json toJson(const StepReport& m) {
+  return {{"type", "step_report"}, {"rank", m.rank}, {"stage", m.stage}, {"replica", m.replica}, {"step", m.step},
+          {"loss", m.loss}, {"step_seconds", m.stepSeconds}, {"compute_seconds_per_microbatch", m.computeSecondsPerMicrobatch}};
+}
+json toJson(const WorkerExited& m) {
+  return {{"type", "worker_exited"}, {"host", m.host}, {"rank", m.rank}, {"exit_code", m.exitCode}, {"signal", m.signal}};
+}
+json toJson(const PreemptNotice& m) { return {{"type", "preempt"}, {"host", m.host}, {"deadline_unix_ms", m.deadlineUnixMs}}; }
+json toJson(const LaunchWorkers& m) {
+  json workers = json::array();
+  for (const auto& w : m.workers) workers.push_back({{"rank", w.rank}, {"local_rank", w.localRank}});
+  json env = json::array();
+  for (const auto& [k, v] : m.env) env.push_back({k, v});
+  return {{"type", "launch_workers"}, {"workers", workers}, {"argv", m.argv}, {"code_dir", m.codeDir}, {"env", env},
+          {"stage_to_rank_map", m.stageToRankMap}, {"chunk_size", m.chunkSize}, {"batch_size", m.batchSize},
+          {"resume_step", m.resumeStep}, {"master_addr", m.masterAddr}, {"master_port", m.masterPort},
+          {"world_size", m.worldSize}};
+}
+json toJson(const CheckpointAndExit&) { return {{"type", "checkpoint_and_exit"}}; }
+json toJson(const KillWorkers& m) { return {{"type", "kill_workers"}, {"reason", m.reason}}; }
+json toJson(const Ack& m) { return {{"type", "ack"}, {"ok", m.ok}, {"error", m.error}}; }
+
+Message fromJson(const json& j) {
+  const std::string type = j.at("type").get<std::string>();
+  if (type == "hello") {
+    return Hello{j.at("version"), j.at("token"), j.at("role"), j.at("host"), j.at("rank")};
+  }
+  if (type == "heartbeat") return Heartbeat{j.at("rank"), j.at("step")};
+  if (type == "step_report") {
+    return StepReport{j.at("rank"), j.at("stage"), j.at("replica"), j.at("step"), j.at("loss"), j.at("step_seconds"),
+                      j.at("compute_seconds_per_microbatch")};
+  }
+  if (type == "worker_exited") return WorkerExited{j.at("host"), j.at("rank"), j.at("exit_code"), j.at("signal")};
+  if (type == "preempt") return PreemptNotice{j.at("host"), j.at("deadline_unix_ms")};
+  if (type == "launch_workers") {
+    LaunchWorkers m;
+    for (const auto& w : j.at("workers")) m.workers.push_back({w.at("rank"), w.at("local_rank")});
+    m.argv = j.at("argv").get<std::vector<std::string>>();
+    m.codeDir = j.at("code_dir");
+    for (const auto& kv : j.at("env")) m.env.emplace_back(kv.at(0).get<std::string>(), kv.at(1).get<std::string>());
+    m.stageToRankMap = j.at("stage_to_rank_map");
+    m.chunkSize = j.at("chunk_size");
+    m.batchSize = j.at("batch_size");
+    m.resumeStep = j.at("resume_step");
+    m.masterAddr = j.at("master_addr");
+    m.masterPort = j.at("master_port");
+    m.worldSize = j.at("world_size");
+    return m;
+  }
+  if (type == "checkpoint_and_exit") return CheckpointAndExit{};
+  if (type == "kill_workers") return KillWorkers{j.at("reason")};
+  if (type == "ack") return Ack{j.at("ok"), j.at("error")};
+  throw ProtocolError("unknown message type '" + type + "'");
+}
+
+}  // namespace
+
+std::string typeName(const Message& message) {
+  return std::visit([](const auto& m) { return toJson(m).at("type").template get<std::string>(); }, message);
+}
+
+std::string encode(const Message& message) {
+  const std::string body = std::visit([](const auto& m) { return toJson(m).dump(); }, message);
+  if (body.size() > kMaxFrameBytes) throw ProtocolError(strCat("message of ", body.size(), " bytes exceeds the frame limit"));
+  const uint32_t n = static_cast<uint32_t>(body.size());
+  std::string frame;
+  frame.reserve(4 + body.size());
+  for (int shift = 24; shift >= 0; shift -= 8) frame.push_back(static_cast<char>((n >> shift) & 0xff));
+  return frame + body;
+}
+
+Message decodeBody(std::string_view body) {
+  try {
+    return fromJson(json::parse(body));
+  } catch (const ProtocolError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw ProtocolError(strCat("malformed message: ", e.what()));
+  }
+}
+
+void FrameDecoder::feed(std::string_view bytes) { buffer_.append(bytes); }
+
+std::optional<Message> FrameDecoder::next() {
+  if (buffer_.size() < 4) return std::nullopt;
+  uint32_t n = 0;
+  for (int i = 0; i < 4; ++i) n = (n << 8) | static_cast<unsigned char>(buffer_[i]);
+  if (n > max_) throw ProtocolError(strCat("frame of ", n, " bytes exceeds the limit of ", max_));
+  if (buffer_.size() < 4 + static_cast<size_t>(n)) return std::nullopt;
+  Message m = decodeBody(std::string_view(buffer_).substr(4, n));
+  buffer_.erase(0, 4 + static_cast<size_t>(n));
+  return m;
+}
+
+const Hello& checkHello(const Message& first, const std::string& expectedToken) {
+  const auto* hello = std::get_if<Hello>(&first);
+  if (!hello) throw ProtocolError(strCat("the first message must be hello, got ", typeName(first)));
+  if (hello->version != kVersion) {
+    throw ProtocolError(strCat("protocol version ", hello->version, " from ", hello->host, " is not ", kVersion,
+                               ": run the same varuna build everywhere"));
+  }
+  if (hello->token != expectedToken) throw ProtocolError(strCat("wrong job token from '", hello->host, "'"));
+  return *hello;
+}
+
+}  // namespace varuna::proto

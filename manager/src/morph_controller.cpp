@@ -1,0 +1,182 @@
+#include "varuna/manager/morph_controller.h"
+
+#include "varuna/common/errors.h"
+#include "varuna/common/log.h"
+
+namespace varuna {
+
+const char* toString(Phase phase) {
+  switch (phase) {
+    case Phase::kIdle: return "idle";
+    case Phase::kRunning: return "running";
+    case Phase::kCheckpointing: return "checkpointing";
+    case Phase::kStopping: return "stopping";
+    case Phase::kBackoff: return "backoff";
+    case Phase::kWaitingForMachines: return "waiting-for-machines";
+    case Phase::kFinished: return "finished";
+    case Phase::kFailed: return "failed";
+  }
+  return "?";
+}
+
+MorphController::MorphController(ControllerOptions options, std::vector<Machine> machines,
+                                 std::function<std::optional<int64_t>()> latestCheckpoint)
+    : options_(options), machines_(std::move(machines)), latestCheckpoint_(std::move(latestCheckpoint)) {}
+
+std::set<std::string> MorphController::unavailable() const {
+  std::set<std::string> out = excluded_;
+  out.insert(leaving_.begin(), leaving_.end());
+  out.insert(lost_.begin(), lost_.end());
+  return out;
+}
+
+std::vector<Action> MorphController::start(TimePoint now) { return relaunch(now); }
+
+std::vector<Action> MorphController::relaunch(TimePoint now) {
+  PlanRequest request{machines_, options_.stages, options_.globalBatch, options_.chunkSize, unavailable()};
+  try {
+    plan_ = makePlan(request);
+  } catch (const ConfigError& e) {
+    if (generation_ == 0 || !options_.morphing) {
+      phase_ = Phase::kFailed;
+      return {action::Stop{e.what(), kExitConfigError}};
+    }
+    phase_ = Phase::kWaitingForMachines;  // a machine-list change retries
+    log::warn("waiting for machines: ", e.what());
+    return {};
+  }
+  ++generation_;
+  running_.clear();
+  for (const auto& p : plan_.placement) running_.insert(p.rank);
+  phase_ = Phase::kRunning;
+  (void)now;
+  const auto resume = latestCheckpoint_();
+  return {action::Launch{plan_, resume.value_or(-1), generation_}};
+}
+
+std::vector<Action> MorphController::beginMorph(TimePoint now) {
+  if (phase_ != Phase::kRunning) return {};  // coalesced into the morph under way
+  phase_ = Phase::kCheckpointing;
+  deadline_ = now + options_.checkpointTimeout;
+  return {action::Checkpoint{}};
+}
+
+std::vector<Action> MorphController::failure(const std::string& reason, TimePoint now) {
+  if (phase_ == Phase::kFinished || phase_ == Phase::kFailed) return {};
+  if (!options_.morphing) {
+    phase_ = Phase::kFailed;
+    return {action::KillAll{reason}, action::Stop{reason + " (morphing is off: --no_morphing)", 1}};
+  }
+  failures_.push_back(now);
+  while (!failures_.empty() && now - failures_.front() > options_.failureWindow) failures_.pop_front();
+  if (static_cast<int>(failures_.size()) > options_.maxFailures) {
+    phase_ = Phase::kFailed;
+    const auto minutes = std::chrono::duration_cast<std::chrono::minutes>(options_.failureWindow).count();
+    return {action::KillAll{reason},
+            action::Stop{strCat(failures_.size(), " failures within ", minutes, " min, the last: ", reason,
+                                "; giving up instead of restarting in a loop"),
+                         1}};
+  }
+  const bool alreadyStopping = phase_ == Phase::kStopping || phase_ == Phase::kBackoff;
+  phase_ = Phase::kStopping;
+  if (running_.empty()) return allExited(now);
+  if (alreadyStopping) return {};
+  return {action::KillAll{reason}};
+}
+
+std::vector<Action> MorphController::allExited(TimePoint now) {
+  if (phase_ == Phase::kCheckpointing) return relaunch(now);
+  if (phase_ == Phase::kStopping) {
+    // Exponential backoff over the recent failures.
+    auto wait = options_.restartBackoff;
+    for (size_t i = 1; i < failures_.size(); ++i) wait *= 2;
+    phase_ = Phase::kBackoff;
+    deadline_ = now + wait;
+    if (wait.count() == 0) return relaunch(now);
+  }
+  return {};
+}
+
+std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePoint now) {
+  if (!running_.erase(rank)) return {};  // an earlier generation's straggler
+  if (phase_ == Phase::kRunning) {
+    if (exitCode == kExitCheckpointed) {
+      // Someone signalled the workers directly: treat it as a morph.
+      phase_ = Phase::kCheckpointing;
+      deadline_ = now + options_.checkpointTimeout;
+    } else if (exitCode != 0) {
+      return failure(strCat("rank ", rank, " exited with ", exitCode < 0 ? "a signal" : strCat("code ", exitCode)), now);
+    } else if (running_.empty()) {
+      phase_ = Phase::kFinished;
+      return {action::Stop{"training finished", 0}};
+    } else {
+      return {};
+    }
+  }
+  if (phase_ == Phase::kCheckpointing && exitCode != kExitCheckpointed && exitCode != 0) {
+    return failure(strCat("rank ", rank, " exited with ", exitCode, " during the on-demand checkpoint"), now);
+  }
+  if (running_.empty()) return allExited(now);
+  return {};
+}
+
+std::vector<Action> MorphController::hostLost(const std::string& host, TimePoint now) {
+  lost_.insert(host);
+  bool hadWorkers = false;  // its workers are gone with it
+  for (const auto& p : plan_.ranksOn(host)) hadWorkers |= running_.erase(p.rank) > 0;
+  switch (phase_) {
+    case Phase::kRunning:
+      if (!hadWorkers) return {};  // e.g. a preempted host leaving after the morph
+      return failure(strCat("host ", host, " was lost"), now);
+    case Phase::kCheckpointing:
+      // A preempted host may go once its workers are done; any other loss
+      // means the checkpoint cannot complete.
+      if (!leaving_.count(host)) return failure(strCat("host ", host, " was lost during the checkpoint"), now);
+      return running_.empty() ? allExited(now) : std::vector<Action>{};
+    case Phase::kStopping:
+      return running_.empty() ? allExited(now) : std::vector<Action>{};
+    default:
+      return {};
+  }
+}
+
+std::vector<Action> MorphController::preemptNotice(const std::string& host, TimePoint now) {
+  leaving_.insert(host);
+  if (!options_.morphing) {
+    log::warn("preemption notice for ", host, " ignored: morphing is off (--no_morphing)");
+    return {};
+  }
+  if (plan_.ranksOn(host).empty()) return {};  // no worker there: the next plan leaves it out anyway
+  return beginMorph(now);
+}
+
+std::vector<Action> MorphController::machinesChanged(std::vector<Machine> machines, TimePoint now) {
+  std::set<std::string> before;
+  for (const auto& m : machines_) before.insert(m.host);
+  for (const auto& m : machines) {
+    if (!before.count(m.host)) {  // (re-)added: whatever we knew of it is stale
+      leaving_.erase(m.host);
+      lost_.erase(m.host);
+    }
+  }
+  const bool changed = machines != machines_;
+  machines_ = std::move(machines);
+  if (!changed || !options_.morphing) return {};
+  if (phase_ == Phase::kWaitingForMachines) return relaunch(now);
+  return beginMorph(now);
+}
+
+std::vector<Action> MorphController::workerHung(int rank, TimePoint now) {
+  if (!running_.count(rank)) return {};
+  return failure(strCat("rank ", rank, " stopped sending heartbeats"), now);
+}
+
+std::vector<Action> MorphController::tick(TimePoint now) {
+  if (phase_ == Phase::kCheckpointing && now >= deadline_) {
+    return failure("the on-demand checkpoint did not finish in time", now);
+  }
+  if (phase_ == Phase::kBackoff && now >= deadline_) return relaunch(now);
+  return {};
+}
+
+}  // namespace varuna

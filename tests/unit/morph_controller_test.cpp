@@ -1,0 +1,212 @@
+// The manager's decisions, driven by a fake clock and fake events.
+#include <catch2/catch.hpp>
+
+#include "varuna/common/errors.h"
+#include "varuna/manager/morph_controller.h"
+
+using namespace varuna;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Harness {
+  std::optional<int64_t> latest;
+  TimePoint now{};
+  MorphController controller;
+
+  Harness(std::vector<Machine> machines, ControllerOptions options = defaults())
+      : controller(options, std::move(machines), [this] { return latest; }) {}
+
+  static ControllerOptions defaults() {
+    ControllerOptions o;
+    o.stages = 2;
+    o.globalBatch = 16;
+    o.chunkSize = 4;
+    o.checkpointTimeout = 30s;
+    o.restartBackoff = 1s;
+    o.maxFailures = 2;
+    o.failureWindow = 10min;
+    return o;
+  }
+  // Every running worker exits with `code`; returns the actions of the last exit.
+  std::vector<Action> allExit(int code) {
+    std::vector<Action> last;
+    const auto ranks = controller.runningRanks();
+    for (int r : ranks) last = controller.workerExited(r, code, now);
+    return last;
+  }
+};
+
+template <typename A>
+const A& only(const std::vector<Action>& actions) {
+  REQUIRE(actions.size() == 1);
+  REQUIRE(std::holds_alternative<A>(actions[0]));
+  return std::get<A>(actions[0]);
+}
+
+std::vector<Machine> twoHosts() { return {{"a", 2, 1}, {"b", 2, 2}}; }
+
+}  // namespace
+
+TEST_CASE("planner: clustered placement, most replicas, constant global batch", "[planner]") {
+  auto plan = makePlan({twoHosts(), 2, 16, 4, {}});
+  CHECK(plan.replicas == 2);
+  CHECK(plan.perReplicaBatch == 8);
+  CHECK(plan.stageToRankMap == "0,2;1,3;");
+  CHECK(plan.hosts == std::vector<std::string>{"a", "b"});
+  REQUIRE(plan.ranksOn("a").size() == 2);
+  CHECK(plan.ranksOn("a")[0].rank == 0);  // stages 0 and 1 of replica 0 share host a
+  CHECK(plan.ranksOn("a")[1].rank == 1);
+  CHECK(plan.ranksOn("b")[1].localRank == 1);
+  // 3 slots for 1 stage, batch 16: 3 does not divide 16, so 2 replicas and one idle slot.
+  auto odd = makePlan({{{"a", 3, 1}}, 1, 16, 4, {}});
+  CHECK(odd.replicas == 2);
+  CHECK(odd.unusedSlots == 1);
+  // Excluded hosts hold nothing; too few slots is a clear error.
+  CHECK(makePlan({twoHosts(), 2, 16, 4, {"b"}}).replicas == 1);
+  CHECK_THROWS_WITH(makePlan({twoHosts(), 3, 16, 4, {"b"}}),
+                    Catch::Contains("cannot hold one pipeline: 3 stages need 3 worker slots, 2 are available"));
+  CHECK_THROWS_AS(makePlan({twoHosts(), 2, 0, 4, {}}), ConfigError);
+}
+
+TEST_CASE("a preemption notice checkpoints, then morphs onto the remaining hosts", "[morph]") {
+  Harness h(twoHosts());
+  auto launch = only<action::Launch>(h.controller.start(h.now));
+  CHECK(launch.plan.replicas == 2);
+  CHECK(launch.resumeStep == -1);
+
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now));
+  CHECK(h.controller.phase() == Phase::kCheckpointing);
+  h.latest = 40;  // the workers wrote their on-demand checkpoint
+  auto relaunch = only<action::Launch>(h.allExit(kExitCheckpointed));
+  CHECK(relaunch.plan.replicas == 1);
+  CHECK(relaunch.plan.hosts == std::vector<std::string>{"a"});
+  CHECK(relaunch.plan.globalBatch == 16);
+  CHECK(relaunch.resumeStep == 40);
+  CHECK(relaunch.generation == 2);
+  // The preempted host's agent disconnecting afterwards is no failure.
+  CHECK(h.controller.hostLost("b", h.now).empty());
+  CHECK(h.controller.phase() == Phase::kRunning);
+}
+
+TEST_CASE("a sudden loss kills everyone and relaunches from the latest checkpoint after a backoff", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  h.latest = 20;
+  only<action::KillAll>(h.controller.workerExited(3, -1, h.now));
+  CHECK(h.controller.phase() == Phase::kStopping);
+  CHECK(h.allExit(-1).empty());  // killed: now backing off
+  CHECK(h.controller.phase() == Phase::kBackoff);
+  CHECK(h.controller.tick(h.now + 500ms).empty());
+  auto relaunch = only<action::Launch>(h.controller.tick(h.now + 1s));
+  CHECK(relaunch.resumeStep == 20);
+  CHECK(relaunch.plan.replicas == 2);  // the host is still there: same shape
+}
+
+TEST_CASE("a lost host is left out of the next plan", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  only<action::KillAll>(h.controller.hostLost("b", h.now));
+  h.allExit(-1);
+  auto relaunch = only<action::Launch>(h.controller.tick(h.now + 1s));
+  CHECK(relaunch.plan.hosts == std::vector<std::string>{"a"});
+}
+
+TEST_CASE("repeated failures stop the manager instead of looping", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  for (int i = 0; i < 2; ++i) {
+    h.controller.workerHung(0, h.now);
+    h.allExit(-1);
+    h.now += 10s;
+    only<action::Launch>(h.controller.tick(h.now));
+  }
+  auto actions = h.controller.workerExited(1, 1, h.now);
+  REQUIRE(actions.size() == 2);
+  const auto& stop = std::get<action::Stop>(actions[1]);
+  CHECK(stop.exitCode == 1);
+  CHECK_THAT(stop.reason, Catch::Contains("3 failures within 10 min") && Catch::Contains("rank 1 exited with code 1"));
+  CHECK(h.controller.phase() == Phase::kFailed);
+}
+
+TEST_CASE("the backoff doubles with each recent failure", "[morph]") {
+  auto options = Harness::defaults();
+  options.maxFailures = 5;
+  Harness h(twoHosts(), options);
+  h.controller.start(h.now);
+  h.controller.workerExited(0, 1, h.now);
+  h.allExit(-1);
+  only<action::Launch>(h.controller.tick(h.now + 1s));
+  h.controller.workerExited(0, 1, h.now);
+  h.allExit(-1);
+  CHECK(h.controller.tick(h.now + 1500ms).empty());  // second failure: 2 s
+  only<action::Launch>(h.controller.tick(h.now + 2s));
+}
+
+TEST_CASE("a checkpoint that does not finish in time becomes a failure", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  h.controller.preemptNotice("b", h.now);
+  CHECK(h.controller.tick(h.now + 29s).empty());
+  only<action::KillAll>(h.controller.tick(h.now + 30s));
+  h.latest = 10;  // only an older checkpoint is complete
+  h.allExit(-1);
+  auto relaunch = only<action::Launch>(h.controller.tick(h.now + 31s));
+  CHECK(relaunch.resumeStep == 10);
+  CHECK(relaunch.plan.hosts == std::vector<std::string>{"a"});  // b is still leaving
+}
+
+TEST_CASE("events during a morph are coalesced into the next plan", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now));
+  // While checkpointing: a new machine arrives and another notice comes in.
+  CHECK(h.controller.machinesChanged({{"a", 2, 1}, {"b", 2, 2}, {"c", 2, 3}}, h.now).empty());
+  CHECK(h.controller.preemptNotice("b", h.now).empty());
+  auto relaunch = only<action::Launch>(h.allExit(kExitCheckpointed));
+  CHECK(relaunch.plan.hosts == std::vector<std::string>{"a", "c"});
+  CHECK(relaunch.plan.replicas == 2);
+}
+
+TEST_CASE("the machine list growing morphs the job wider", "[morph]") {
+  Harness h({{"a", 2, 1}});
+  CHECK(only<action::Launch>(h.controller.start(h.now)).plan.replicas == 1);
+  only<action::Checkpoint>(h.controller.machinesChanged(twoHosts(), h.now));
+  CHECK(only<action::Launch>(h.allExit(kExitCheckpointed)).plan.replicas == 2);
+  // An unchanged list changes nothing.
+  CHECK(h.controller.machinesChanged(twoHosts(), h.now).empty());
+}
+
+TEST_CASE("too few machines: wait for more instead of failing", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  h.controller.preemptNotice("a", h.now);
+  h.controller.preemptNotice("b", h.now);
+  CHECK(h.allExit(kExitCheckpointed).empty());
+  CHECK(h.controller.phase() == Phase::kWaitingForMachines);
+  CHECK(only<action::Launch>(h.controller.machinesChanged({{"c", 2, 1}}, h.now)).plan.hosts ==
+        std::vector<std::string>{"c"});
+}
+
+TEST_CASE("without morphing the job runs once and a failure stops it", "[morph]") {
+  auto options = Harness::defaults();
+  options.morphing = false;
+  Harness h(twoHosts(), options);
+  h.controller.start(h.now);
+  CHECK(h.controller.preemptNotice("b", h.now).empty());
+  auto actions = h.controller.workerExited(2, 3, h.now);
+  REQUIRE(actions.size() == 2);
+  CHECK(std::holds_alternative<action::KillAll>(actions[0]));
+  CHECK_THAT(std::get<action::Stop>(actions[1]).reason, Catch::Contains("--no_morphing"));
+}
+
+TEST_CASE("all workers finishing stops the manager with success", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  const auto stop = only<action::Stop>(h.allExit(0));
+  CHECK(stop.exitCode == 0);
+  CHECK(h.controller.phase() == Phase::kFinished);
+  // Machines that cannot hold a pipeline at start are a configuration error.
+  Harness small({{"a", 1, 1}});
+  CHECK(only<action::Stop>(small.controller.start(small.now)).exitCode == kExitConfigError);
+}

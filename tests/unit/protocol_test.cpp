@@ -1,0 +1,88 @@
+#include <catch2/catch.hpp>
+
+#include "varuna/common/protocol.h"
+
+using namespace varuna::proto;
+
+namespace {
+
+std::vector<Message> samples() {
+  LaunchWorkers launch;
+  launch.workers = {{0, 0}, {1, 1}};
+  launch.argv = {"/bin/train", "--steps", "10"};
+  launch.codeDir = "/code";
+  launch.env = {{"A", "1"}, {"B", "x y"}};
+  launch.stageToRankMap = "0,2;1,3;";
+  launch.chunkSize = 4;
+  launch.batchSize = 16;
+  launch.resumeStep = 40;
+  launch.masterAddr = "10.0.0.4";
+  launch.masterPort = 29500;
+  launch.worldSize = 4;
+  return {Hello{kVersion, "secret", "worker", "10.0.0.4", 3},
+          Heartbeat{2, 17},
+          StepReport{1, 1, 0, 9, 2.5, 0.25, 0.0125},
+          WorkerExited{"10.0.0.5", 3, -1, 9},
+          PreemptNotice{"10.0.0.5", 1790000000000},
+          launch,
+          CheckpointAndExit{},
+          KillWorkers{"morph"},
+          Ack{false, "no such host"}};
+}
+
+}  // namespace
+
+TEST_CASE("every message survives encode and decode", "[protocol]") {
+  for (const auto& m : samples()) {
+    INFO(typeName(m));
+    FrameDecoder decoder;
+    decoder.feed(encode(m));
+    auto back = decoder.next();
+    REQUIRE(back.has_value());
+    CHECK(*back == m);
+    CHECK(decoder.buffered() == 0);
+  }
+}
+
+TEST_CASE("frames split anywhere and glued together decode in order", "[protocol]") {
+  std::string stream;
+  for (const auto& m : samples()) stream += encode(m);
+  FrameDecoder decoder;
+  std::vector<Message> got;
+  for (char c : stream) {  // one byte at a time: the worst fragmentation
+    decoder.feed(std::string_view(&c, 1));
+    while (auto m = decoder.next()) got.push_back(*m);
+  }
+  CHECK(got == samples());
+}
+
+TEST_CASE("truncated, oversized and malformed frames", "[protocol]") {
+  const std::string frame = encode(Heartbeat{1, 2});
+  FrameDecoder truncated;
+  truncated.feed(frame.substr(0, frame.size() - 1));
+  CHECK_FALSE(truncated.next().has_value());  // waits for the rest
+
+  FrameDecoder oversized(64);
+  oversized.feed(std::string("\x00\x10\x00\x00", 4));  // claims 1 MiB before any body arrives
+  CHECK_THROWS_WITH(oversized.next(), Catch::Contains("exceeds the limit of 64"));
+
+  FrameDecoder garbage;
+  garbage.feed(std::string("\x00\x00\x00\x05", 4) + "{nope");
+  CHECK_THROWS_AS(garbage.next(), ProtocolError);
+
+  const std::string body = R"({"type":"format_disk"})";
+  FrameDecoder typed;
+  typed.feed(std::string("\x00\x00\x00", 3) + static_cast<char>(body.size()) + body);
+  CHECK_THROWS_WITH(typed.next(), Catch::Contains("unknown message type 'format_disk'"));
+
+  const std::string missing = R"({"type":"heartbeat","rank":1})";
+  CHECK_THROWS_WITH(decodeBody(missing), Catch::Contains("malformed message"));
+}
+
+TEST_CASE("the first frame must be a hello with our version and token", "[protocol]") {
+  CHECK(checkHello(Hello{kVersion, "t0k", "agent", "h1", -1}, "t0k").role == "agent");
+  CHECK_THROWS_WITH(checkHello(Hello{kVersion, "guess", "agent", "h1", -1}, "t0k"),
+                    Catch::Contains("wrong job token from 'h1'") && !Catch::Contains("t0k"));
+  CHECK_THROWS_WITH(checkHello(Hello{kVersion + 1, "t0k", "agent", "h1", -1}, "t0k"), Catch::Contains("protocol version"));
+  CHECK_THROWS_WITH(checkHello(Heartbeat{}, "t0k"), Catch::Contains("first message must be hello"));
+}
