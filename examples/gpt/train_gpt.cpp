@@ -57,6 +57,8 @@ std::vector<double> parseCosts(const std::string& text) {
 
 void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   CLI::App app{"train_gpt: the Varuna example character-level GPT"};
+  // The last occurrence wins, so wrappers (scripts/demo.sh) can set defaults.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--steps", o.steps, "optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--data", o.data, "text file or directory of text files");
   app.add_option("--optimizer", o.optimizer, "adamw or sgd")->check(CLI::IsMember({"adamw", "sgd"}));
@@ -121,9 +123,10 @@ void writeParameters(const varuna::Varuna& model, const std::filesystem::path& p
 
 int run(int argc, char** argv) {
   const auto launch = varuna::parseLaunchArgs(argc, argv, varuna::currentEnvironment());
+  varuna::log::configure({.component = "train_gpt", .rank = launch.rank});
   TrainOptions o;
   parseTrainOptions(launch.userArgs, o);
-  varuna::log::configure({.component = "train_gpt", .rank = launch.rank}, varuna::log::parseLevel(o.logLevel));
+  varuna::log::setLevel(varuna::log::parseLevel(o.logLevel));
   torch::set_num_threads(o.threads);
 
   const auto data = gpt::CharDataset::fromPath(o.data);
