@@ -40,6 +40,8 @@ TEST_CASE("torchrun's environment fills what the command line does not give", "[
   CHECK_FALSE(a.externalStore);
   // The command line wins over the environment.
   CHECK(parse({"--rank", "2"}, {{"RANK", "5"}, {"WORLD_SIZE", "8"}}).rank == 2);
+  // torchrun's agent hosts the store itself.
+  CHECK(parse({}, {{"TORCHELASTIC_USE_AGENT_STORE", "True"}}).externalStore);
   // Without LOCAL_RANK, the local rank defaults to the rank.
   CHECK(parse({"--rank", "2"}, {{"WORLD_SIZE", "4"}}).localRank == 2);
 }

@@ -87,21 +87,18 @@ PeerLostError PeerMonitor::diagnose(const std::string& during, const std::string
   try {
     // A failure someone already diagnosed (or a rank's own error) wins, so every
     // rank names the same culprit.
-    auto readRecorded = [this]() -> std::optional<std::string> {
+    // Recorded failures read "<rank>|<message>".
+    auto recorded = [&]() -> std::optional<PeerLostError> {
       if (store_->add(kFailureCountKey, 0) == 0) return std::nullopt;
       store_->wait({kFailureKey}, interval_ * 10);
-      return toString(store_->get(kFailureKey));
+      const std::string value = toString(store_->get(kFailureKey));
+      const auto bar = value.find('|');
+      return PeerLostError(value.substr(bar + 1) + noticed, std::stoi(value.substr(0, bar)));
     };
-    if (auto recorded = readRecorded()) {
-      const int culprit = std::stoi(recorded->substr(0, recorded->find('|')));
-      return PeerLostError(recorded->substr(recorded->find('|') + 1) + noticed, culprit);
-    }
+    if (auto known = recorded()) return *known;
     const auto before = readHeartbeats();
     std::this_thread::sleep_for(interval_ * 4);  // long enough for every live rank to beat
-    if (auto recorded = readRecorded()) {
-      const int culprit = std::stoi(recorded->substr(0, recorded->find('|')));
-      return PeerLostError(recorded->substr(recorded->find('|') + 1) + noticed, culprit);
-    }
+    if (auto known = recorded()) return *known;
     const auto after = readHeartbeats();
     for (int r = 0; r < worldSize_; ++r) {
       if (r != rank_ && after[r] == before[r]) {

@@ -1,44 +1,44 @@
 #include "grad_buckets.h"
 
-#include <torch/csrc/autograd/variable.h>
-
 #include "comm.h"
 
 namespace varuna {
 
 void GradBuckets::add(const std::vector<BucketedParam>& params, c10::intrusive_ptr<c10d::Backend> group,
-                      bool countInNorm, int64_t bucketBytes) {
+                      int64_t bucketBytes) {
   std::vector<BucketedParam> current;
   int64_t bytes = 0;
   for (const auto& p : params) {
     const bool typeChanges = !current.empty() && (current.back().param.scalar_type() != p.param.scalar_type() ||
                                                   current.back().param.device() != p.param.device());
     if (typeChanges || (!current.empty() && bytes >= bucketBytes)) {
-      seal(current, group, countInNorm);
+      seal(current, group);
       bytes = 0;
     }
     current.push_back(p);
     bytes += p.param.numel() * static_cast<int64_t>(p.param.element_size());
   }
-  if (!current.empty()) seal(current, group, countInNorm);
+  if (!current.empty()) seal(current, group);
 }
 
-void GradBuckets::seal(std::vector<BucketedParam>& params, const c10::intrusive_ptr<c10d::Backend>& group,
-                       bool countInNorm) {
+void GradBuckets::seal(std::vector<BucketedParam>& params, const c10::intrusive_ptr<c10d::Backend>& group) {
   int64_t total = 0;
   for (const auto& p : params) total += p.param.numel();
   Bucket bucket;
   bucket.flat = torch::zeros({total}, params.front().param.options().requires_grad(false));
   bucket.group = group;
-  bucket.countInNorm = countInNorm;
   int64_t offset = 0;
+  bool allCounted = true;
   for (auto& p : params) {
     const int64_t n = p.param.numel();
     // The gradient is a view into the bucket: autograd accumulates in place.
     p.param.mutable_grad() = bucket.flat.narrow(0, offset, n).view(p.param.sizes());
+    if (p.countInNorm) bucket.counted.push_back(p.param.grad());
+    allCounted = allCounted && p.countInNorm;
     offset += n;
     bucket.pieces.insert(p.piece);
   }
+  if (allCounted) bucket.counted = {bucket.flat};  // one pass over the whole bucket
   buckets_.push_back(std::move(bucket));
   params.clear();
 }
@@ -74,9 +74,10 @@ void GradBuckets::zero() {
 double GradBuckets::sumOfSquares() const {
   double total = 0.0;
   for (const auto& bucket : buckets_) {
-    if (!bucket.countInNorm) continue;
-    const double norm = bucket.flat.norm().item<double>();
-    total += norm * norm;
+    for (const auto& view : bucket.counted) {
+      const double norm = view.norm().item<double>();
+      total += norm * norm;
+    }
   }
   return total;
 }

@@ -20,16 +20,16 @@ class Communicator;
 
 struct BucketedParam {
   torch::Tensor param;
-  int piece;  // local piece index whose backward finalises this gradient
+  int piece;                // local piece index whose backward finalises this gradient
+  bool countInNorm = true;  // false: another rank counts it in the global norm
 };
 
 class GradBuckets {
  public:
   // Adds params reduced (summed) over `group` (null: nothing to reduce). Give
-  // them in the order their gradients become final (last piece first).
-  // countInNorm: whether they count in the global gradient norm on this rank.
-  void add(const std::vector<BucketedParam>& params, c10::intrusive_ptr<c10d::Backend> group,
-           bool countInNorm, int64_t bucketBytes);
+  // them in the order their gradients become final (last piece first); every
+  // member of the group must add the same sizes in the same order.
+  void add(const std::vector<BucketedParam>& params, c10::intrusive_ptr<c10d::Backend> group, int64_t bucketBytes);
 
   // A piece's backward for the step's last micro-batch is done: launch every
   // bucket that now has only final gradients.
@@ -48,10 +48,10 @@ class GradBuckets {
     std::set<int> pending;  // not yet final this step
     c10::intrusive_ptr<c10d::Backend> group;
     c10::intrusive_ptr<c10d::Work> work;
-    bool countInNorm = true;
+    std::vector<torch::Tensor> counted;  // gradient views counted in the norm (all: {flat})
   };
   void launch(Bucket& bucket);
-  void seal(std::vector<BucketedParam>& params, const c10::intrusive_ptr<c10d::Backend>& group, bool countInNorm);
+  void seal(std::vector<BucketedParam>& params, const c10::intrusive_ptr<c10d::Backend>& group);
 
   std::vector<Bucket> buckets_;
 };

@@ -34,6 +34,10 @@ LaunchArgs parseLaunchArgs(int argc, const char* const* argv, const std::map<std
   args.worldSize = envNumber<int>(env, "WORLD_SIZE", 1);
   args.masterPort = envNumber<int>(env, "MASTER_PORT", 29500);
   if (auto it = env.find("MASTER_ADDR"); it != env.end() && !it->second.empty()) args.masterAddr = it->second;
+  // Under torchrun the agent already hosts the TCPStore on MASTER_PORT.
+  if (auto it = env.find("TORCHELASTIC_USE_AGENT_STORE"); it != env.end() && it->second == "True") {
+    args.externalStore = true;
+  }
 
   CLI::App app{"varuna worker"};
   app.allow_extras();

@@ -267,18 +267,17 @@ std::string Varuna::Impl::checkSharedWeights() const {
 }
 
 void Varuna::Impl::setUpGradients() {
-  // Classify tied parameters.
-  std::set<std::string> excluded;  // not in the data-parallel buckets
-  std::map<std::string, std::vector<BucketedParam>> tieBuckets;
-  std::map<std::string, std::vector<int>> tieGroupRanks;
-  std::map<std::string, bool> tieCounts;
+  // Classify tied parameters: a same-stage duplicate shares its twin's
+  // gradient storage; a cross-stage one is reduced over both stages instead of
+  // the data-parallel group. Neither goes into the data-parallel buckets.
+  std::set<const void*> notDataParallel;
   for (const auto& [a, b] : opt_.model.sharedWeights) {
     const int sa = partition_.stageOfPiece(pieceOfParameter(opt_.model, a));
     const int sb = partition_.stageOfPiece(pieceOfParameter(opt_.model, b));
     if (sa == sb) {
       if (sa == stage_) {
         localTies_.push_back({a, b});
-        excluded.insert(b);  // shares a's gradient storage
+        notDataParallel.insert(model_->namedParams().at(b).unsafeGetTensorImpl());
       }
       continue;
     }
@@ -293,42 +292,37 @@ void Varuna::Impl::setUpGradients() {
     }
     std::sort(tie.groupRanks.begin(), tie.groupRanks.end());
     tie.rootRank = map_.rankOf(sa, 0);
-    excluded.insert(tie.localName);
+    notDataParallel.insert(model_->namedParams().at(tie.localName).unsafeGetTensorImpl());
     crossTies_.push_back(tie);
   }
   // Groups are created in one global order (data-parallel, then ties sorted by
-  // name) so that no two ranks wait on each other's creation.
+  // name) so that no two ranks wait on each other's creation. The sort is
+  // stable: within a group, pairs keep their declaration order, which is the
+  // order of their gradients in the group's bucket on both stages.
   c10::intrusive_ptr<c10d::Backend> dp;
   if (D_ > 1) dp = comm_->group(strCat("dp", stage_), map_.ranksOfStage(stage_));
-  std::sort(crossTies_.begin(), crossTies_.end(),
-            [](const CrossStageTie& x, const CrossStageTie& y) { return x.groupName < y.groupName; });
-  for (const auto& tie : crossTies_) comm_->group(tie.groupName, tie.groupRanks);
+  std::stable_sort(crossTies_.begin(), crossTies_.end(),
+                   [](const CrossStageTie& x, const CrossStageTie& y) { return x.groupName < y.groupName; });
 
   // Data-parallel buckets: pieces last-first, as the backward finalises them.
   std::vector<BucketedParam> ordered;
   for (int k = model_->numPieces() - 1; k >= 0; --k) {
     auto params = model_->pieceParams(k);
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
-      bool skip = false;
-      for (const auto& [name, t] : model_->namedParams()) {
-        if (t.is_same(*it) && excluded.count(name)) skip = true;
-      }
-      if (!skip) ordered.push_back({*it, k});
+      if (!notDataParallel.count(it->unsafeGetTensorImpl())) ordered.push_back({*it, k, true});
     }
   }
-  buckets_.add(ordered, dp, /*countInNorm=*/true, opt_.bucketBytes);
-  // One bucket per tie group, reduced over both stages' replicas at once.
-  std::map<std::string, std::vector<BucketedParam>> perGroup;
-  std::map<std::string, bool> groupCounts;
-  for (const auto& tie : crossTies_) {
-    const auto& t = model_->namedParams().at(tie.localName);
-    perGroup[tie.groupName].push_back({t, model_->localPieceOf(tie.localName)});
-    groupCounts[tie.groupName] = groupCounts[tie.groupName] || tie.primary;
-  }
-  for (auto& [name, params] : perGroup) {
-    const auto& tieRanks = std::find_if(crossTies_.begin(), crossTies_.end(),
-                                        [&](const CrossStageTie& t) { return t.groupName == name; })->groupRanks;
-    buckets_.add(params, comm_->group(name, tieRanks), groupCounts[name], opt_.bucketBytes);
+  buckets_.add(ordered, dp, opt_.bucketBytes);
+  // One bucket per tie group, reduced over both stages' replicas at once. Each
+  // tied weight counts in the gradient norm on its first name's stage only.
+  for (size_t i = 0; i < crossTies_.size();) {
+    const CrossStageTie& first = crossTies_[i];
+    std::vector<BucketedParam> params;
+    for (; i < crossTies_.size() && crossTies_[i].groupName == first.groupName; ++i) {
+      const auto& tie = crossTies_[i];
+      params.push_back({model_->namedParams().at(tie.localName), model_->localPieceOf(tie.localName), tie.primary});
+    }
+    buckets_.add(params, comm_->group(first.groupName, first.groupRanks), opt_.bucketBytes);
   }
   // A tied duplicate on the same stage accumulates into its twin's storage.
   for (const auto& [a, b] : localTies_) {
@@ -557,6 +551,10 @@ double Varuna::Impl::evaluate(const Batch& inputs) {
   const auto micro = splitMicrobatches(inputs, samples, "evaluate()");
   torch::NoGradGuard noGrad;
   model_->eval();
+  struct TrainModeOnExit {  // back to training mode even when a peer fails
+    StageModel& model;
+    ~TrainModeOnExit() { model.train(); }
+  } restore{*model_};
   double lossSum = 0.0;
   for (int i = 0; i < static_cast<int>(micro.size()); ++i) {
     const int64_t b = micro[i].begin()->second.size(0);
@@ -575,7 +573,6 @@ double Varuna::Impl::evaluate(const Batch& inputs) {
       comm_->waitFor(comm_->send(payload, nextRank(), tagFor(kEvalTag, i)), "sending an evaluation activation");
     }
   }
-  model_->train();
   auto stats = torch::tensor({last() ? lossSum : 0.0, last() ? static_cast<double>(samples) : 0.0},
                              torch::TensorOptions().dtype(torch::kDouble));
   if (map_.worldSize() > 1) {
