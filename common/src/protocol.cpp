@@ -13,7 +13,7 @@ struct Overloaded : Ts... {
 };
 
 json toJson(const Hello& m) {
-  return {{"type", "hello"}, {"version", m.version}, {"token", m.token}, {"role", m.role}, {"host", m.host}, {"rank", m.rank}};
+  return {{"type", "hello"}, {"version", m.version}, {"token", m.token}, {"role", m.role}, {"host", m.host}, {"rank", m.rank}, {"generation", m.generation}};
 }
 json toJson(const Heartbeat& m) { return {{"type", "heartbeat"}, {"rank", m.rank}, {"step", m.step}}; }
 json toJson(const StepReport& m) {
@@ -21,7 +21,8 @@ json toJson(const StepReport& m) {
           {"loss", m.loss}, {"step_seconds", m.stepSeconds}, {"compute_seconds_per_microbatch", m.computeSecondsPerMicrobatch}};
 }
 json toJson(const WorkerExited& m) {
-  return {{"type", "worker_exited"}, {"host", m.host}, {"rank", m.rank}, {"exit_code", m.exitCode}, {"signal", m.signal}};
+  return {{"type", "worker_exited"}, {"host", m.host}, {"rank", m.rank}, {"exit_code", m.exitCode}, {"signal", m.signal},
+          {"generation", m.generation}, {"log_tail", m.logTail}};
 }
 json toJson(const PreemptNotice& m) { return {{"type", "preempt"}, {"host", m.host}, {"deadline_unix_ms", m.deadlineUnixMs}}; }
 json toJson(const LaunchWorkers& m) {
@@ -32,23 +33,25 @@ json toJson(const LaunchWorkers& m) {
   return {{"type", "launch_workers"}, {"workers", workers}, {"argv", m.argv}, {"code_dir", m.codeDir}, {"env", env},
           {"stage_to_rank_map", m.stageToRankMap}, {"chunk_size", m.chunkSize}, {"batch_size", m.batchSize},
           {"resume_step", m.resumeStep}, {"master_addr", m.masterAddr}, {"master_port", m.masterPort},
-          {"world_size", m.worldSize}};
+          {"world_size", m.worldSize}, {"generation", m.generation}};
 }
 json toJson(const CheckpointAndExit&) { return {{"type", "checkpoint_and_exit"}}; }
 json toJson(const KillWorkers& m) { return {{"type", "kill_workers"}, {"reason", m.reason}}; }
+json toJson(const Shutdown& m) { return {{"type", "shutdown"}, {"reason", m.reason}}; }
 json toJson(const Ack& m) { return {{"type", "ack"}, {"ok", m.ok}, {"error", m.error}}; }
 
 Message fromJson(const json& j) {
   const std::string type = j.at("type").get<std::string>();
   if (type == "hello") {
-    return Hello{j.at("version"), j.at("token"), j.at("role"), j.at("host"), j.at("rank")};
+    return Hello{j.at("version"), j.at("token"), j.at("role"), j.at("host"), j.at("rank"), j.at("generation")};
   }
   if (type == "heartbeat") return Heartbeat{j.at("rank"), j.at("step")};
   if (type == "step_report") {
     return StepReport{j.at("rank"), j.at("stage"), j.at("replica"), j.at("step"), j.at("loss"), j.at("step_seconds"),
                       j.at("compute_seconds_per_microbatch")};
   }
-  if (type == "worker_exited") return WorkerExited{j.at("host"), j.at("rank"), j.at("exit_code"), j.at("signal")};
+  if (type == "worker_exited") return WorkerExited{j.at("host"), j.at("rank"), j.at("exit_code"), j.at("signal"), j.at("generation"),
+                        j.at("log_tail")};
   if (type == "preempt") return PreemptNotice{j.at("host"), j.at("deadline_unix_ms")};
   if (type == "launch_workers") {
     LaunchWorkers m;
@@ -63,10 +66,12 @@ Message fromJson(const json& j) {
     m.masterAddr = j.at("master_addr");
     m.masterPort = j.at("master_port");
     m.worldSize = j.at("world_size");
+    m.generation = j.at("generation");
     return m;
   }
   if (type == "checkpoint_and_exit") return CheckpointAndExit{};
   if (type == "kill_workers") return KillWorkers{j.at("reason")};
+  if (type == "shutdown") return Shutdown{j.at("reason")};
   if (type == "ack") return Ack{j.at("ok"), j.at("error")};
   throw ProtocolError("unknown message type '" + type + "'");
 }

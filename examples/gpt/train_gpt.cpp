@@ -126,6 +126,8 @@ int run(int argc, char** argv) {
   varuna::log::configure({.component = "train_gpt", .rank = launch.rank});
   TrainOptions o;
   parseTrainOptions(launch.userArgs, o);
+  // Under run_varuna the job's global store is the default checkpoint folder.
+  if (o.checkpointDir.empty()) o.checkpointDir = launch.globalStore;
   varuna::log::setLevel(varuna::log::parseLevel(o.logLevel));
   torch::set_num_threads(o.threads);
 
@@ -174,7 +176,9 @@ int run(int argc, char** argv) {
   if (!o.dumpDir.empty()) {
     std::filesystem::create_directories(o.dumpDir);
     writeParameters(model, std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_initial.pt"));
-    stepLog.open(std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_steps.jsonl"));
+    // A resumed run (e.g. after a morph) continues the log of the run before.
+    stepLog.open(std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_steps.jsonl"),
+                 launch.resumeStep >= 0 ? std::ios::app : std::ios::trunc);
   }
   const int64_t globalBatch = perReplica * map.numReplicas();
   const bool reporter = launch.rank == 0;

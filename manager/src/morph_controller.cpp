@@ -21,7 +21,10 @@ const char* toString(Phase phase) {
 
 MorphController::MorphController(ControllerOptions options, std::vector<Machine> machines,
                                  std::function<std::optional<int64_t>()> latestCheckpoint)
-    : options_(options), machines_(std::move(machines)), latestCheckpoint_(std::move(latestCheckpoint)) {}
+    : options_(options),
+      machines_(std::move(machines)),
+      latestCheckpoint_(std::move(latestCheckpoint)),
+      generation_(options.firstGeneration - 1) {}
 
 std::set<std::string> MorphController::unavailable() const {
   std::set<std::string> out = excluded_;
@@ -30,14 +33,17 @@ std::set<std::string> MorphController::unavailable() const {
   return out;
 }
 
+PlanRequest MorphController::planRequest() const {
+  return PlanRequest{machines_, options_.stages, options_.globalBatch, options_.chunkSize, unavailable()};
+}
+
 std::vector<Action> MorphController::start(TimePoint now) { return relaunch(now); }
 
 std::vector<Action> MorphController::relaunch(TimePoint now) {
-  PlanRequest request{machines_, options_.stages, options_.globalBatch, options_.chunkSize, unavailable()};
   try {
-    plan_ = makePlan(request);
+    plan_ = makePlan(planRequest());
   } catch (const ConfigError& e) {
-    if (generation_ == 0 || !options_.morphing) {
+    if (generation_ < options_.firstGeneration || !options_.morphing) {
       phase_ = Phase::kFailed;
       return {action::Stop{e.what(), kExitConfigError}};
     }
@@ -85,6 +91,10 @@ std::vector<Action> MorphController::failure(const std::string& reason, TimePoin
 }
 
 std::vector<Action> MorphController::allExited(TimePoint now) {
+  if (!stopReason_.empty() && (phase_ == Phase::kCheckpointing || phase_ == Phase::kStopping)) {
+    phase_ = Phase::kFinished;
+    return {action::Stop{stopReason_, 0}};
+  }
   if (phase_ == Phase::kCheckpointing) return relaunch(now);
   if (phase_ == Phase::kStopping) {
     // Exponential backoff over the recent failures.
@@ -99,6 +109,12 @@ std::vector<Action> MorphController::allExited(TimePoint now) {
 
 std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePoint now) {
   if (!running_.erase(rank)) return {};  // an earlier generation's straggler
+  if (exitCode == kExitConfigError && phase_ != Phase::kStopping && phase_ != Phase::kBackoff) {
+    // Bad arguments or model: every relaunch would fail the same way.
+    phase_ = Phase::kFailed;
+    const std::string reason = strCat("rank ", rank, " exited with a configuration error (code 2); see its message");
+    return {action::KillAll{reason}, action::Stop{reason, kExitConfigError}};
+  }
   if (phase_ == Phase::kRunning) {
     if (exitCode == kExitCheckpointed) {
       // Someone signalled the workers directly: treat it as a morph.
@@ -163,12 +179,37 @@ std::vector<Action> MorphController::machinesChanged(std::vector<Machine> machin
   machines_ = std::move(machines);
   if (!changed || !options_.morphing) return {};
   if (phase_ == Phase::kWaitingForMachines) return relaunch(now);
+  if (phase_ == Phase::kRunning) {
+    try {
+      const Plan next = makePlan(planRequest());
+      if (next.placement == plan_.placement && next.stageToRankMap == plan_.stageToRankMap) return {};
+    } catch (const ConfigError&) {
+      // Too few machines for any plan: morph anyway; the relaunch waits for machines.
+    }
+  }
   return beginMorph(now);
 }
 
 std::vector<Action> MorphController::workerHung(int rank, TimePoint now) {
   if (!running_.count(rank)) return {};
   return failure(strCat("rank ", rank, " stopped sending heartbeats"), now);
+}
+
+std::vector<Action> MorphController::stop(const std::string& reason, TimePoint now) {
+  if (phase_ == Phase::kFinished || phase_ == Phase::kFailed) return {};
+  const bool again = !stopReason_.empty();
+  stopReason_ = reason;
+  if (phase_ == Phase::kRunning && !running_.empty()) {
+    phase_ = Phase::kCheckpointing;
+    deadline_ = now + options_.checkpointTimeout;
+    return {action::Checkpoint{}};
+  }
+  if (again || running_.empty() || phase_ != Phase::kCheckpointing) {
+    phase_ = running_.empty() ? Phase::kFinished : Phase::kStopping;
+    if (running_.empty()) return {action::KillAll{reason}, action::Stop{reason, 0}};
+    return {action::KillAll{reason}};
+  }
+  return {};  // already checkpointing: stop when it is done
 }
 
 std::vector<Action> MorphController::tick(TimePoint now) {

@@ -210,3 +210,49 @@ TEST_CASE("all workers finishing stops the manager with success", "[morph]") {
   Harness small({{"a", 1, 1}});
   CHECK(only<action::Stop>(small.controller.start(small.now)).exitCode == kExitConfigError);
 }
+
+TEST_CASE("a machine change that leaves the plan as it is does not morph", "[morph]") {
+  Harness h({{"a", 2, 1}, {"b", 2, 2}, {"c", 1, 3}});
+  only<action::Launch>(h.controller.start(h.now));
+  // c's single slot cannot hold a third pipeline: losing it changes nothing.
+  CHECK(h.controller.machinesChanged(twoHosts(), h.now).empty());
+  CHECK(h.controller.phase() == Phase::kRunning);
+  // Losing b does change the plan.
+  only<action::Checkpoint>(h.controller.machinesChanged({{"a", 2, 1}}, h.now));
+}
+
+TEST_CASE("a stop request checkpoints, then stops with success instead of relaunching", "[morph]") {
+  Harness h(twoHosts());
+  only<action::Launch>(h.controller.start(h.now));
+  only<action::Checkpoint>(h.controller.stop("SIGTERM", h.now));
+  h.latest = 7;
+  const auto stop = only<action::Stop>(h.allExit(kExitCheckpointed));
+  CHECK(stop.exitCode == 0);
+  CHECK(stop.reason == "SIGTERM");
+  CHECK(h.controller.phase() == Phase::kFinished);
+}
+
+TEST_CASE("a second stop request kills at once", "[morph]") {
+  Harness h(twoHosts());
+  only<action::Launch>(h.controller.start(h.now));
+  only<action::Checkpoint>(h.controller.stop("SIGTERM", h.now));
+  only<action::KillAll>(h.controller.stop("SIGTERM again", h.now));
+  CHECK(only<action::Stop>(h.allExit(-1)).exitCode == 0);
+}
+
+TEST_CASE("a restarted manager continues the generation numbering", "[morph]") {
+  auto options = Harness::defaults();
+  options.firstGeneration = 5;
+  Harness h(twoHosts(), options);
+  CHECK(only<action::Launch>(h.controller.start(h.now)).generation == 5);
+}
+
+TEST_CASE("a worker's configuration error stops the job instead of retrying", "[morph]") {
+  Harness h(twoHosts());
+  only<action::Launch>(h.controller.start(h.now));
+  const auto actions = h.controller.workerExited(0, kExitConfigError, h.now);
+  REQUIRE(actions.size() == 2);
+  CHECK(std::holds_alternative<action::KillAll>(actions[0]));
+  CHECK(std::get<action::Stop>(actions[1]).exitCode == kExitConfigError);
+  CHECK(h.controller.phase() == Phase::kFailed);
+}

@@ -19,14 +19,15 @@ std::vector<Message> samples() {
   launch.masterAddr = "10.0.0.4";
   launch.masterPort = 29500;
   launch.worldSize = 4;
-  return {Hello{kVersion, "secret", "worker", "10.0.0.4", 3},
+  return {Hello{kVersion, "secret", "worker", "10.0.0.4", 3, 2},
           Heartbeat{2, 17},
           StepReport{1, 1, 0, 9, 2.5, 0.25, 0.0125},
-          WorkerExited{"10.0.0.5", 3, -1, 9},
+          WorkerExited{"10.0.0.5", 3, -1, 9, 4},
           PreemptNotice{"10.0.0.5", 1790000000000},
           launch,
           CheckpointAndExit{},
           KillWorkers{"morph"},
+          Shutdown{"host preempted"},
           Ack{false, "no such host"}};
 }
 

@@ -146,7 +146,9 @@ c10::intrusive_ptr<c10d::Backend> Communicator::makeBackend(const std::string& p
   }
   // One transport device per process, shared by every group. On loopback jobs
   // bind loopback; elsewhere the address this host's name resolves to.
-  static const auto device = isLoopback(options_.masterAddr)
+  static const auto device = !options_.bindAddr.empty()
+                                 ? c10d::ProcessGroupGloo::createDeviceForHostname(options_.bindAddr)
+                             : isLoopback(options_.masterAddr)
                                  ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                  : c10d::ProcessGroupGloo::createDefaultDevice();
   auto opts = c10d::ProcessGroupGloo::Options::create();

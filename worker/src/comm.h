@@ -33,6 +33,7 @@ namespace varuna {
 struct CommOptions {
   std::string masterAddr;
   int masterPort = 0;
+  std::string bindAddr;  // Gloo's address on this host; empty: loopback jobs bind loopback, others the host name's
   bool hostStore = false;  // this process hosts the TCPStore
   int rank = 0;
   int worldSize = 1;

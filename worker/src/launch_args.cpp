@@ -39,6 +39,16 @@ LaunchArgs parseLaunchArgs(int argc, const char* const* argv, const std::map<std
     args.externalStore = true;
   }
 
+  auto envText = [&](const char* key) {
+    auto it = env.find(key);
+    return it == env.end() ? std::string() : it->second;
+  };
+  args.managerAddr = envText("VARUNA_MANAGER_ADDR");
+  args.jobToken = envText("VARUNA_JOB_TOKEN");
+  args.generation = envNumber<int>(env, "VARUNA_GENERATION", -1);
+  args.hostAddr = envText("VARUNA_HOST");
+  args.globalStore = envText("VARUNA_GLOBAL_STORE");
+
   CLI::App app{"varuna worker"};
   app.allow_extras();
   app.set_help_flag();  // --help belongs to the training program

@@ -10,6 +10,7 @@
 #include "autocast_scope.h"
 #include "checkpoint_io.h"
 #include "checkpoint_writer.h"
+#include "manager_link.h"
 #include "comm.h"
 #include "grad_buckets.h"
 #include "stage_model.h"
@@ -64,6 +65,11 @@ void VarunaOptions::applyLaunchArgs(const LaunchArgs& args) {
   rendezvous.masterAddr = args.masterAddr;
   rendezvous.masterPort = args.masterPort;
   rendezvous.externalStore = args.externalStore;
+  rendezvous.bindAddr = args.hostAddr;
+  manager.address = args.managerAddr;
+  manager.token = args.jobToken;
+  manager.generation = args.generation;
+  manager.host = args.hostAddr;
 }
 
 namespace {
@@ -138,6 +144,7 @@ class Varuna::Impl {
   int stage_ = 0, replica_ = 0, P_ = 1, D_ = 1;
   Partition partition_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<ManagerLink> managerLink_;  // run_varuna reporting (null without a manager)
   std::shared_ptr<StageModel> model_;
   GradBuckets buckets_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
@@ -195,10 +202,12 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   }
   log::setStage(stage_);
   partition_ = partitionPieces(pieceCosts(), P_);
+  if (!opt_.manager.address.empty()) managerLink_ = std::make_unique<ManagerLink>(opt_.manager, opt_.rank);
 
   CommOptions comm;
   comm.masterAddr = opt_.rendezvous.masterAddr;
   comm.masterPort = opt_.rendezvous.masterPort;
+  comm.bindAddr = opt_.rendezvous.bindAddr;
   comm.hostStore = opt_.rank == 0 && !opt_.rendezvous.externalStore;
   comm.rank = opt_.rank;
   comm.worldSize = map_.worldSize();
@@ -747,7 +756,15 @@ void Varuna::setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, Lo
 }
 
 StepResult Varuna::step(const Batch& inputs, std::optional<double> clipGradMaxNorm) {
-  return impl_->guarded([&] { return impl_->step(inputs, clipGradMaxNorm); });
+  const auto start = std::chrono::steady_clock::now();
+  StepResult result = impl_->guarded([&] { return impl_->step(inputs, clipGradMaxNorm); });
+  if (impl_->managerLink_) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    impl_->managerLink_->reportStep(proto::StepReport{impl_->opt_.rank, impl_->stage_, impl_->replica_,
+                                                      impl_->stepsDone_, result.loss, seconds,
+                                                      result.computeSecondsPerMicrobatch});
+  }
+  return result;
 }
 
 double Varuna::evaluate(const Batch& inputs) {

@@ -28,7 +28,8 @@ struct Hello {  // first frame of every connection
   std::string token;
   std::string role;  // "worker", "agent" or "notifier"
   std::string host;
-  int rank = -1;  // workers
+  int rank = -1;        // workers
+  int generation = -1;  // workers and agents: the launch they belong to
   bool operator==(const Hello&) const = default;
 };
 struct Heartbeat {
@@ -47,6 +48,8 @@ struct WorkerExited {  // from the agent, the moment it reaps a worker
   int rank = 0;
   int exitCode = 0;  // -1 if killed by a signal
   int signal = 0;
+  int generation = 0;
+  std::string logTail;  // the last lines the worker printed, for the manager's message
   bool operator==(const WorkerExited&) const = default;
 };
 struct PreemptNotice {  // from notify_manager_preempt
@@ -70,6 +73,7 @@ struct LaunchWorkers {  // to an agent: start these workers of the job
   std::string masterAddr;
   int masterPort = 0;
   int worldSize = 0;
+  int generation = 0;
   bool operator==(const LaunchWorkers&) const = default;
 };
 struct CheckpointAndExit {  // to an agent: SIGUSR1 to its workers
@@ -79,6 +83,10 @@ struct KillWorkers {  // to an agent: SIGKILL its workers
   std::string reason;
   bool operator==(const KillWorkers&) const = default;
 };
+struct Shutdown {  // to an agent: kill its workers (if any) and exit; the host leaves the job
+  std::string reason;
+  bool operator==(const Shutdown&) const = default;
+};
 struct Ack {
   bool ok = true;
   std::string error;
@@ -86,7 +94,7 @@ struct Ack {
 };
 
 using Message = std::variant<Hello, Heartbeat, StepReport, WorkerExited, PreemptNotice, LaunchWorkers,
-                             CheckpointAndExit, KillWorkers, Ack>;
+                             CheckpointAndExit, KillWorkers, Shutdown, Ack>;
 
 // A malformed frame or message; the connection that sent it must be closed.
 class ProtocolError : public Error {

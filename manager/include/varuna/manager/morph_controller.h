@@ -57,6 +57,7 @@ struct ControllerOptions {
   int maxFailures = 3;  // within failureWindow; one more stops the manager
   std::chrono::milliseconds failureWindow{std::chrono::minutes(10)};
   std::chrono::milliseconds restartBackoff{std::chrono::seconds(1)};  // doubles per recent failure
+  int firstGeneration = 1;  // a restarted manager continues the numbering of the one before
 };
 
 class MorphController {
@@ -69,9 +70,14 @@ class MorphController {
   std::vector<Action> workerExited(int rank, int exitCode, TimePoint now);
   std::vector<Action> hostLost(const std::string& host, TimePoint now);
   std::vector<Action> preemptNotice(const std::string& host, TimePoint now);
+  // The usable machines changed (list file edited, an agent came up or went).
+  // A running job morphs only if the plan would change.
   std::vector<Action> machinesChanged(std::vector<Machine> machines, TimePoint now);
   std::vector<Action> workerHung(int rank, TimePoint now);
   std::vector<Action> tick(TimePoint now);
+  // The operator stops the job (SIGTERM to the manager): checkpoint if running,
+  // then Stop with code 0; kill at once otherwise.
+  std::vector<Action> stop(const std::string& reason, TimePoint now);
   // Keeps `host` out of every later plan (slow machine flagged by the detector).
   void excludeHost(const std::string& host) { excluded_.insert(host); }
 
@@ -86,6 +92,7 @@ class MorphController {
   std::vector<Action> beginMorph(TimePoint now);
   std::vector<Action> allExited(TimePoint now);
   std::set<std::string> unavailable() const;
+  PlanRequest planRequest() const;
 
   ControllerOptions options_;
   std::vector<Machine> machines_;
@@ -99,6 +106,7 @@ class MorphController {
   std::set<std::string> excluded_;  // slow: out for good
   std::deque<TimePoint> failures_;
   TimePoint deadline_{};  // checkpointing: give up; backoff: relaunch
+  std::string stopReason_;  // non-empty: stop once the checkpoint is done
 };
 
 }  // namespace varuna

@@ -29,6 +29,7 @@ struct RankPlacement {
   int rank = 0;
   std::string host;
   int localRank = 0;
+  bool operator==(const RankPlacement&) const = default;
 };
 
 struct Plan {

@@ -24,6 +24,13 @@ struct LaunchArgs {
   // The rendezvous store is hosted by someone else (a test harness or the
   // manager) instead of rank 0.
   bool externalStore = false;
+  // Set by run_varuna's agent (environment only): where to report, as whom,
+  // and this host's address (Gloo binds it).
+  std::string managerAddr;  // VARUNA_MANAGER_ADDR; empty: no manager
+  std::string jobToken;     // VARUNA_JOB_TOKEN
+  int generation = -1;      // VARUNA_GENERATION
+  std::string hostAddr;     // VARUNA_HOST
+  std::string globalStore;  // VARUNA_GLOBAL_STORE: the job's checkpoint root
   // Everything the runtime did not recognise, for the training program itself.
   std::vector<std::string> userArgs;
 };

@@ -36,6 +36,17 @@ struct RendezvousOptions {
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
   bool externalStore = false;  // false: rank 0 hosts the TCPStore
+  std::string bindAddr;        // this host's address for Gloo; empty: loopback or the host name's
+};
+
+// Reporting to run_varuna (see docs/protocol.md): hello, heartbeats from a
+// background thread, one step report per step. Off when `address` is empty.
+struct ManagerLinkOptions {
+  std::string address;  // host:port
+  std::string token;
+  int generation = -1;
+  std::string host;
+  std::chrono::milliseconds heartbeatInterval{500};
 };
 
 struct VarunaOptions {
@@ -55,6 +66,7 @@ struct VarunaOptions {
   std::chrono::milliseconds peerTimeout{std::chrono::seconds(60)};
   // Data-parallel gradient buckets, all-reduced as soon as they are complete.
   int64_t bucketBytes = 4 << 20;
+  ManagerLinkOptions manager;
 
   // Fills rank, local rank, map and rendezvous from the launcher's arguments.
   void applyLaunchArgs(const LaunchArgs& args);

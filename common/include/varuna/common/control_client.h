@@ -1,0 +1,53 @@
+// ControlClient: a blocking TCP connection to the manager speaking the control
+// protocol (protocol.h). Used where an event loop would be overkill: the
+// worker's reporter thread and notify_manager_preempt. One thread uses a
+// client at a time; it is movable, not copyable, and closes on destruction.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "varuna/common/protocol.h"
+
+namespace varuna::proto {
+
+// The manager cannot be reached, or the connection broke.
+class ConnectionError : public Error {
+ public:
+  explicit ConnectionError(const std::string& what) : Error(what, 1) {}
+};
+
+// "host:port" or "[v6addr]:port" -> (host, port). Throws ConfigError naming `what`.
+std::pair<std::string, int> splitHostPort(const std::string& address, const std::string& what);
+
+class ControlClient {
+ public:
+  // Connects within `timeout`. Throws Error saying which address failed and why.
+  static ControlClient connect(const std::string& address, std::chrono::milliseconds timeout);
+
+  ControlClient(ControlClient&& other) noexcept;
+  ControlClient& operator=(ControlClient&& other) noexcept;
+  ControlClient(const ControlClient&) = delete;
+  ControlClient& operator=(const ControlClient&) = delete;
+  ~ControlClient();
+
+  // Throws Error when the connection is gone.
+  void send(const Message& message);
+  // The next message, or nullopt if none arrived within `timeout`. Throws
+  // Error when the manager closed the connection.
+  std::optional<Message> receive(std::chrono::milliseconds timeout);
+  bool connected() const { return fd_ >= 0; }
+  void close();
+  // Gives up ownership of the socket (e.g. to an Asio socket); the client is closed after.
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  ControlClient(int fd, std::string address) : fd_(fd), address_(std::move(address)) {}
+  int fd_ = -1;
+  std::string address_;
+  FrameDecoder decoder_;
+};
+
+}  // namespace varuna::proto

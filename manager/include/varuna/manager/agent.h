@@ -1,0 +1,96 @@
+// Agent: the per-host process of a job (the `varuna_agent` binary). run_varuna
+// starts one on every host (directly or over SSH); it dials the manager, then
+//  - spawns the host's workers on LaunchWorkers (argv + launcher arguments +
+//    torchrun-style environment, in code_dir, each in its own process group,
+//    output to <run_dir>/logs/g<generation>_rank<r>.log),
+//  - reports every worker exit to the manager the moment it reaps it,
+//  - forwards CheckpointAndExit as SIGUSR1, kills on KillWorkers, exits on
+//    Shutdown or SIGTERM/SIGINT (killing its workers first),
+//  - kills its workers and exits when the manager connection has been gone
+//    for `grace`, so no orphan keeps a device busy.
+// Single-threaded: everything runs on the io_context passed in.
+#pragma once
+
+#include <sys/types.h>
+
+#include <utility>  // before Asio: its headers miss it with this GCC
+#include <boost/asio.hpp>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "varuna/common/protocol.h"
+#include "varuna/manager/framed_connection.h"
+
+namespace varuna {
+
+struct AgentOptions {
+  std::string host;        // as named in the machine list
+  std::string job;
+  std::string token;
+  std::string runDir;      // logs, pid file, connection.json
+  std::chrono::milliseconds grace{5000};
+  std::chrono::milliseconds heartbeatInterval{1000};
+  std::chrono::milliseconds killWait{3000};  // SIGTERM -> SIGKILL
+};
+
+class Agent {
+ public:
+  // `manager` is an already-connected socket (the hello is sent by start()).
+  Agent(boost::asio::io_context& io, AgentOptions options, boost::asio::ip::tcp::socket manager,
+        std::string managerAddress);
+  void start();
+  // Exit code for main() once the io_context ran out of work.
+  int exitCode() const { return exitCode_; }
+
+ private:
+  struct Worker {
+    int rank = 0;
+    int generation = 0;
+    std::string logPath;
+  };
+
+  void onMessage(const proto::Message& message);
+  void onManagerLost(const std::string& reason);
+  void launch(const proto::LaunchWorkers& launch);
+  pid_t spawn(const std::string& program, const proto::LaunchWorkers& launch, const proto::WorkerSpec& spec,
+              const std::string& logPath);
+  void signalWorkers(int signal, bool wholeGroup);
+  void killWorkers(const std::string& reason);
+  void reapChildren();
+  void waitSignals();
+  void scheduleHeartbeat();
+  void finish(int exitCode, const std::string& reason);
+  void maybeExit();
+
+  boost::asio::io_context& io_;
+  AgentOptions options_;
+  std::shared_ptr<FramedConnection> manager_;
+  std::string managerAddress_;
+  boost::asio::signal_set signals_;
+  boost::asio::steady_timer heartbeatTimer_;
+  boost::asio::steady_timer graceTimer_;
+  boost::asio::steady_timer killTimer_;
+  std::map<pid_t, Worker> workers_;
+  bool exiting_ = false;
+  int exitCode_ = 0;
+};
+
+// The agent's run folder layout and the connection file notify_manager_preempt
+// reads: {"manager", "token", "host", "job"} (mode 0600).
+std::string defaultAgentRunDir(const std::string& job, const std::string& host);
+void writeConnectionFile(const std::string& runDir, const std::string& managerAddress, const AgentOptions& options);
+
+// Kills an agent of the same job left on this host by an earlier manager
+// (found through <run_dir>/agent.pid), then records our pid.
+void replacePreviousAgent(const std::string& runDir);
+
+// "./train_gpt" relative to code_dir, or a name on PATH: the absolute path, or
+// a ConfigError saying where it looked.
+std::string resolveProgram(const std::string& program, const std::string& codeDir);
+
+// Last `maxLines` lines of a file (for exit reports).
+std::string tailOfFile(const std::string& path, int maxLines);
+
+}  // namespace varuna

@@ -1,0 +1,30 @@
+// EventLog: the manager's record of what happened to the job, one JSON object
+// per line in <state_dir>/events.jsonl ({"time": ISO-8601, "unix_ms", "event",
+// ...fields}): launches, agent failures, worker exits, notices, morphs with
+// the duration of each phase. Appends and flushes every line, so a crash loses
+// nothing already logged. Used from the manager's event-loop thread only.
+#pragma once
+
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace varuna {
+
+class EventLog {
+ public:
+  explicit EventLog(const std::string& path);
+  void write(const std::string& event, nlohmann::json fields = nlohmann::json::object());
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+// "2026-11-22T04:21:51.123Z"
+std::string isoTimeNow();
+int64_t unixMillisNow();
+
+}  // namespace varuna

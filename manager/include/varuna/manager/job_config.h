@@ -1,0 +1,81 @@
+// JobConfig: everything run_varuna needs to run one job, from a JSON job file
+// and/or the command line (the command line wins). Option names are the
+// original Varuna's (`--machine_list`, `--nstages`, ...); JSON keys are the
+// same names without dashes. Parsing is pure and reports the first bad input
+// by name (and file:line for the env file), with the fix.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace varuna {
+
+struct JobConfig {
+  std::string job = "varuna";       // name: log prefix, state and run folders
+  std::string machineList;          // path, watched for changes
+  int gpusPerNode = 1;              // slots of a host without slots=N
+  int nstages = 0;                  // P
+  int64_t chunkSize = 0;            // micro-batch size
+  int64_t batchSize = 0;            // global batch, constant across morphs
+  std::string codeDir;              // where workers start (default: the current folder)
+  std::string envFile;              // run_varuna's command line: `--config FILE` (JSON) first, then every option
+// given on the command line on top of it; the program after `--`. Throws
+// ConfigError naming the option. Help and usage errors are CLI11's to print:
+// returns nullopt and sets `exitCode` when the caller should exit at once.
+std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int& exitCode);
+
+// KEY=VALUE lines for agents and workers
+  bool noMorphing = false;
+  std::string managerIp;            // address agents and workers dial (default: guessed)
+  int port = 0;                     // manager's control port (0: any free port)
+  int masterPort = 29500;           // workers' rendezvous port on rank 0's host (+ generation offset)
+  std::string globalStore;          // checkpoint root shared by the workers
+  std::string stateDir;             // state.json, events.jsonl, slow_machines.out, token
+  double heartbeatTimeoutS = 10;    // a worker silent this long is hung
+  double startupTimeoutS = 120;     // launch -> first heartbeat of a worker
+  double checkpointTimeoutS = 120;  // preemption notice -> all workers checkpointed
+  double agentGraceS = 5;           // agents kill their workers when the manager is gone this long
+  int maxFailures = 3;              // within failureWindowS; one more stops the job
+  double failureWindowS = 600;
+  double restartBackoffS = 1;
+  bool excludeSlow = false;         // leave machines in slow_machines.out out of the next plan
+  double slowThreshold = 0.15;      // slower than the stage median by this fraction
+  int slowWindow = 20;              // steps per slow-machine verdict (two in a row flag a machine)
+  std::string sshUser;
+  int sshPort = 22;
+  std::string sshIdentity;
+  std::string sshKnownHosts;
+  std::string agentPath;            // varuna_agent on every host (default: next to run_varuna)
+  std::string logLevel = "info";
+  std::vector<std::string> program; // the training program and its arguments (after `--`)
+};
+
+// Reads a JSON job object; unknown keys and wrong types are ConfigErrors naming
+// `source` and the key. Keys absent from `json` keep the values of `base`.
+JobConfig applyJobJson(JobConfig base, const nlohmann::json& json, const std::string& source);
+JobConfig parseJobConfigText(std::string_view text, const std::string& source);
+
+// Checks values and fills defaults that depend on the machine (code_dir,
+// state_dir, agent path). Throws ConfigError with the option name and the fix.
+void validateJobConfig(JobConfig& config, const std::string& selfExecutable);
+
+// The job as JSON (for state.json and `run_varuna status`).
+nlohmann::json toJson(const JobConfig& config);
+
+// run_varuna's command line: `--config FILE` (JSON) first, then every option
+// given on the command line on top of it; the program after `--`. Throws
+// ConfigError naming the option. Help and usage errors are CLI11's to print:
+// returns nullopt and sets `exitCode` when the caller should exit at once.
+std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int& exitCode);
+
+// KEY=VALUE lines (optional `export `, optional quotes, # comments). Errors
+// name source:line.
+std::vector<std::pair<std::string, std::string>> parseEnvFile(std::string_view text, const std::string& source);
+
+}  // namespace varuna

@@ -1,0 +1,154 @@
+// ManagerDaemon: run_varuna's event loop. Owns the MorphController and carries
+// out its actions; everything else is I/O around it:
+//  - a TCP listener for agents, workers and notify_manager_preempt (control
+//    protocol, job token checked on the first frame),
+//  - agent start-up on every host through a HostLauncher (threads, results
+//    posted back), agent and worker heartbeats, step reports (progress line,
+//    slow-machine detector),
+//  - the watched machine list, state.json, events.jsonl and slow_machines.out
+//    in the state folder.
+// Single-threaded: every member runs on the io_context's thread; the launcher
+// threads only post results back.
+#pragma once
+
+#include <utility>  // before Asio: its headers miss it with this GCC
+#include <boost/asio.hpp>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "varuna/manager/event_log.h"
+#include "varuna/manager/framed_connection.h"
+#include "varuna/manager/host_launcher.h"
+#include "varuna/manager/job_config.h"
+#include "varuna/manager/morph_controller.h"
+#include "varuna/manager/slow_machine_detector.h"
+
+namespace varuna {
+
+class ManagerDaemon {
+ public:
+  ManagerDaemon(boost::asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher);
+  ~ManagerDaemon();
+
+  // Binds the control port, starts the agents; the job starts when they are up.
+  // Throws ConfigError for a bad setup (machine list, state folder, port).
+  void start();
+  // SIGTERM/SIGINT: checkpoint and stop (a second request kills at once).
+  void requestStop(const std::string& reason);
+  int exitCode() const { return exitCode_; }
+  uint16_t port() const { return port_; }
+
+ private:
+  enum class AgentStatus { kStarting, kUp, kFailed, kGone };
+  struct AgentState {
+    AgentStatus status = AgentStatus::kStarting;
+    std::shared_ptr<FramedConnection> connection;
+    TimePoint lastSeen{};
+    bool released = false;  // sent Shutdown: its loss is expected
+  };
+  struct WorkerState {
+    std::shared_ptr<FramedConnection> connection;
+    TimePoint lastSeen{};
+    bool connected = false;
+  };
+  struct StepAggregate {
+    int reports = 0;
+    double maxStepSeconds = 0;
+    double loss = 0;
+  };
+  struct MorphTimes {  // phases of the morph under way, for the event log
+    std::string cause;
+    TimePoint begin{}, launched{}, connected{};
+    bool active = false;
+  };
+
+  // Connections.
+  void doAccept();
+  void onAccept(const boost::system::error_code& ec, boost::asio::ip::tcp::socket socket);
+  void onFirstMessage(const std::shared_ptr<FramedConnection>& connection, const proto::Message& message);
+  void onAgentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  void onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  void onNotifierHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  void onAgentMessage(const std::string& host, const proto::Message& message);
+  void onWorkerMessage(int rank, const proto::Message& message);
+  void onAgentLost(const std::string& host, const std::string& reason);
+
+  // Agents.
+  void startAgent(const std::string& host);
+  std::string agentCommand(const std::string& host) const;
+  void onAgentCommandDone(const std::string& host, const HostCommandResult& result);
+  void agentFailed(const std::string& host, const std::string& message);
+  void maybeStartJob();
+  std::vector<Machine> usableMachines() const;
+  void usableMachinesChanged();
+
+  // The controller's actions.
+  void apply(const std::vector<Action>& actions);
+  void doLaunch(const action::Launch& launch);
+  void sendToAgentsOfPlan(const proto::Message& message);
+  void doStop(const action::Stop& stop);
+  void finishShutdown();
+
+  // Periodic work.
+  void scheduleTick();
+  void onTick();
+  void checkHeartbeats(TimePoint now);
+  void watchMachineList();
+  void watchCheckpoints(TimePoint now);
+
+  // Reporting.
+  void onStepReport(const proto::StepReport& report);
+  void onSlowVerdict(const std::vector<SlowMachine>& slow);
+  void writeState();
+  void printSummary();
+
+  boost::asio::io_context& io_;
+  JobConfig config_;
+  std::unique_ptr<HostLauncher> launcher_;
+  boost::asio::ip::tcp::acceptor acceptor_;
+  boost::asio::steady_timer tickTimer_;
+  uint16_t port_ = 0;
+  std::string advertisedAddress_;  // host:port agents and workers dial
+  std::string token_;
+  std::vector<std::pair<std::string, std::string>> env_;  // env_file
+  std::unique_ptr<EventLog> events_;
+  std::unique_ptr<MorphController> controller_;
+  SlowMachineDetector slowDetector_;
+  std::vector<std::thread> launchThreads_;
+
+  std::vector<Machine> listed_;  // the machine list as last read
+  std::string listedText_;
+  std::map<std::string, AgentState> agents_;
+  std::set<std::string> preempted_;
+  std::set<std::shared_ptr<FramedConnection>> pending_;  // before their hello
+  std::map<int, WorkerState> workers_;                   // current generation
+  TimePoint launchedAt_{};
+  bool jobStarted_ = false;
+  bool stopping_ = false;
+  bool finished_ = false;
+  int exitCode_ = 0;
+  std::string stopReason_;
+
+  std::map<int64_t, StepAggregate> steps_;
+  int64_t lastStep_ = -1;
+  double lastLoss_ = 0, lastSamplesPerSecond_ = 0;
+  int64_t firstStepOfGeneration_ = -1;
+  TimePoint lastProgressPrint_{};
+  std::optional<int64_t> lastCheckpoint_;
+  TimePoint lastCheckpointSeen_{};
+  TimePoint lastCheckpointPoll_{};
+  TimePoint lastListPoll_{};
+  TimePoint lastStateWrite_{};
+  TimePoint startedAt_{};
+  MorphTimes morph_;
+  int morphs_ = 0;
+  std::vector<std::string> slowHosts_;
+};
+
+}  // namespace varuna

@@ -1,0 +1,351 @@
+#include "varuna/manager/agent.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "varuna/common/checkpoint_files.h"
+#include "varuna/common/log.h"
+
+extern char** environ;
+
+namespace varuna {
+namespace {
+
+namespace asio = boost::asio;
+namespace fs = std::filesystem;
+
+bool processAlive(pid_t pid) { return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM); }
+
+std::string readCmdline(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  std::replace(text.begin(), text.end(), '\0', ' ');
+  return text;
+}
+
+// The worker's command line: the program's own arguments, then what every
+// Varuna launcher passes (names as in the original manual).
+std::vector<std::string> workerArgv(const std::string& program, const proto::LaunchWorkers& launch,
+                                    const proto::WorkerSpec& spec) {
+  std::vector<std::string> argv{program};
+  argv.insert(argv.end(), launch.argv.begin() + 1, launch.argv.end());
+  const std::vector<std::string> launcherArgs = {
+      "--rank",       std::to_string(spec.rank),        "--local_rank",  std::to_string(spec.localRank),
+      "--stage_to_rank_map", launch.stageToRankMap,     "--chunk_size",  std::to_string(launch.chunkSize),
+      "--batch-size", std::to_string(launch.batchSize)};
+  argv.insert(argv.end(), launcherArgs.begin(), launcherArgs.end());
+  if (launch.resumeStep >= 0) {
+    argv.push_back("--resume_step");
+    argv.push_back(std::to_string(launch.resumeStep));
+  }
+  return argv;
+}
+
+std::vector<std::string> workerEnv(const proto::LaunchWorkers& launch, const proto::WorkerSpec& spec,
+                                   const AgentOptions& options, const std::string& managerAddress) {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const std::string kv = *e;
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  for (const auto& [k, v] : launch.env) env[k] = v;
+  env["RANK"] = std::to_string(spec.rank);
+  env["LOCAL_RANK"] = std::to_string(spec.localRank);
+  env["WORLD_SIZE"] = std::to_string(launch.worldSize);
+  env["LOCAL_WORLD_SIZE"] = std::to_string(launch.workers.size());
+  env["MASTER_ADDR"] = launch.masterAddr;
+  env["MASTER_PORT"] = std::to_string(launch.masterPort);
+  env["VARUNA_MANAGER_ADDR"] = managerAddress;
+  env["VARUNA_JOB_TOKEN"] = options.token;
+  env["VARUNA_JOB"] = options.job;
+  env["VARUNA_HOST"] = options.host;
+  env["VARUNA_GENERATION"] = std::to_string(launch.generation);
+  std::vector<std::string> out;
+  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  return out;
+}
+
+std::vector<char*> cStrings(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  for (auto& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+}  // namespace
+
+std::string defaultAgentRunDir(const std::string& job, const std::string& host) {
+  return (fs::temp_directory_path() / "varuna" / job / host).string();
+}
+
+void writeConnectionFile(const std::string& runDir, const std::string& managerAddress, const AgentOptions& options) {
+  const nlohmann::json connection = {
+      {"manager", managerAddress}, {"token", options.token}, {"host", options.host}, {"job", options.job}};
+  const auto old = ::umask(077);  // the token is a secret: owner only
+  ckpt::writeFileAtomic(runDir, "connection.json", connection.dump(2) + "\n");
+  ::umask(old);
+  ::chmod((fs::path(runDir) / "connection.json").c_str(), 0600);
+}
+
+void replacePreviousAgent(const std::string& runDir) {
+  const fs::path pidFile = fs::path(runDir) / "agent.pid";
+  std::ifstream in(pidFile);
+  pid_t old = 0;
+  if (in >> old && old != ::getpid() && processAlive(old) &&
+      readCmdline(old).find("varuna_agent") != std::string::npos) {
+    log::warn("an agent of this job from an earlier manager is still running (pid ", old, "); stopping it");
+    ::kill(old, SIGTERM);  // it kills its workers on the way out
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (processAlive(old) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (processAlive(old)) ::kill(old, SIGKILL);
+  }
+  ckpt::writeFileAtomic(runDir, "agent.pid", std::to_string(::getpid()) + "\n");
+}
+
+std::string resolveProgram(const std::string& program, const std::string& codeDir) {
+  if (program.empty()) throw ConfigError("no training program given (put it after `--`)");
+  auto runnable = [](const fs::path& p) { return ::access(p.c_str(), X_OK) == 0 && !fs::is_directory(p); };
+  if (program.find('/') != std::string::npos) {
+    const fs::path path = fs::path(program).is_absolute() ? fs::path(program) : fs::path(codeDir) / program;
+    if (!runnable(path)) {
+      throw ConfigError(strCat("training program ", path.lexically_normal().string(),
+                               fs::exists(path) ? " is not executable (chmod +x it)"
+                                                : " does not exist (check --code_dir and the program after --)"));
+    }
+    return path.lexically_normal().string();
+  }
+  const char* pathEnv = std::getenv("PATH");
+  std::string dirs = pathEnv ? pathEnv : "/usr/local/bin:/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    const auto end = std::min(dirs.find(':', start), dirs.size());
+    const fs::path candidate = fs::path(dirs.substr(start, end - start)) / program;
+    if (runnable(candidate)) return candidate.string();
+    start = end + 1;
+  }
+  throw ConfigError(strCat("training program '", program, "' is not on PATH (", dirs,
+                           "); give a path such as ./", program, " relative to --code_dir"));
+}
+
+std::string tailOfFile(const std::string& path, int maxLines) {
+  std::ifstream in(path);
+  std::deque<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    lines.push_back(line.size() > 400 ? line.substr(0, 400) + "..." : line);
+    if (static_cast<int>(lines.size()) > maxLines) lines.pop_front();
+  }
+  std::string out;
+  for (const auto& line : lines) out += (out.empty() ? "" : "\n") + line;
+  return out;
+}
+
+Agent::Agent(asio::io_context& io, AgentOptions options, asio::ip::tcp::socket manager, std::string managerAddress)
+    : io_(io),
+      options_(std::move(options)),
+      manager_(std::make_shared<FramedConnection>(std::move(manager))),
+      managerAddress_(std::move(managerAddress)),
+      signals_(io, SIGCHLD, SIGTERM, SIGINT),
+      heartbeatTimer_(io),
+      graceTimer_(io),
+      killTimer_(io) {}
+
+void Agent::start() {
+  signals_.add(SIGHUP);  // the SSH session that started us may go; we stay
+  waitSignals();
+  manager_->start([this](const proto::Message& m) { onMessage(m); },
+                  [this](const std::string& reason) { onManagerLost(reason); });
+  manager_->send(proto::Hello{proto::kVersion, options_.token, "agent", options_.host, -1, -1});
+  scheduleHeartbeat();
+}
+
+void Agent::waitSignals() {
+  signals_.async_wait([this](const boost::system::error_code& ec, int signal) {
+    if (ec) return;
+    if (signal == SIGCHLD) {
+      reapChildren();
+    } else if (signal != SIGHUP) {
+      finish(0, strCat("signal ", ::strsignal(signal)));
+    }
+    if (!exiting_ || !workers_.empty()) waitSignals();
+  });
+}
+
+void Agent::scheduleHeartbeat() {
+  heartbeatTimer_.expires_after(options_.heartbeatInterval);
+  heartbeatTimer_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec || exiting_ || !manager_->open()) return;
+    manager_->send(proto::Heartbeat{-1, 0});
+    scheduleHeartbeat();
+  });
+}
+
+void Agent::onMessage(const proto::Message& message) {
+  if (const auto* launch = std::get_if<proto::LaunchWorkers>(&message)) {
+    this->launch(*launch);
+  } else if (std::holds_alternative<proto::CheckpointAndExit>(message)) {
+    log::info("checkpoint requested: SIGUSR1 to ", workers_.size(), " worker(s)");
+    signalWorkers(SIGUSR1, /*wholeGroup=*/false);
+  } else if (const auto* kill = std::get_if<proto::KillWorkers>(&message)) {
+    killWorkers(kill->reason);
+  } else if (const auto* shutdown = std::get_if<proto::Shutdown>(&message)) {
+    finish(0, "the manager released this host: " + shutdown->reason);
+  } else if (const auto* ack = std::get_if<proto::Ack>(&message); ack && !ack->ok) {
+    log::error("the manager refused this agent: ", ack->error);
+    finish(2, ack->error);
+  }
+}
+
+void Agent::onManagerLost(const std::string& reason) {
+  if (exiting_) return;
+  log::warn("lost the manager at ", managerAddress_, " (", reason, "); killing ", workers_.size(),
+            " worker(s) unless it is back within ", options_.grace.count(), " ms");
+  heartbeatTimer_.cancel();
+  graceTimer_.expires_after(options_.grace);
+  graceTimer_.async_wait([this](const boost::system::error_code& ec) {
+    if (!ec) finish(1, "the manager is gone");
+  });
+}
+
+void Agent::launch(const proto::LaunchWorkers& launch) {
+  if (!workers_.empty()) {
+    log::warn("launch of generation ", launch.generation, " while ", workers_.size(),
+              " worker(s) of an earlier one still run: killing them first");
+    killWorkers("superseded by generation " + std::to_string(launch.generation));
+  }
+  const fs::path logDir = fs::path(options_.runDir) / "logs";
+  fs::create_directories(logDir);
+  std::string program;
+  try {
+    program = resolveProgram(launch.argv.empty() ? "" : launch.argv.front(), launch.codeDir);
+  } catch (const std::exception& e) {
+    for (const auto& spec : launch.workers) {
+      manager_->send(proto::WorkerExited{options_.host, spec.rank, 127, 0, launch.generation, e.what()});
+    }
+    return;
+  }
+  for (const auto& spec : launch.workers) {
+    const std::string logPath =
+        (logDir / strCat("g", launch.generation, "_rank", spec.rank, ".log")).string();
+    const pid_t pid = spawn(program, launch, spec, logPath);
+    if (pid < 0) {
+      manager_->send(proto::WorkerExited{options_.host, spec.rank, 127, 0, launch.generation,
+                                         strCat("fork failed: ", std::strerror(errno))});
+      continue;
+    }
+    workers_[pid] = Worker{spec.rank, launch.generation, logPath};
+    log::info("generation ", launch.generation, ": rank ", spec.rank, " started (pid ", pid, ", log ", logPath, ")");
+  }
+}
+
+pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launch, const proto::WorkerSpec& spec,
+                   const std::string& logPath) {
+  // Everything the child needs is built before fork: only async-signal-safe
+  // calls happen between fork and exec.
+  auto argvStrings = workerArgv(program, launch, spec);
+  auto envStrings = workerEnv(launch, spec, options_, managerAddress_);
+  auto argv = cStrings(argvStrings);
+  auto envp = cStrings(envStrings);
+  const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  const pid_t pid = ::fork();
+  if (pid != 0) {
+    if (logFd >= 0) ::close(logFd);
+    return pid;
+  }
+  ::setpgid(0, 0);  // its own group: a kill reaches whatever it spawned
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  for (int sig : {SIGPIPE, SIGUSR1, SIGTERM, SIGINT, SIGHUP, SIGCHLD}) ::signal(sig, SIG_DFL);
+  const int devNull = ::open("/dev/null", O_RDONLY);
+  if (devNull >= 0) ::dup2(devNull, 0);
+  if (logFd >= 0) {
+    ::dup2(logFd, 1);
+    ::dup2(logFd, 2);
+  }
+  ::close_range(3, ~0U, 0);  // the agent's sockets stay the agent's
+  if (::chdir(launch.codeDir.c_str()) != 0) {
+    const char msg[] = "varuna_agent: cannot enter code_dir\n";
+    (void)!::write(2, msg, sizeof(msg) - 1);
+    ::_exit(127);
+  }
+  ::execve(argv[0], argv.data(), envp.data());
+  const char msg[] = "varuna_agent: exec of the training program failed\n";
+  (void)!::write(2, msg, sizeof(msg) - 1);
+  ::_exit(127);
+}
+
+void Agent::signalWorkers(int signal, bool wholeGroup) {
+  for (const auto& [pid, worker] : workers_) ::kill(wholeGroup ? -pid : pid, signal);
+}
+
+void Agent::killWorkers(const std::string& reason) {
+  if (workers_.empty()) return;
+  log::warn("killing ", workers_.size(), " worker(s): ", reason);
+  signalWorkers(SIGKILL, /*wholeGroup=*/true);
+}
+
+void Agent::reapChildren() {
+  while (true) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) break;
+    auto it = workers_.find(pid);
+    if (it == workers_.end()) continue;
+    const Worker worker = it->second;
+    workers_.erase(it);
+    ::kill(-pid, SIGKILL);  // anything it left behind in its group
+    proto::WorkerExited exited{options_.host, worker.rank, 0, 0, worker.generation, ""};
+    if (WIFEXITED(status)) {
+      exited.exitCode = WEXITSTATUS(status);
+    } else {
+      exited.exitCode = -1;
+      exited.signal = WTERMSIG(status);
+    }
+    if (exited.exitCode != 0 && exited.exitCode != kExitCheckpointed) exited.logTail = tailOfFile(worker.logPath, 8);
+    log::info("rank ", worker.rank, " (generation ", worker.generation, ") exited: ",
+              exited.exitCode >= 0 ? strCat("code ", exited.exitCode) : strCat("signal ", exited.signal));
+    if (manager_->open()) manager_->send(exited);
+  }
+  maybeExit();
+}
+
+void Agent::finish(int exitCode, const std::string& reason) {
+  if (exiting_) return;
+  exiting_ = true;
+  exitCode_ = exitCode;
+  log::info("agent exiting: ", reason);
+  killWorkers(reason);
+  heartbeatTimer_.cancel();
+  graceTimer_.cancel();
+  // Workers die at once on SIGKILL; the timer only guards against a child
+  // that cannot be reaped (e.g. stuck in the kernel).
+  killTimer_.expires_after(options_.killWait);
+  killTimer_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec) return;
+    workers_.clear();
+    maybeExit();
+  });
+  maybeExit();
+}
+
+void Agent::maybeExit() {
+  if (!exiting_ || !workers_.empty()) return;
+  killTimer_.cancel();
+  signals_.cancel();
+  manager_->closeAfterSending("agent exiting");
+}
+
+}  // namespace varuna

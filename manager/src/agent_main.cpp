@@ -1,0 +1,139 @@
+// varuna_agent: the per-host process run_varuna starts (see agent.h). Usually
+// started with --daemonize: the launching command (local shell or SSH) returns
+// as soon as the agent has reached the manager, with a clear error otherwise.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include "varuna/common/control_client.h"
+#include "varuna/common/log.h"
+#include "varuna/manager/agent.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace varuna;
+
+struct MainOptions {
+  AgentOptions agent;
+  std::string manager;
+  std::string codeDir = ".";
+  std::string program;
+  double graceS = 5;
+  bool daemonize = false;
+  std::string logLevel = "info";
+};
+
+// Daemon mode: the parent waits on a pipe for the child's verdict ("ok" or an
+// error line) and turns it into its own output and exit code.
+int waitForChild(int readFd, const std::string& logPath) {
+  std::string verdict;
+  char buffer[512];
+  ssize_t n;
+  while ((n = ::read(readFd, buffer, sizeof(buffer))) > 0) verdict.append(buffer, static_cast<size_t>(n));
+  if (verdict.rfind("ok ", 0) == 0) {
+    std::cout << "varuna_agent started (pid " << verdict.substr(3, verdict.find('\n') - 3) << ", log " << logPath
+              << ")" << std::endl;
+    return 0;
+  }
+  std::cerr << (verdict.empty() ? "varuna_agent: the agent died while starting; see " + logPath : verdict)
+            << std::endl;
+  return verdict.rfind("config", 0) == 0 ? kExitConfigError : 1;
+}
+
+void report(int fd, const std::string& line) {
+  if (fd < 0) return;
+  (void)!::write(fd, line.data(), line.size());
+  ::close(fd);
+}
+
+int run(const MainOptions& options, int verdictFd) {
+  boost::asio::io_context io;
+  replacePreviousAgent(options.agent.runDir);
+  int fd = -1;
+  try {
+    auto client = proto::ControlClient::connect(options.manager, std::chrono::seconds(10));
+    fd = client.release();
+  } catch (const std::exception& e) {
+    report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": ", e.what(),
+                             " (is run_varuna reachable from this host? check --manager_ip and firewalls)\n"));
+    return 1;
+  }
+  boost::asio::ip::tcp::socket socket(io);
+  boost::system::error_code ec;
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  socket.assign(addr.ss_family == AF_INET6 ? boost::asio::ip::tcp::v6() : boost::asio::ip::tcp::v4(), fd, ec);
+  writeConnectionFile(options.agent.runDir, options.manager, options.agent);
+  Agent agent(io, options.agent, std::move(socket), options.manager);
+  agent.start();
+  report(verdictFd, strCat("ok ", ::getpid(), "\n"));
+  io.run();
+  log::flush();
+  return agent.exitCode();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MainOptions options;
+  CLI::App app{"varuna_agent: starts and watches the workers of one host for run_varuna"};
+  app.add_option("--manager", options.manager, "run_varuna's control address host:port")->required();
+  app.add_option("--host", options.agent.host, "this host's name in the machine list")->required();
+  app.add_option("--job", options.agent.job, "job name")->required();
+  app.add_option("--run_dir", options.agent.runDir, "logs, pid file and connection.json (default /tmp/varuna/JOB/HOST)");
+  app.add_option("--code_dir", options.codeDir, "folder the workers start in");
+  app.add_option("--program", options.program, "training program, checked before starting");
+  app.add_option("--grace_s", options.graceS, "kill the workers when the manager is gone this long")->check(CLI::PositiveNumber);
+  app.add_flag("--daemonize", options.daemonize, "detach, and return once connected to the manager");
+  app.add_option("--log_level", options.logLevel, "debug, info, warn or error");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : kExitConfigError;
+  }
+  try {
+    const char* token = std::getenv("VARUNA_JOB_TOKEN");
+    if (!token || !*token) throw ConfigError("VARUNA_JOB_TOKEN is not set: varuna_agent is started by run_varuna");
+    options.agent.token = token;
+    ::unsetenv("VARUNA_JOB_TOKEN");  // workers get it explicitly
+    options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
+    if (options.agent.runDir.empty()) options.agent.runDir = defaultAgentRunDir(options.agent.job, options.agent.host);
+    log::configure({"agent", options.agent.job, options.agent.host}, log::parseLevel(options.logLevel));
+    if (!fs::is_directory(options.codeDir)) {
+      throw ConfigError(strCat("code_dir ", options.codeDir, " does not exist on ", options.agent.host));
+    }
+    if (!options.program.empty()) resolveProgram(options.program, options.codeDir);
+    fs::create_directories(options.agent.runDir);
+  } catch (const ConfigError& e) {
+    std::cerr << "config error: varuna_agent on " << options.agent.host << ": " << e.what() << std::endl;
+    return kExitConfigError;
+  } catch (const std::exception& e) {
+    std::cerr << "varuna_agent on " << options.agent.host << ": " << e.what() << std::endl;
+    return 1;
+  }
+  if (!options.daemonize) return run(options, -1);
+
+  const std::string logPath = (fs::path(options.agent.runDir) / "agent.log").string();
+  int pipeFds[2];
+  if (::pipe2(pipeFds, O_CLOEXEC) != 0) return 1;
+  const pid_t child = ::fork();
+  if (child < 0) return 1;
+  if (child > 0) {
+    ::close(pipeFds[1]);
+    return waitForChild(pipeFds[0], logPath);
+  }
+  ::close(pipeFds[0]);
+  ::setsid();  // survives the SSH session (and its SIGHUP)
+  const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  const int devNull = ::open("/dev/null", O_RDONLY);
+  ::dup2(devNull, 0);
+  ::dup2(logFd, 1);
+  ::dup2(logFd, 2);
+  return run(options, pipeFds[1]);
+}

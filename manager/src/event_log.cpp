@@ -1,0 +1,37 @@
+#include "varuna/manager/event_log.h"
+
+#include <chrono>
+#include <ctime>
+
+#include "varuna/common/errors.h"
+
+namespace varuna {
+
+int64_t unixMillisNow() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string isoTimeNow() {
+  const int64_t ms = unixMillisNow();
+  const std::time_t seconds = static_cast<std::time_t>(ms / 1000);
+  std::tm utc{};
+  ::gmtime_r(&seconds, &utc);
+  char text[64];
+  std::snprintf(text, sizeof(text), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", utc.tm_year + 1900, utc.tm_mon + 1,
+                utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec, static_cast<int>(ms % 1000));
+  return text;
+}
+
+EventLog::EventLog(const std::string& path) : path_(path), out_(path, std::ios::app) {
+  if (!out_) throw Error(strCat("cannot open the event log ", path, " for appending"), 1);
+}
+
+void EventLog::write(const std::string& event, nlohmann::json fields) {
+  nlohmann::json line = {{"time", isoTimeNow()}, {"unix_ms", unixMillisNow()}, {"event", event}};
+  for (auto& [k, v] : fields.items()) line[k] = v;
+  out_ << line.dump() << '\n';
+  out_.flush();
+}
+
+}  // namespace varuna

@@ -1,0 +1,99 @@
+#include "varuna/manager/framed_connection.h"
+
+namespace varuna {
+
+namespace asio = boost::asio;
+
+FramedConnection::FramedConnection(asio::ip::tcp::socket socket) : socket_(std::move(socket)) {
+  boost::system::error_code ec;
+  const auto endpoint = socket_.remote_endpoint(ec);
+  peer_ = ec ? "?" : endpoint.address().to_string() + ":" + std::to_string(endpoint.port());
+  socket_.set_option(asio::ip::tcp::no_delay(true), ec);
+}
+
+void FramedConnection::start(OnMessage onMessage, OnClose onClose) {
+  onMessage_ = std::move(onMessage);
+  onClose_ = std::move(onClose);
+  doRead();
+}
+
+void FramedConnection::doRead() {
+  socket_.async_read_some(asio::buffer(readBuffer_),
+                          [self = shared_from_this()](const boost::system::error_code& ec, size_t bytes) {
+                            self->onRead(ec, bytes);
+                          });
+}
+
+void FramedConnection::onRead(const boost::system::error_code& ec, size_t bytes) {
+  if (!open_) return;
+  if (ec) {
+    close(ec == asio::error::eof ? "closed by peer" : ec.message());
+    return;
+  }
+  try {
+    decoder_.feed(std::string_view(readBuffer_.data(), bytes));
+    while (open_) {
+      auto message = decoder_.next();
+      if (!message) break;
+      onMessage_(*message);
+    }
+  } catch (const std::exception& e) {
+    close(e.what());
+  }
+  if (open_) {
+    doRead();
+  } else {
+    onMessage_ = nullptr;  // not inside it any more: drop what it captured
+  }
+}
+
+void FramedConnection::send(const proto::Message& message) {
+  if (!open_ || closeWhenDrained_) return;
+  writeQueue_.push_back(proto::encode(message));
+  if (writeQueue_.size() == 1) doWrite();
+}
+
+void FramedConnection::doWrite() {
+  asio::async_write(socket_, asio::buffer(writeQueue_.front()),
+                    [self = shared_from_this()](const boost::system::error_code& ec, size_t) { self->onWrite(ec); });
+}
+
+void FramedConnection::onWrite(const boost::system::error_code& ec) {
+  if (!open_) return;
+  if (ec) {
+    close(ec.message());
+    return;
+  }
+  writeQueue_.pop_front();
+  if (!writeQueue_.empty()) {
+    doWrite();
+  } else if (closeWhenDrained_) {
+    close(pendingCloseReason_);
+  }
+}
+
+void FramedConnection::closeAfterSending(const std::string& reason) {
+  if (!open_) return;
+  if (writeQueue_.empty()) {
+    close(reason);
+    return;
+  }
+  closeWhenDrained_ = true;
+  pendingCloseReason_ = reason;
+}
+
+void FramedConnection::close(const std::string& reason) {
+  if (!open_) return;
+  open_ = false;
+  writeQueue_.clear();
+  boost::system::error_code ignored;
+  socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  if (onClose_) {
+    auto callback = std::move(onClose_);
+    onClose_ = nullptr;
+    callback(reason);
+  }
+}
+
+}  // namespace varuna

@@ -1,0 +1,309 @@
+#include "varuna/manager/job_config.h"
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <fstream>
+#include <map>
+#include <variant>
+
+#include "varuna/common/errors.h"
+
+namespace varuna {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// One table drives JSON parsing, JSON output and (in run_varuna's CLI) the
+// option names, so the three never drift apart.
+using Member = std::variant<std::string JobConfig::*, int JobConfig::*, int64_t JobConfig::*, double JobConfig::*,
+                            bool JobConfig::*, std::vector<std::string> JobConfig::*>;
+template <typename M>
+struct MemberType;
+template <typename T>
+struct MemberType<T JobConfig::*> {
+  using type = T;
+};
+
+struct Field {
+  const char* key;
+  Member member;
+};
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> table = {
+      {"job", &JobConfig::job},
+      {"machine_list", &JobConfig::machineList},
+      {"gpus_per_node", &JobConfig::gpusPerNode},
+      {"nstages", &JobConfig::nstages},
+      {"chunk_size", &JobConfig::chunkSize},
+      {"batch_size", &JobConfig::batchSize},
+      {"code_dir", &JobConfig::codeDir},
+      {"env_file", &JobConfig::envFile},
+      {"no_morphing", &JobConfig::noMorphing},
+      {"manager_ip", &JobConfig::managerIp},
+      {"port", &JobConfig::port},
+      {"master_port", &JobConfig::masterPort},
+      {"global_store", &JobConfig::globalStore},
+      {"state_dir", &JobConfig::stateDir},
+      {"heartbeat_timeout_s", &JobConfig::heartbeatTimeoutS},
+      {"startup_timeout_s", &JobConfig::startupTimeoutS},
+      {"checkpoint_timeout_s", &JobConfig::checkpointTimeoutS},
+      {"agent_grace_s", &JobConfig::agentGraceS},
+      {"max_failures", &JobConfig::maxFailures},
+      {"failure_window_s", &JobConfig::failureWindowS},
+      {"restart_backoff_s", &JobConfig::restartBackoffS},
+      {"exclude_slow", &JobConfig::excludeSlow},
+      {"slow_threshold", &JobConfig::slowThreshold},
+      {"slow_window", &JobConfig::slowWindow},
+      {"ssh_user", &JobConfig::sshUser},
+      {"ssh_port", &JobConfig::sshPort},
+      {"ssh_identity", &JobConfig::sshIdentity},
+      {"ssh_known_hosts", &JobConfig::sshKnownHosts},
+      {"agent_path", &JobConfig::agentPath},
+      {"log_level", &JobConfig::logLevel},
+      {"program", &JobConfig::program},
+  };
+  return table;
+}
+
+template <typename T>
+const char* typeWord() {
+  if constexpr (std::is_same_v<T, std::string>) return "a string";
+  if constexpr (std::is_same_v<T, bool>) return "true or false";
+  if constexpr (std::is_same_v<T, double>) return "a number";
+  if constexpr (std::is_same_v<T, std::vector<std::string>>) return "a list of strings";
+  return "an integer";
+}
+
+template <typename T>
+bool hasType(const json& value) {
+  if constexpr (std::is_same_v<T, std::string>) return value.is_string();
+  if constexpr (std::is_same_v<T, bool>) return value.is_boolean();
+  if constexpr (std::is_same_v<T, double>) return value.is_number();
+  if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    if (!value.is_array()) return false;
+    for (const auto& item : value) {
+      if (!item.is_string()) return false;
+    }
+    return true;
+  }
+  if constexpr (std::is_same_v<T, int> || std::is_same_v<T, int64_t>) {
+    return value.is_number_integer() &&
+           (std::is_same_v<T, int64_t> || (value.get<int64_t>() >= INT32_MIN && value.get<int64_t>() <= INT32_MAX));
+  }
+}
+
+std::string knownKeys() {
+  std::string out;
+  for (const auto& f : fields()) out += (out.empty() ? "" : ", ") + std::string(f.key);
+  return out;
+}
+
+void requirePositive(double value, const char* option) {
+  if (!(value > 0)) throw ConfigError(strCat("--", option, " must be > 0, got ", value));
+}
+
+std::string unquote(std::string value) {
+  if (value.size() >= 2 && (value.front() == '"' || value.front() == '\'') && value.back() == value.front()) {
+    return value.substr(1, value.size() - 2);
+  }
+  return value;
+}
+
+std::string trim(std::string_view s) {
+  const auto b = s.find_first_not_of(" \t\r");
+  if (b == std::string_view::npos) return "";
+  const auto e = s.find_last_not_of(" \t\r");
+  return std::string(s.substr(b, e - b + 1));
+}
+
+}  // namespace
+
+JobConfig applyJobJson(JobConfig base, const json& object, const std::string& source) {
+  if (!object.is_object()) throw ConfigError(strCat(source, ": a job config must be a JSON object {\"key\": value}"));
+  for (const auto& [key, value] : object.items()) {
+    const auto it = std::find_if(fields().begin(), fields().end(), [&](const Field& f) { return key == f.key; });
+    if (it == fields().end()) {
+      throw ConfigError(strCat(source, ": unknown key '", key, "'; known keys: ", knownKeys()));
+    }
+    std::visit(
+        [&](auto member) {
+          using T = typename MemberType<decltype(member)>::type;
+          if (!hasType<T>(value)) {
+            throw ConfigError(strCat(source, ": '", key, "' must be ", typeWord<T>(), ", got ", value.dump()));
+          }
+          base.*member = value.get<T>();
+        },
+        it->member);
+  }
+  return base;
+}
+
+JobConfig parseJobConfigText(std::string_view text, const std::string& source) {
+  json object;
+  try {
+    object = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw ConfigError(strCat(source, ": not valid JSON (", e.what(), ")"));
+  }
+  return applyJobJson(JobConfig{}, object, source);
+}
+
+json toJson(const JobConfig& config) {
+  json out = json::object();
+  for (const auto& f : fields()) {
+    std::visit([&](auto member) { out[f.key] = config.*member; }, f.member);
+  }
+  return out;
+}
+
+void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
+  if (config.job.empty() || config.job.find_first_of("/ \t\n") != std::string::npos) {
+    throw ConfigError(strCat("--job '", config.job, "' must be a non-empty name without '/' or spaces"));
+  }
+  if (config.machineList.empty()) {
+    throw ConfigError("--machine_list is required: a file with one host per line (e.g. `127.0.0.1 slots=2`)");
+  }
+  if (config.gpusPerNode < 1) throw ConfigError(strCat("--gpus_per_node must be >= 1, got ", config.gpusPerNode));
+  if (config.nstages < 1) {
+    throw ConfigError(strCat("--nstages is required and must be >= 1 (got ", config.nstages, ")"));
+  }
+  if (config.batchSize < 1) throw ConfigError(strCat("--batch_size (global) must be >= 1, got ", config.batchSize));
+  if (config.chunkSize < 1) throw ConfigError(strCat("--chunk_size (micro-batch) must be >= 1, got ", config.chunkSize));
+  if (config.port < 0 || config.port > 65535) throw ConfigError(strCat("--port must be 0..65535, got ", config.port));
+  if (config.masterPort < 1024 || config.masterPort > 65000) {
+    throw ConfigError(strCat("--master_port must be 1024..65000, got ", config.masterPort));
+  }
+  if (config.sshPort < 1 || config.sshPort > 65535) {
+    throw ConfigError(strCat("--ssh_port must be 1..65535, got ", config.sshPort));
+  }
+  requirePositive(config.heartbeatTimeoutS, "heartbeat_timeout_s");
+  requirePositive(config.startupTimeoutS, "startup_timeout_s");
+  requirePositive(config.checkpointTimeoutS, "checkpoint_timeout_s");
+  requirePositive(config.agentGraceS, "agent_grace_s");
+  requirePositive(config.failureWindowS, "failure_window_s");
+  if (config.restartBackoffS < 0) throw ConfigError("--restart_backoff_s must be >= 0");
+  if (config.maxFailures < 0) throw ConfigError("--max_failures must be >= 0");
+  if (!(config.slowThreshold > 0)) throw ConfigError("--slow_threshold must be > 0 (e.g. 0.15 for 15 %)");
+  if (config.slowWindow < 1) throw ConfigError("--slow_window must be >= 1 step");
+  if (config.program.empty()) {
+    throw ConfigError("no training program: put it and its arguments after `--` (e.g. run_varuna ... -- ./train_gpt "
+                      "--steps 100) or as \"program\" in the job config");
+  }
+  if (config.globalStore.empty()) {
+    throw ConfigError("--global_store is required: the checkpoint folder every worker can reach (a shared filesystem)");
+  }
+  std::error_code ec;
+  if (config.codeDir.empty()) config.codeDir = fs::current_path().string();
+  config.codeDir = fs::absolute(config.codeDir, ec).lexically_normal().string();
+  config.globalStore = fs::absolute(config.globalStore, ec).lexically_normal().string();
+  config.machineList = fs::absolute(config.machineList, ec).lexically_normal().string();
+  if (!fs::exists(config.machineList)) {
+    throw ConfigError(strCat("--machine_list ", config.machineList, " does not exist"));
+  }
+  if (!config.envFile.empty() && !fs::exists(config.envFile)) {
+    throw ConfigError(strCat("--env_file ", config.envFile, " does not exist"));
+  }
+  if (config.stateDir.empty()) {
+    config.stateDir = (::geteuid() == 0 ? fs::path("/var/lib/varuna") : fs::path(".varuna")) / config.job;
+  }
+  config.stateDir = fs::absolute(config.stateDir, ec).lexically_normal().string();
+  if (config.agentPath.empty()) {
+    config.agentPath = (fs::path(selfExecutable).parent_path() / "varuna_agent").string();
+  }
+}
+
+std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int& exitCode) {
+  CLI::App app{"run_varuna: runs a training job on the machines of a machine list and keeps it running as they come "
+               "and go.\n  run_varuna [options] -- ./train_program [its arguments]\n  run_varuna status --state_dir DIR"};
+  std::string configFile;
+  app.add_option("--config", configFile, "JSON job config (keys: the option names); the command line overrides it");
+  std::map<std::string, std::string> given;
+  std::map<std::string, bool> flags;
+  std::vector<std::string> program;
+  for (const auto& f : fields()) {
+    const std::string key = f.key;
+    if (key == "program") continue;
+    if (std::holds_alternative<bool JobConfig::*>(f.member)) {
+      app.add_flag("--" + key, flags[key]);
+    } else {
+      app.add_option("--" + key, given[key]);
+    }
+  }
+  app.add_option("program", program, "the training program and its arguments, after --");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    exitCode = app.exit(e);
+    if (exitCode != 0) exitCode = kExitConfigError;
+    return std::nullopt;
+  }
+  JobConfig config;
+  if (!configFile.empty()) {
+    std::ifstream in(configFile);
+    if (!in) throw ConfigError(strCat("--config ", configFile, " cannot be read"));
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    config = parseJobConfigText(text, configFile);
+  }
+  json overrides = json::object();
+  for (const auto& f : fields()) {
+    const std::string key = f.key;
+    if (flags.count(key) && app.count("--" + key)) overrides[key] = true;
+    if (!given.count(key) || !app.count("--" + key)) continue;
+    const std::string& text = given[key];
+    std::visit(
+        [&](auto member) {
+          using T = typename MemberType<decltype(member)>::type;
+          if constexpr (std::is_same_v<T, std::string>) {
+            overrides[key] = text;
+          } else if constexpr (std::is_same_v<T, int> || std::is_same_v<T, int64_t> || std::is_same_v<T, double>) {
+            try {
+              size_t used = 0;
+              const double value = std::stod(text, &used);
+              if (used != text.size()) throw std::invalid_argument(text);
+              if (std::is_same_v<T, double>) {
+                overrides[key] = value;
+              } else {
+                overrides[key] = std::stoll(text, &used);
+                if (used != text.size()) throw std::invalid_argument(text);
+              }
+            } catch (const std::exception&) {
+              throw ConfigError(strCat("--", key, " must be ", typeWord<T>(), ", got '", text, "'"));
+            }
+          }
+        },
+        f.member);
+  }
+  if (!program.empty()) overrides["program"] = program;
+  return applyJobJson(config, overrides, "the command line");
+}
+
+std::vector<std::pair<std::string, std::string>> parseEnvFile(std::string_view text, const std::string& source) {
+  std::vector<std::pair<std::string, std::string>> out;
+  int lineNumber = 0;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const auto end = std::min(text.find('\n', pos), text.size());
+    ++lineNumber;
+    std::string line = trim(text.substr(pos, end - pos));
+    pos = end + 1;
+    if (line.empty() || line.front() == '#') continue;
+    if (line.rfind("export ", 0) == 0) line = trim(line.substr(7));
+    const auto eq = line.find('=');
+    const std::string key = eq == std::string::npos ? line : trim(line.substr(0, eq));
+    const bool validKey = !key.empty() && !std::isdigit(static_cast<unsigned char>(key[0])) &&
+                          key.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_") ==
+                              std::string::npos;
+    if (eq == std::string::npos || !validKey) {
+      throw ConfigError(strCat(source, ":", lineNumber, ": expected KEY=VALUE (letters, digits, _), got '", line, "'"));
+    }
+    out.emplace_back(key, unquote(trim(line.substr(eq + 1))));
+  }
+  return out;
+}
+
+}  // namespace varuna

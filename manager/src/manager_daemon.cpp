@@ -1,0 +1,775 @@
+#include "varuna/manager/manager_daemon.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "varuna/common/checkpoint_files.h"
+#include "varuna/common/log.h"
+#include "varuna/common/machine_list.h"
+
+namespace varuna {
+namespace {
+
+namespace asio = boost::asio;
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kTickInterval = std::chrono::milliseconds(100);
+constexpr auto kListPollInterval = std::chrono::milliseconds(500);
+constexpr auto kCheckpointPollInterval = std::chrono::milliseconds(1000);
+constexpr auto kHelloDeadline = std::chrono::seconds(10);
+
+double secondsBetween(TimePoint a, TimePoint b) { return std::chrono::duration<double>(b - a).count(); }
+
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// The per-job secret every connection must present. Kept in the state folder
+// (mode 0600) so a restarted manager and the notifiers keep using it.
+std::string loadOrCreateToken(const fs::path& stateDir) {
+  const fs::path path = stateDir / "token";
+  if (std::ifstream in(path); in) {
+    std::string token;
+    std::getline(in, token);
+    if (token.size() >= 32) return token;
+  }
+  std::random_device random;
+  std::string token;
+  const char* hex = "0123456789abcdef";
+  for (int i = 0; i < 48; ++i) token += hex[random() % 16];
+  const auto old = ::umask(077);
+  ckpt::writeFileAtomic(stateDir, "token", token + "\n");
+  ::umask(old);
+  ::chmod(path.c_str(), 0600);
+  return token;
+}
+
+json readJsonFile(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) return json();
+  try {
+    return json::parse(in);
+  } catch (const std::exception&) {
+    return json();
+  }
+}
+
+json planJson(const Plan& plan) {
+  json placement = json::array();
+  for (const auto& p : plan.placement) placement.push_back({{"rank", p.rank}, {"host", p.host}, {"local_rank", p.localRank}});
+  return {{"stages", plan.stages},       {"replicas", plan.replicas},     {"chunk_size", plan.chunkSize},
+          {"global_batch", plan.globalBatch}, {"per_replica_batch", plan.perReplicaBatch},
+          {"stage_to_rank_map", plan.stageToRankMap}, {"hosts", plan.hosts}, {"placement", placement}};
+}
+
+}  // namespace
+
+ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher)
+    : io_(io),
+      config_(std::move(config)),
+      launcher_(std::move(launcher)),
+      acceptor_(io),
+      tickTimer_(io),
+      slowDetector_(config_.slowThreshold, config_.slowWindow) {}
+
+ManagerDaemon::~ManagerDaemon() {
+  for (auto& t : launchThreads_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+void ManagerDaemon::start() {
+  startedAt_ = Clock::now();
+  const fs::path stateDir = config_.stateDir;
+  std::error_code ec;
+  fs::create_directories(stateDir, ec);
+  if (ec) throw ConfigError(strCat("cannot create --state_dir ", stateDir.string(), ": ", ec.message()));
+  token_ = loadOrCreateToken(stateDir);
+  events_ = std::make_unique<EventLog>((stateDir / "events.jsonl").string());
+  if (!config_.envFile.empty()) env_ = parseEnvFile(ckpt::readFile(config_.envFile), config_.envFile);
+  env_.emplace_back("VARUNA_GLOBAL_STORE", config_.globalStore);
+  fs::create_directories(config_.globalStore, ec);
+
+  listedText_ = ckpt::readFile(config_.machineList);
+  listed_ = parseMachineList(listedText_, config_.machineList, config_.gpusPerNode);
+
+  // A state file from an earlier manager of this job: continue its numbering.
+  int firstGeneration = 1;
+  const json previous = readJsonFile(stateDir / "state.json");
+  if (previous.is_object() && previous.value("job", "") == config_.job) {
+    firstGeneration = previous.value("generation", 0) + 1;
+    const std::string phase = previous.value("phase", "");
+    log::warn("state of an earlier manager of job '", config_.job, "' found (phase ", phase, ", generation ",
+              firstGeneration - 1, "): continuing from the last complete checkpoint");
+    events_->write("manager_restarted", {{"previous_phase", phase}, {"previous_generation", firstGeneration - 1}});
+  }
+
+  // Listen.
+  const std::string bindIp = config_.managerIp.empty() ? "0.0.0.0" : config_.managerIp;
+  asio::ip::tcp::endpoint endpoint;
+  try {
+    endpoint = asio::ip::tcp::endpoint(asio::ip::make_address(bindIp), static_cast<uint16_t>(config_.port));
+  } catch (const std::exception&) {
+    throw ConfigError(strCat("--manager_ip '", config_.managerIp, "' is not an IP address of this machine"));
+  }
+  boost::system::error_code bindError;
+  acceptor_.open(endpoint.protocol());
+  acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true));
+  acceptor_.bind(endpoint, bindError);
+  if (bindError) {
+    throw ConfigError(strCat("cannot listen on ", bindIp, ":", config_.port, ": ", bindError.message(),
+                             " (another run_varuna? pick another --port)"));
+  }
+  acceptor_.listen(1024);
+  ::fcntl(acceptor_.native_handle(), F_SETFD, FD_CLOEXEC);
+  port_ = acceptor_.local_endpoint().port();
+  bool allLocal = true;
+  for (const auto& m : listed_) allLocal &= isLocalHost(m.host);
+  std::string dialIp = config_.managerIp;
+  if (dialIp.empty() || dialIp == "0.0.0.0") {
+    if (!allLocal) {
+      throw ConfigError("--manager_ip is required when the machine list has other machines: the address of this "
+                        "head node the hosts can reach");
+    }
+    dialIp = "127.0.0.1";
+  }
+  advertisedAddress_ = dialIp.find(':') != std::string::npos ? strCat("[", dialIp, "]:", port_) : strCat(dialIp, ":", port_);
+
+  ControllerOptions options;
+  options.stages = config_.nstages;
+  options.globalBatch = config_.batchSize;
+  options.chunkSize = config_.chunkSize;
+  options.morphing = !config_.noMorphing;
+  options.checkpointTimeout = millis(config_.checkpointTimeoutS);
+  options.maxFailures = config_.maxFailures;
+  options.failureWindow = millis(config_.failureWindowS);
+  options.restartBackoff = millis(config_.restartBackoffS);
+  options.firstGeneration = firstGeneration;
+  const std::string store = config_.globalStore;
+  controller_ = std::make_unique<MorphController>(options, std::vector<Machine>{},
+                                                  [store] { return ckpt::latestComplete(store); });
+  lastCheckpoint_ = ckpt::latestComplete(store);
+
+  log::info("job '", config_.job, "': manager listening on ", advertisedAddress_, "; state in ", config_.stateDir);
+  log::info("starting agents on ", listed_.size(), " host(s) from ", config_.machineList);
+  events_->write("manager_started", {{"address", advertisedAddress_}, {"pid", ::getpid()},
+                                      {"hosts", listed_.size()}, {"config", toJson(config_)}});
+  doAccept();
+  for (const auto& m : listed_) startAgent(m.host);
+  scheduleTick();
+  writeState();
+}
+
+// --- connections ------------------------------------------------------------
+
+void ManagerDaemon::doAccept() {
+  acceptor_.async_accept([this](const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+    onAccept(ec, std::move(socket));
+  });
+}
+
+void ManagerDaemon::onAccept(const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+  if (ec == asio::error::operation_aborted || finished_) return;
+  if (!ec) {
+    ::fcntl(socket.native_handle(), F_SETFD, FD_CLOEXEC);
+    auto connection = std::make_shared<FramedConnection>(std::move(socket));
+    pending_.insert(connection);
+    std::weak_ptr<FramedConnection> weak = connection;
+    connection->start(
+        [this, weak](const proto::Message& m) {
+          if (auto c = weak.lock()) onFirstMessage(c, m);
+        },
+        [this, weak](const std::string&) {
+          if (auto c = weak.lock()) pending_.erase(c);
+        });
+  }
+  doAccept();
+}
+
+void ManagerDaemon::onFirstMessage(const std::shared_ptr<FramedConnection>& connection, const proto::Message& message) {
+  pending_.erase(connection);
+  try {
+    const proto::Hello& hello = proto::checkHello(message, token_);
+    if (hello.role == "agent") return onAgentHello(connection, hello);
+    if (hello.role == "worker") return onWorkerHello(connection, hello);
+    if (hello.role == "notifier") return onNotifierHello(connection, hello);
+    throw proto::ProtocolError(strCat("unknown role '", hello.role, "'"));
+  } catch (const proto::ProtocolError& e) {
+    log::warn("refused a connection from ", connection->peer(), ": ", e.what());
+    events_->write("connection_refused", {{"peer", connection->peer()}, {"reason", e.what()}});
+    connection->send(proto::Ack{false, e.what()});
+    connection->closeAfterSending("refused");
+  }
+}
+
+void ManagerDaemon::onAgentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+  auto it = agents_.find(hello.host);
+  if (it == agents_.end() || it->second.status == AgentStatus::kUp) {
+    const std::string why = it == agents_.end() ? "is not in the machine list" : "already has an agent";
+    log::warn("agent from ", connection->peer(), " for host ", hello.host, " refused: the host ", why);
+    connection->send(proto::Ack{false, strCat("host ", hello.host, " ", why)});
+    connection->closeAfterSending("refused");
+    return;
+  }
+  AgentState& agent = it->second;
+  agent.status = AgentStatus::kUp;
+  agent.connection = connection;
+  agent.lastSeen = Clock::now();
+  agent.released = false;
+  const std::string host = hello.host;
+  std::weak_ptr<FramedConnection> weak = connection;
+  connection->start(
+      [this, host](const proto::Message& m) { onAgentMessage(host, m); },
+      [this, host, weak](const std::string& reason) {
+        auto a = agents_.find(host);
+        if (a != agents_.end() && a->second.connection == weak.lock()) onAgentLost(host, reason);
+      });
+  log::info("agent up on ", host, " (", connection->peer(), ")");
+  events_->write("agent_up", {{"host", host}});
+  if (jobStarted_) {
+    usableMachinesChanged();
+  } else {
+    maybeStartJob();
+  }
+}
+
+void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+  if (hello.generation != controller_->generation() || !workers_.count(hello.rank)) {
+    connection->send(proto::Ack{false, strCat("generation ", hello.generation, " is over")});
+    connection->closeAfterSending("stale worker");
+    return;
+  }
+  WorkerState& worker = workers_[hello.rank];
+  worker.connection = connection;
+  worker.lastSeen = Clock::now();
+  worker.connected = true;
+  const int rank = hello.rank;
+  connection->start([this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
+                    [](const std::string&) {});  // exits are reported by the agents
+  for (const auto& [r, w] : workers_) {
+    if (!w.connected) return;
+  }
+  morph_.connected = Clock::now();
+  log::info("all ", workers_.size(), " workers of generation ", controller_->generation(), " connected (",
+            secondsBetween(launchedAt_, morph_.connected), " s after launch)");
+}
+
+void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello&) {
+  std::weak_ptr<FramedConnection> weak = connection;
+  connection->start(
+      [this, weak](const proto::Message& m) {
+        auto c = weak.lock();
+        const auto* notice = std::get_if<proto::PreemptNotice>(&m);
+        if (!c) return;
+        if (!notice) {
+          c->send(proto::Ack{false, "expected a preempt notice"});
+          c->closeAfterSending("bad notifier");
+          return;
+        }
+        if (!agents_.count(notice->host)) {
+          c->send(proto::Ack{false, strCat("host '", notice->host, "' is not in the machine list")});
+          c->closeAfterSending("unknown host");
+          return;
+        }
+        const double inSeconds =
+            notice->deadlineUnixMs > 0 ? static_cast<double>(notice->deadlineUnixMs - unixMillisNow()) / 1000 : -1;
+        log::warn("preemption notice for ", notice->host,
+                  inSeconds >= 0 ? strCat(" (taken in ", inSeconds, " s)") : std::string(" (no deadline given)"));
+        events_->write("preempt_notice", {{"host", notice->host}, {"deadline_unix_ms", notice->deadlineUnixMs}});
+        preempted_.insert(notice->host);
+        c->send(proto::Ack{true, ""});
+        c->closeAfterSending("done");
+        if (!morph_.active) morph_ = MorphTimes{"preemption of " + notice->host, Clock::now(), {}, {}, true};
+        apply(controller_->preemptNotice(notice->host, Clock::now()));
+      },
+      [](const std::string&) {});
+}
+
+void ManagerDaemon::onAgentMessage(const std::string& host, const proto::Message& message) {
+  auto& agent = agents_.at(host);
+  agent.lastSeen = Clock::now();
+  if (const auto* exited = std::get_if<proto::WorkerExited>(&message)) {
+    if (exited->generation != controller_->generation()) return;  // a straggler of an earlier launch
+    const std::string how = exited->exitCode >= 0 ? strCat("code ", exited->exitCode)
+                                                  : strCat("signal ", exited->signal);
+    const bool expected = exited->exitCode == 0 || exited->exitCode == kExitCheckpointed;
+    if (expected) {
+      log::info("rank ", exited->rank, " on ", host, " exited with ", how);
+    } else {
+      log::error("rank ", exited->rank, " on ", host, " exited with ", how,
+                 exited->logTail.empty() ? std::string() : ":\n" + exited->logTail);
+    }
+    events_->write("worker_exited", {{"host", host}, {"rank", exited->rank}, {"exit_code", exited->exitCode},
+                                     {"signal", exited->signal}, {"generation", exited->generation}});
+    workers_.erase(exited->rank);
+    if (!expected && !morph_.active) morph_ = MorphTimes{strCat("rank ", exited->rank, " failed"), Clock::now(), {}, {}, true};
+    apply(controller_->workerExited(exited->rank, exited->exitCode, Clock::now()));
+  }
+}
+
+void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
+  auto it = workers_.find(rank);
+  if (it == workers_.end()) return;
+  it->second.lastSeen = Clock::now();
+  if (const auto* report = std::get_if<proto::StepReport>(&message)) onStepReport(*report);
+}
+
+void ManagerDaemon::onAgentLost(const std::string& host, const std::string& reason) {
+  AgentState& agent = agents_.at(host);
+  const bool expected = agent.released || finished_;
+  agent.status = AgentStatus::kGone;
+  agent.connection.reset();
+  if (expected) return;
+  log::error("lost the agent on ", host, " (", reason, ")");
+  events_->write("host_lost", {{"host", host}, {"reason", reason}});
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    const auto& placement = controller_->plan().placement;
+    const bool onHost = it->first < static_cast<int>(placement.size()) && placement[it->first].host == host;
+    it = onHost ? workers_.erase(it) : std::next(it);
+  }
+  if (!morph_.active) morph_ = MorphTimes{"loss of host " + host, Clock::now(), {}, {}, true};
+  if (!jobStarted_) {
+    agent.status = AgentStatus::kFailed;
+    maybeStartJob();
+    return;
+  }
+  apply(controller_->hostLost(host, Clock::now()));
+  usableMachinesChanged();
+}
+
+// --- agents -------------------------------------------------------------------
+
+std::string ManagerDaemon::agentCommand(const std::string& host) const {
+  // The token travels in the environment of the remote shell, not on the
+  // agent's command line (where `ps` would show it for the agent's lifetime).
+  return strCat("VARUNA_JOB_TOKEN=", shellQuote(token_), " exec ", shellQuote(config_.agentPath),
+                " --daemonize --manager ", shellQuote(advertisedAddress_), " --host ", shellQuote(host), " --job ",
+                shellQuote(config_.job), " --code_dir ", shellQuote(config_.codeDir), " --program ",
+                shellQuote(config_.program.front()), " --grace_s ", config_.agentGraceS, " --log_level ",
+                shellQuote(config_.logLevel));
+}
+
+void ManagerDaemon::startAgent(const std::string& host) {
+  AgentState& agent = agents_[host];
+  agent = AgentState{};
+  agent.status = AgentStatus::kStarting;
+  const std::string command = agentCommand(host);
+  log::debug("starting the agent on ", host, ": ", config_.agentPath);
+  HostLauncher* launcher = launcher_.get();
+  launchThreads_.emplace_back([this, launcher, host, command] {
+    HostCommandResult result = launcher->run(host, command);
+    asio::post(io_, [this, host, result] { onAgentCommandDone(host, result); });
+  });
+}
+
+void ManagerDaemon::onAgentCommandDone(const std::string& host, const HostCommandResult& result) {
+  if (finished_) return;
+  auto it = agents_.find(host);
+  if (it == agents_.end() || it->second.status != AgentStatus::kStarting) return;  // up already (or gone)
+  if (!result.ok) {
+    if (result.exitStatus == kExitConfigError) {
+      // The same program and code_dir are used everywhere: no host will do better.
+      const std::string reason = strCat("host ", host, ": ", result.output.empty() ? result.message : result.output);
+      events_->write("agent_failed", {{"host", host}, {"reason", reason}, {"config_error", true}});
+      doStop(action::Stop{reason, kExitConfigError});
+      return;
+    }
+    agentFailed(host, result.message);
+    return;
+  }
+  // The agent reported success after saying hello; the hello may still be in
+  // flight on its socket. Give it a moment.
+  auto timer = std::make_shared<asio::steady_timer>(io_, kHelloDeadline);
+  timer->async_wait([this, timer, host](const boost::system::error_code& ec) {
+    auto a = agents_.find(host);
+    if (!ec && a != agents_.end() && a->second.status == AgentStatus::kStarting) {
+      agentFailed(host, "the agent started but never reached the manager at " + advertisedAddress_);
+    }
+  });
+}
+
+void ManagerDaemon::agentFailed(const std::string& host, const std::string& message) {
+  log::error("cannot start the agent on ", host, ": ", message);
+  events_->write("agent_failed", {{"host", host}, {"reason", message}});
+  agents_.at(host).status = AgentStatus::kFailed;
+  if (!jobStarted_) {
+    maybeStartJob();
+  } else {
+    usableMachinesChanged();
+  }
+}
+
+std::vector<Machine> ManagerDaemon::usableMachines() const {
+  std::vector<Machine> usable;
+  for (const auto& m : listed_) {
+    auto it = agents_.find(m.host);
+    if (it != agents_.end() && it->second.status == AgentStatus::kUp) usable.push_back(m);
+  }
+  return usable;
+}
+
+void ManagerDaemon::usableMachinesChanged() {
+  if (!jobStarted_ || finished_) return;
+  apply(controller_->machinesChanged(usableMachines(), Clock::now()));
+}
+
+void ManagerDaemon::maybeStartJob() {
+  if (jobStarted_ || finished_) return;
+  for (const auto& [host, agent] : agents_) {
+    if (agent.status == AgentStatus::kStarting) return;  // still waiting for some
+  }
+  jobStarted_ = true;
+  const auto usable = usableMachines();
+  log::info(usable.size(), " of ", listed_.size(), " host(s) ready");
+  const auto now = Clock::now();
+  apply(controller_->machinesChanged(usable, now));
+  apply(controller_->start(now));
+}
+
+// --- actions --------------------------------------------------------------------
+
+void ManagerDaemon::apply(const std::vector<Action>& actions) {
+  for (const auto& a : actions) {
+    if (finished_) return;
+    if (const auto* launch = std::get_if<action::Launch>(&a)) {
+      doLaunch(*launch);
+    } else if (std::holds_alternative<action::Checkpoint>(a)) {
+      log::info("ordering an on-demand checkpoint from every worker");
+      events_->write("checkpoint_ordered", {{"generation", controller_->generation()}});
+      sendToAgentsOfPlan(proto::CheckpointAndExit{});
+    } else if (const auto* kill = std::get_if<action::KillAll>(&a)) {
+      log::warn("stopping every worker: ", kill->reason);
+      events_->write("kill_all", {{"reason", kill->reason}});
+      sendToAgentsOfPlan(proto::KillWorkers{kill->reason});
+    } else if (const auto* stop = std::get_if<action::Stop>(&a)) {
+      doStop(*stop);
+    }
+  }
+  writeState();
+}
+
+void ManagerDaemon::sendToAgentsOfPlan(const proto::Message& message) {
+  for (const auto& host : controller_->plan().hosts) {
+    auto it = agents_.find(host);
+    if (it != agents_.end() && it->second.connection && it->second.connection->open()) it->second.connection->send(message);
+  }
+}
+
+void ManagerDaemon::doLaunch(const action::Launch& launch) {
+  const Plan& plan = launch.plan;
+  const auto now = Clock::now();
+  launchedAt_ = now;
+  workers_.clear();
+  steps_.clear();
+  firstStepOfGeneration_ = -1;
+  for (const auto& p : plan.placement) workers_[p.rank] = WorkerState{};
+  slowDetector_.reset(plan);
+  if (morph_.active) morph_.launched = now;
+  log::info("generation ", launch.generation, ": ", plan.describe(),
+            launch.resumeStep >= 0 ? strCat("; resuming from step ", launch.resumeStep) : std::string("; fresh start"));
+  events_->write("launch", {{"generation", launch.generation}, {"resume_step", launch.resumeStep},
+                            {"plan", planJson(plan)}});
+  proto::LaunchWorkers message;
+  message.argv = config_.program;
+  message.codeDir = config_.codeDir;
+  message.env = env_;
+  message.stageToRankMap = plan.stageToRankMap;
+  message.chunkSize = plan.chunkSize;
+  message.batchSize = plan.perReplicaBatch;
+  message.resumeStep = launch.resumeStep;
+  message.masterAddr = plan.placement.front().host;
+  // A fresh port per generation: the previous store may linger in TIME_WAIT.
+  message.masterPort = config_.masterPort + (launch.generation - 1) % 100;
+  message.worldSize = plan.worldSize();
+  message.generation = launch.generation;
+  for (const auto& host : plan.hosts) {
+    message.workers.clear();
+    for (const auto& p : plan.ranksOn(host)) message.workers.push_back({p.rank, p.localRank});
+    agents_.at(host).connection->send(message);
+  }
+  // Hosts that left the job (preempted or removed from the list) are released.
+  std::set<std::string> listedHosts;
+  for (const auto& m : listed_) listedHosts.insert(m.host);
+  for (auto& [host, agent] : agents_) {
+    const bool gone = preempted_.count(host) || !listedHosts.count(host);
+    if (gone && agent.connection && agent.connection->open() && !agent.released) {
+      agent.released = true;
+      agent.connection->send(proto::Shutdown{preempted_.count(host) ? "preempted" : "removed from the machine list"});
+      events_->write("host_released", {{"host", host}});
+    }
+  }
+}
+
+void ManagerDaemon::doStop(const action::Stop& stop) {
+  if (finished_) return;
+  finished_ = true;
+  exitCode_ = stop.exitCode;
+  stopReason_ = stop.reason;
+  if (stop.exitCode == 0) {
+    log::info("job '", config_.job, "' done: ", stop.reason);
+  } else {
+    log::error("job '", config_.job, "' stopped: ", stop.reason);
+  }
+  watchCheckpoints(Clock::now());  // the one the workers just wrote, if any
+  events_->write("stop", {{"reason", stop.reason}, {"exit_code", stop.exitCode}});
+  for (auto& [host, agent] : agents_) {
+    if (agent.connection && agent.connection->open()) {
+      agent.released = true;
+      agent.connection->send(proto::Shutdown{stop.reason});
+    }
+  }
+  writeState();
+  printSummary();
+  // Let the shutdowns go out, then leave the event loop.
+  auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(300));
+  timer->async_wait([this, timer](const boost::system::error_code&) { finishShutdown(); });
+}
+
+void ManagerDaemon::finishShutdown() {
+  boost::system::error_code ignored;
+  acceptor_.close(ignored);
+  tickTimer_.cancel();
+  for (auto& [host, agent] : agents_) {
+    if (agent.connection) agent.connection->closeAfterSending("manager exiting");
+  }
+  for (auto& [rank, worker] : workers_) {
+    if (worker.connection) worker.connection->close("manager exiting");
+  }
+  for (const auto& c : std::set<std::shared_ptr<FramedConnection>>(pending_)) c->close("manager exiting");
+  io_.stop();  // pending timers and the signal set would keep the loop alive
+}
+
+void ManagerDaemon::requestStop(const std::string& reason) {
+  if (finished_) return;
+  if (!jobStarted_) {
+    doStop(action::Stop{reason, 0});
+    return;
+  }
+  if (stopping_) log::warn("second stop request: killing the workers now");
+  stopping_ = true;
+  events_->write("stop_requested", {{"reason", reason}});
+  apply(controller_->stop(reason, Clock::now()));
+}
+
+// --- periodic work -------------------------------------------------------------
+
+void ManagerDaemon::scheduleTick() {
+  tickTimer_.expires_after(kTickInterval);
+  tickTimer_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec || finished_) return;
+    try {
+      onTick();
+    } catch (const std::exception& e) {
+      log::error("manager tick failed: ", e.what());
+    }
+    scheduleTick();
+  });
+}
+
+void ManagerDaemon::onTick() {
+  const auto now = Clock::now();
+  checkHeartbeats(now);
+  if (finished_) return;
+  if (jobStarted_) apply(controller_->tick(now));
+  if (now - lastListPoll_ >= kListPollInterval) {
+    lastListPoll_ = now;
+    watchMachineList();
+  }
+  if (now - lastCheckpointPoll_ >= kCheckpointPollInterval) {
+    lastCheckpointPoll_ = now;
+    watchCheckpoints(now);
+  }
+  if (now - lastStateWrite_ >= std::chrono::seconds(1)) writeState();
+}
+
+void ManagerDaemon::checkHeartbeats(TimePoint now) {
+  const auto agentTimeout = millis(std::max(config_.heartbeatTimeoutS, 3.0));
+  for (auto& [host, agent] : agents_) {
+    if (agent.status == AgentStatus::kUp && agent.connection && now - agent.lastSeen > agentTimeout) {
+      agent.connection->close("no heartbeat for " + std::to_string(config_.heartbeatTimeoutS) + " s");
+    }
+  }
+  const Phase phase = controller_ ? controller_->phase() : Phase::kIdle;
+  if (phase != Phase::kRunning && phase != Phase::kCheckpointing) return;
+  const auto heartbeatTimeout = millis(config_.heartbeatTimeoutS);
+  const auto startupTimeout = millis(config_.startupTimeoutS);
+  for (const int rank : std::set<int>(controller_->runningRanks())) {
+    auto it = workers_.find(rank);
+    if (it == workers_.end()) continue;
+    const WorkerState& w = it->second;
+    const bool hung = w.connected ? now - w.lastSeen > heartbeatTimeout : now - launchedAt_ > startupTimeout;
+    if (!hung) continue;
+    const std::string host = controller_->plan().placement.at(static_cast<size_t>(rank)).host;
+    const std::string why = w.connected ? strCat("no heartbeat for ", config_.heartbeatTimeoutS, " s")
+                                        : strCat("never connected within ", config_.startupTimeoutS, " s of the launch");
+    log::error("rank ", rank, " on ", host, " is hung: ", why);
+    events_->write("worker_hung", {{"rank", rank}, {"host", host}, {"reason", why}});
+    workers_.erase(it);
+    if (!morph_.active) morph_ = MorphTimes{strCat("rank ", rank, " hung"), now, {}, {}, true};
+    apply(controller_->workerHung(rank, now));
+    if (finished_) return;
+  }
+}
+
+void ManagerDaemon::watchMachineList() {
+  std::string text;
+  try {
+    text = ckpt::readFile(config_.machineList);
+  } catch (const std::exception&) {
+    return;  // mid-replace by an editor: look again next time
+  }
+  if (text == listedText_) return;
+  std::vector<Machine> machines;
+  try {
+    machines = parseMachineList(text, config_.machineList, config_.gpusPerNode);
+  } catch (const ConfigError& e) {
+    log::error("ignoring the edited machine list until it is fixed: ", e.what());
+    listedText_ = text;  // report once per version
+    return;
+  }
+  listedText_ = text;
+  std::set<std::string> before, after;
+  for (const auto& m : listed_) before.insert(m.host);
+  for (const auto& m : machines) after.insert(m.host);
+  listed_ = machines;
+  json added = json::array(), removed = json::array();
+  for (const auto& h : after) {
+    if (before.count(h)) continue;
+    added.push_back(h);
+    preempted_.erase(h);
+    auto it = agents_.find(h);
+    if (it == agents_.end() || it->second.status != AgentStatus::kUp) startAgent(h);
+  }
+  for (const auto& h : before) {
+    if (!after.count(h)) removed.push_back(h);
+  }
+  log::info("machine list changed: ", added.size(), " added ", added.dump(), ", ", removed.size(), " removed ",
+            removed.dump());
+  events_->write("machine_list_changed", {{"added", added}, {"removed", removed}});
+  if (!removed.empty() && !morph_.active) morph_ = MorphTimes{"machine list shrank", Clock::now(), {}, {}, true};
+  usableMachinesChanged();
+}
+
+void ManagerDaemon::watchCheckpoints(TimePoint now) {
+  const auto latest = ckpt::latestComplete(config_.globalStore);
+  if (latest && latest != lastCheckpoint_) {
+    lastCheckpoint_ = latest;
+    lastCheckpointSeen_ = now;
+    events_->write("checkpoint_complete", {{"step", *latest}});
+  }
+}
+
+// --- reporting ---------------------------------------------------------------------
+
+void ManagerDaemon::onStepReport(const proto::StepReport& report) {
+  if (auto verdict = slowDetector_.add(report)) onSlowVerdict(*verdict);
+  StepAggregate& step = steps_[report.step];
+  ++step.reports;
+  step.maxStepSeconds = std::max(step.maxStepSeconds, report.stepSeconds);
+  step.loss = report.loss;
+  if (step.reports < controller_->plan().worldSize()) return;
+  const StepAggregate done = step;
+  steps_.erase(steps_.begin(), steps_.upper_bound(report.step));
+  const auto now = Clock::now();
+  lastStep_ = report.step;
+  lastLoss_ = done.loss;
+  lastSamplesPerSecond_ = done.maxStepSeconds > 0 ? static_cast<double>(config_.batchSize) / done.maxStepSeconds : 0;
+  if (firstStepOfGeneration_ < 0) {
+    firstStepOfGeneration_ = report.step;
+    if (morph_.active) {
+      const json phases = {
+          {"cause", morph_.cause},
+          {"checkpoint_and_teardown_s", secondsBetween(morph_.begin, morph_.launched)},
+          {"launch_and_connect_s", morph_.connected > morph_.launched ? secondsBetween(morph_.launched, morph_.connected) : 0.0},
+          {"rendezvous_load_first_step_s", morph_.connected > morph_.launched ? secondsBetween(morph_.connected, now) : 0.0},
+          {"total_s", secondsBetween(morph_.begin, now)},
+          {"generation", controller_->generation()},
+          {"plan", controller_->plan().describe()}};
+      ++morphs_;
+      log::info("morph done in ", secondsBetween(morph_.begin, now), " s (", morph_.cause, "): first step ",
+                report.step, " on ", controller_->plan().stages, "x", controller_->plan().replicas);
+      events_->write("morph_complete", phases);
+      morph_.active = false;
+    }
+  }
+  if (now - lastProgressPrint_ >= std::chrono::seconds(1)) {
+    lastProgressPrint_ = now;
+    const std::string ckptText =
+        lastCheckpoint_ ? strCat("last checkpoint step ", *lastCheckpoint_,
+                                 lastCheckpointSeen_ != TimePoint{} ? strCat(" (", static_cast<int>(secondsBetween(lastCheckpointSeen_, now)), " s ago)") : std::string())
+                        : std::string("no checkpoint yet");
+    char figures[128];
+    std::snprintf(figures, sizeof(figures), "loss %.4f | %.1f samples/s | step %.3f s", done.loss,
+                  lastSamplesPerSecond_, done.maxStepSeconds);
+    log::info("step ", report.step, " | ", figures, " | ", controller_->plan().stages, "x",
+              controller_->plan().replicas, " on ", controller_->plan().hosts.size(), " host(s) | ", ckptText);
+  }
+}
+
+void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
+  std::vector<std::string> hosts;
+  for (const auto& s : slow) hosts.push_back(s.host);
+  if (hosts == slowHosts_) return;
+  slowHosts_ = hosts;
+  ckpt::writeFileAtomic(config_.stateDir, "slow_machines.out", formatSlowMachines(slow));
+  json list = json::array();
+  for (const auto& s : slow) {
+    log::warn("slow machine: ", s.host, " (rank ", s.rank, ", stage ", s.stage, ") takes ", s.ratio(),
+              "x the stage median per micro-batch", config_.excludeSlow ? "; it leaves at the next morph" : "");
+    list.push_back({{"host", s.host}, {"rank", s.rank}, {"stage", s.stage}, {"ratio", s.ratio()}});
+    if (config_.excludeSlow) controller_->excludeHost(s.host);
+  }
+  events_->write("slow_machines", {{"machines", list}});
+}
+
+void ManagerDaemon::writeState() {
+  if (!controller_ || !events_) return;
+  lastStateWrite_ = Clock::now();
+  json hosts = json::object();
+  for (const auto& m : listed_) {
+    auto it = agents_.find(m.host);
+    const char* status = "unknown";
+    if (it != agents_.end()) {
+      switch (it->second.status) {
+        case AgentStatus::kStarting: status = "starting"; break;
+        case AgentStatus::kUp: status = "up"; break;
+        case AgentStatus::kFailed: status = "failed"; break;
+        case AgentStatus::kGone: status = "gone"; break;
+      }
+    }
+    hosts[m.host] = {{"slots", m.slots}, {"agent", status}, {"preempted", preempted_.count(m.host) > 0}};
+  }
+  json state = {
+      {"job", config_.job},
+      {"pid", ::getpid()},
+      {"address", advertisedAddress_},
+      {"phase", finished_ ? (exitCode_ == 0 ? "finished" : "failed") : toString(controller_->phase())},
+      {"generation", controller_->generation()},
+      {"plan", controller_->generation() >= 1 ? planJson(controller_->plan()) : json()},
+      {"hosts", hosts},
+      {"last_checkpoint_step", lastCheckpoint_ ? json(*lastCheckpoint_) : json()},
+      {"progress", {{"step", lastStep_}, {"loss", lastLoss_}, {"samples_per_s", lastSamplesPerSecond_}}},
+      {"morphs", morphs_},
+      {"slow_machines", slowHosts_},
+      {"uptime_s", secondsBetween(startedAt_, Clock::now())},
+      {"updated", isoTimeNow()},
+      {"stop_reason", stopReason_},
+      {"global_store", config_.globalStore},
+      {"events", events_->path()}};
+  ckpt::writeFileAtomic(config_.stateDir, "state.json", state.dump(2) + "\n");
+}
+
+void ManagerDaemon::printSummary() {
+  log::info("summary: job '", config_.job, "', last step ", lastStep_, ", loss ", lastLoss_, ", ", morphs_,
+            " morph(s), last checkpoint ", lastCheckpoint_ ? std::to_string(*lastCheckpoint_) : "none",
+            ", ran ", static_cast<int>(secondsBetween(startedAt_, Clock::now())), " s; events in ", events_->path());
+}
+
+}  // namespace varuna

@@ -1,0 +1,130 @@
+// run_varuna: the manager daemon (see manager_daemon.h) and its `status`
+// subcommand, which prints the live state of a job from its state folder.
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "varuna/common/log.h"
+#include "varuna/manager/host_launcher.h"
+#include "varuna/manager/job_config.h"
+#include "varuna/manager/manager_daemon.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace varuna;
+using nlohmann::json;
+
+std::string selfExecutable(const char* argv0) {
+  std::error_code ec;
+  const auto path = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(argv0) : path.string();
+}
+
+int printStatus(int argc, char** argv) {
+  CLI::App app{"run_varuna status: the live state of a job"};
+  std::string stateDir;
+  bool raw = false;
+  app.add_option("--state_dir", stateDir, "the job's state folder (run_varuna --state_dir)")->required();
+  app.add_flag("--json", raw, "print state.json as it is");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : kExitConfigError;
+  }
+  const fs::path path = fs::path(stateDir) / "state.json";
+  std::ifstream in(path);
+  if (!in) {
+    std::cerr << "no job state at " << path.string() << " (is --state_dir the one run_varuna uses?)" << std::endl;
+    return kExitConfigError;
+  }
+  json state;
+  try {
+    state = json::parse(in);
+  } catch (const std::exception& e) {
+    std::cerr << path.string() << " is not valid JSON: " << e.what() << std::endl;
+    return 1;
+  }
+  if (raw) {
+    std::cout << state.dump(2) << std::endl;
+    return 0;
+  }
+  const int pid = state.value("pid", 0);
+  const bool alive = pid > 0 && ::kill(pid, 0) == 0;
+  std::string phase = state.value("phase", "?");
+  if (!alive && phase != "finished" && phase != "failed") phase += " (manager not running)";
+  std::cout << "job            " << state.value("job", "?") << "\n"
+            << "phase          " << phase << "\n"
+            << "manager        pid " << pid << ", " << state.value("address", "?") << ", up "
+            << static_cast<int>(state.value("uptime_s", 0.0)) << " s, updated " << state.value("updated", "?") << "\n"
+            << "generation     " << state.value("generation", 0) << ", morphs " << state.value("morphs", 0) << "\n";
+  if (state.contains("plan") && state["plan"].is_object()) {
+    const auto& plan = state["plan"];
+    std::cout << "plan           " << plan.value("stages", 0) << " stages x " << plan.value("replicas", 0)
+              << " replicas, micro-batch " << plan.value("chunk_size", 0) << ", global batch "
+              << plan.value("global_batch", 0) << ", map " << plan.value("stage_to_rank_map", "") << "\n";
+  }
+  const auto& progress = state["progress"];
+  std::cout << "progress       step " << progress.value("step", -1) << ", loss " << progress.value("loss", 0.0) << ", "
+            << progress.value("samples_per_s", 0.0) << " samples/s\n";
+  std::cout << "checkpoint     "
+            << (state["last_checkpoint_step"].is_number() ? "step " + state["last_checkpoint_step"].dump() : "none")
+            << " in " << state.value("global_store", "?") << "\n";
+  for (const auto& [host, info] : state["hosts"].items()) {
+    std::cout << "host           " << host << ": " << info.value("slots", 0) << " slot(s), agent "
+              << info.value("agent", "?") << (info.value("preempted", false) ? ", preempted" : "") << "\n";
+  }
+  if (!state["slow_machines"].empty()) std::cout << "slow machines  " << state["slow_machines"].dump() << "\n";
+  if (!state.value("stop_reason", "").empty()) std::cout << "stopped        " << state.value("stop_reason", "") << "\n";
+  std::cout << "events         " << state.value("events", "") << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "status") return printStatus(argc - 1, argv + 1);
+  JobConfig config;
+  try {
+    int exitCode = 0;
+    auto parsed = parseCommandLine(argc, argv, exitCode);
+    if (!parsed) return exitCode;
+    config = *parsed;
+    validateJobConfig(config, selfExecutable(argv[0]));
+    log::configure({"manager", config.job, "head"}, log::parseLevel(config.logLevel));
+  } catch (const ConfigError& e) {
+    std::cerr << "run_varuna: " << e.what() << std::endl;
+    return kExitConfigError;
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  boost::asio::io_context io;
+  SshOptions ssh;
+  ssh.user = config.sshUser;
+  ssh.port = config.sshPort;
+  ssh.identityFile = config.sshIdentity;
+  ssh.knownHostsFile = config.sshKnownHosts;
+  ManagerDaemon daemon(io, config, std::make_unique<ShellHostLauncher>(ssh));
+  boost::asio::signal_set signals(io, SIGTERM, SIGINT);
+  std::function<void()> waitForSignal = [&] {
+    signals.async_wait([&](const boost::system::error_code& ec, int signal) {
+      if (ec) return;
+      daemon.requestStop(strCat("stopped by ", ::strsignal(signal)));
+      waitForSignal();
+    });
+  };
+  try {
+    daemon.start();
+  } catch (const ConfigError& e) {
+    log::error(e.what());
+    return kExitConfigError;
+  }
+  waitForSignal();
+  io.run();  // until the daemon stops the loop
+  log::flush();
+  return daemon.exitCode();
+}

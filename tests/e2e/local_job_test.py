@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""run_varuna end to end on this machine: two "hosts" on loopback addresses
+(127.0.0.1 and 127.0.0.2, both started without SSH), the example trainer, real
+agents and workers. Each scenario injects one fault and checks the job's
+outcome, its event log and that no process is left behind.
+(The SSH paths are in ssh_cluster_test.py.)"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from varuna_e2e import BIN, Manager, assert_nothing_left, log, processes_of_job, run_tests, wait_for  # noqa: E402
+
+ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-e2e-")))
+TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
+_port = [21000 + (os.getpid() % 200) * 40]
+
+
+def manager(name, machines=TWO_HOSTS, **kw):
+    _port[0] += 10
+    extra = list(kw.pop("extra_args", [])) + ["--master_port", str(_port[0])]
+    return Manager(ROOT / name, machines, job="e2e-" + name + "-" + str(os.getpid()), extra_args=extra, **kw)
+
+
+def test_preemption_morphs_2x2_to_2x1_and_resumes_exactly():
+    steps = 160
+    m = manager("preempt", steps=steps).start()
+    m.wait_step(30)
+    r = m.notify_preempt("127.0.0.2", "--in_seconds", "30")
+    assert r.returncode == 0, r.stderr
+    assert m.wait_exit() == 0, m.tail()
+    launches = m.events("launch")
+    assert [(e["plan"]["stages"], e["plan"]["replicas"]) for e in launches] == [(2, 2), (2, 1)], launches
+    assert launches[1]["resume_step"] > 0
+    morph = m.events("morph_complete")
+    assert len(morph) == 1 and "preemption of 127.0.0.2" in morph[0]["cause"], morph
+    log("morph phases:", json.dumps(morph[0]))
+    assert "morph done" in m.output() and "summary" in m.output()
+    # An uninterrupted 2x1 run sees the same global batches: same losses.
+    ref = manager("preempt-reference", machines=["127.0.0.1 slots=2"], steps=steps).start()
+    assert ref.wait_exit() == 0, ref.tail()
+    got, want = m.losses(), ref.losses()
+    assert sorted(got) == list(range(steps)), "missing steps: %s" % sorted(set(range(steps)) - set(got))
+    worst = max(abs(got[s] - want[s]) / max(abs(want[s]), 1e-6) for s in range(steps))
+    log("max relative loss difference vs the uninterrupted run: %.2e" % worst)
+    assert worst < 1e-4, worst
+    assert_nothing_left(m.job)
+
+
+def test_sigstop_worker_is_detected_by_heartbeat_timeout():
+    m = manager("sigstop", steps=400, extra_args=["--heartbeat_timeout_s", "2", "--restart_backoff_s", "0.2"],
+                train_args=["--checkpoint_every", "20"]).start()
+    m.wait_step(25)
+    victim = [p for p, cmd in processes_of_job(m.job) if "train_gpt" in cmd and "--rank 3 " in cmd]
+    assert victim, processes_of_job(m.job)
+    os.kill(victim[0], signal.SIGSTOP)
+    hung = m.wait_event("worker_hung", timeout=30)
+    assert m.events("worker_hung")[0]["rank"] == 3
+    m.wait_event("launch", count=2, timeout=60)
+    second = m.events("launch")[1]
+    assert second["resume_step"] >= 20, second
+    assert m.wait_exit() == 0, m.tail()
+    assert_nothing_left(m.job)
+    del hung
+
+
+def test_worker_killed_relaunches_from_latest_checkpoint():
+    m = manager("kill9", steps=300, extra_args=["--restart_backoff_s", "0.2"],
+                train_args=["--checkpoint_every", "20"]).start()
+    m.wait_step(45)
+    victim = [p for p, cmd in processes_of_job(m.job) if "train_gpt" in cmd and "--rank 1 " in cmd]
+    t0 = time.monotonic()
+    os.kill(victim[0], signal.SIGKILL)
+    m.wait_event("kill_all", timeout=10)
+    log("kill -9 -> manager decision: %.2f s" % (time.monotonic() - t0))
+    assert m.wait_exit() == 0, m.tail()
+    launches = m.events("launch")
+    assert len(launches) == 2 and launches[1]["resume_step"] >= 40, launches
+    assert (launches[1]["plan"]["stages"], launches[1]["plan"]["replicas"]) == (2, 2)
+    exited = [e for e in m.events("worker_exited") if e["rank"] == 1]
+    assert exited and exited[0]["signal"] == 9, exited
+    assert_nothing_left(m.job)
+
+
+def test_host_added_to_machine_list_grows_the_job():
+    m = manager("grow", machines=["127.0.0.1 slots=2"], steps=300).start()
+    m.wait_step(20)
+    m.write_machines(TWO_HOSTS)
+    m.wait_event("machine_list_changed", timeout=10)
+    assert m.wait_exit() == 0, m.tail()
+    plans = [(e["plan"]["stages"], e["plan"]["replicas"]) for e in m.events("launch")]
+    assert plans == [(2, 1), (2, 2)], plans
+    assert_nothing_left(m.job)
+
+
+def test_manager_killed_and_restarted_carries_on():
+    m = manager("restart", steps=300, train_args=["--checkpoint_every", "20"],
+                extra_args=["--agent_grace_s", "30"]).start()
+    m.wait_step(45)
+    m.kill(signal.SIGKILL)
+    m.proc.wait()
+    old = processes_of_job(m.job)
+    assert old, "agents and workers keep running within the grace period"
+    m.start()  # same command, same state folder
+    assert m.wait_exit() == 0, m.tail()
+    assert m.events("manager_restarted"), "the restart was not recognised"
+    launches = m.events("launch")
+    assert launches[-1]["generation"] == 2 and launches[-1]["resume_step"] >= 40, launches
+    for pid, _ in old:
+        assert not Path("/proc/%d" % pid).exists() or pid not in [p for p, _ in processes_of_job(m.job)]
+    assert_nothing_left(m.job)
+
+
+def test_sigterm_checkpoints_and_stops():
+    m = manager("sigterm", steps=100000).start()
+    m.wait_step(20)
+    m.kill(signal.SIGTERM)
+    assert m.wait_exit() == 0, m.tail()
+    state = m.state()
+    assert state["phase"] == "finished" and state["last_checkpoint_step"] >= 20, state
+    assert_nothing_left(m.job)
+
+
+def test_bad_inputs_are_clear_errors():
+    m = manager("missing-program", program="./no_such_trainer")
+    m.start()
+    assert m.wait_exit(60) == 2
+    assert "no_such_trainer does not exist" in m.output(), m.tail()
+    assert_nothing_left(m.job)
+
+    m = manager("bad-token", steps=100000).start()
+    m.wait_step(5)
+    conn = json.loads(m.connection_file("127.0.0.1").read_text())
+    bad = m.workdir / "bad-token"
+    bad.write_text("0" * 48 + "\n")
+    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--manager", conn["manager"], "--token_file", str(bad),
+                        "--host", "127.0.0.1"], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "wrong job token" in r.stderr, (r.returncode, r.stderr)
+    r = m.notify_preempt("127.0.0.1", "--host", "10.9.9.9")
+    assert r.returncode != 0 and "not in the machine list" in r.stderr, r.stderr
+    status = subprocess.run([str(BIN / "run_varuna"), "status", "--state_dir", str(m.state_dir)],
+                            capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0 and "2 stages x 2 replicas" in status.stdout, status.stdout
+    log("status:\n" + status.stdout)
+    m.kill(signal.SIGTERM)
+    assert m.wait_exit() == 0
+    assert_nothing_left(m.job)
+
+    r = subprocess.run([str(BIN / "run_varuna"), "--machine_list", str(ROOT / "nope.txt"), "--nstages", "2",
+                        "--batch_size", "8", "--chunk_size", "2", "--global_store", str(ROOT / "s"), "--", "./x"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "nope.txt does not exist" in r.stderr, r.stderr
+
+
+if __name__ == "__main__":
+    run_tests([
+        test_preemption_morphs_2x2_to_2x1_and_resumes_exactly,
+        test_worker_killed_relaunches_from_latest_checkpoint,
+        test_sigstop_worker_is_detected_by_heartbeat_timeout,
+        test_host_added_to_machine_list_grows_the_job,
+        test_manager_killed_and_restarted_carries_on,
+        test_sigterm_checkpoints_and_stops,
+        test_bad_inputs_are_clear_errors,
+    ])

@@ -1,0 +1,172 @@
+"""Helpers for the end-to-end tests of run_varuna: start the manager on a job,
+wait on its state file and event log (readiness by content, with deadlines),
+and check that nothing is left behind.
+
+The tests use the real binaries of the build tree (VARUNA_BUILD_DIR) and the
+example trainer, train_gpt, with a model small enough for 2 cores.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BUILD = Path(os.environ.get("VARUNA_BUILD_DIR", Path(__file__).resolve().parents[2] / "build"))
+BIN = BUILD / "bin"
+TRAIN_DIR = BUILD / "examples" / "gpt"
+
+# A model that trains a step in a few tens of milliseconds on one core.
+TINY_MODEL = ["--d_model", "32", "--layers", "2", "--heads", "2", "--seq_len", "16", "--threads", "1"]
+
+
+def log(*parts):
+    print("[e2e %s]" % time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def wait_for(what, predicate, timeout, interval=0.05):
+    """Polls predicate() until it returns a true value; fails naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
+        time.sleep(interval)
+
+
+class Manager:
+    """One run_varuna process and its state folder."""
+
+    def __init__(self, workdir, machines, stages=2, batch=16, chunk=4, steps=200, job="e2e",
+                 extra_args=(), train_args=(), prefix=(), program="./train_gpt", code_dir=None,
+                 state_dir=None):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.job = job
+        self.machine_list = self.workdir / "machines.txt"
+        self.write_machines(machines)
+        self.state_dir = Path(state_dir) if state_dir else self.workdir / "state"
+        self.store = self.workdir / "store"
+        self.dump = self.workdir / "dump"
+        self.dump.mkdir(exist_ok=True)
+        self.output_path = self.workdir / "manager.log"
+        self.argv = [*prefix, str(BIN / "run_varuna"), "--job", job, "--machine_list", str(self.machine_list),
+                     "--nstages", str(stages), "--batch_size", str(batch), "--chunk_size", str(chunk),
+                     "--global_store", str(self.store), "--state_dir", str(self.state_dir),
+                     "--code_dir", str(code_dir or TRAIN_DIR), "--port", "0",
+                     *extra_args, "--", program, "--steps", str(steps), *TINY_MODEL,
+                     "--dump_dir", str(self.dump), *train_args]
+        self.proc = None
+
+    def write_machines(self, machines):
+        tmp = self.machine_list.with_suffix(".tmp")
+        tmp.write_text("".join(m + "\n" for m in machines))
+        tmp.replace(self.machine_list)
+
+    def start(self):
+        log("run_varuna", " ".join(self.argv[:14]), "...")
+        self.out = open(self.output_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=self.out, stderr=subprocess.STDOUT)
+        return self
+
+    def state(self):
+        try:
+            return json.loads((self.state_dir / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def step(self):
+        return self.state().get("progress", {}).get("step", -1)
+
+    def events(self, name=None):
+        path = self.state_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [e for e in out if name is None or e["event"] == name]
+
+    def output(self):
+        return self.output_path.read_text(errors="replace") if self.output_path.exists() else ""
+
+    def wait_step(self, step, timeout=120):
+        return wait_for("step %d (manager output:\n%s)" % (step, self.tail()),
+                        lambda: self.step() >= step or self._died(), timeout)
+
+    def wait_event(self, name, timeout=120, count=1):
+        return wait_for("event %s (manager output:\n%s)" % (name, self.tail()),
+                        lambda: len(self.events(name)) >= count or self._died(), timeout)
+
+    def _died(self):
+        if self.proc.poll() is not None:
+            raise AssertionError("run_varuna exited early with %s:\n%s" % (self.proc.returncode, self.tail()))
+        return False
+
+    def wait_exit(self, timeout=180):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("run_varuna still running after %d s:\n%s" % (timeout, self.tail()))
+
+    def tail(self, lines=40):
+        return "\n".join(self.output().splitlines()[-lines:])
+
+    def connection_file(self, host):
+        return Path("/tmp/varuna") / self.job / host / "connection.json"
+
+    def notify_preempt(self, host, *extra):
+        argv = [str(BIN / "notify_manager_preempt"), "--connection_file", str(self.connection_file(host)), *extra]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def losses(self, rank=0):
+        """step -> loss from the trainer's per-step log (appended across morphs)."""
+        path = self.dump / ("rank%d_steps.jsonl" % rank)
+        out = {}
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            out[record["step"]] = record["loss"]
+        return out
+
+
+def processes_of_job(job):
+    """(pid, cmdline) of every agent and worker of `job` still alive on this machine."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if ("varuna_agent" in cmd and ("--job " + job + " ") in cmd) or (b"VARUNA_JOB=" + job.encode() + b"\0") in environ:
+            found.append((int(entry.name), cmd.strip()))
+    return found
+
+
+def assert_nothing_left(job, timeout=15):
+    wait_for("no process of job %s left (%s)" % (job, processes_of_job(job)), lambda: not processes_of_job(job), timeout)
+
+
+def run_tests(tests):
+    """Runs test functions in order; prints a summary; exit code 1 on any failure."""
+    failed = []
+    for test in tests:
+        log("---", test.__name__)
+        start = time.monotonic()
+        try:
+            test()
+            log("PASS", test.__name__, "(%.1f s)" % (time.monotonic() - start))
+        except Exception as e:  # noqa: BLE001 - report every failure, run the rest
+            import traceback
+            traceback.print_exc()
+            log("FAIL", test.__name__, ":", e)
+            failed.append(test.__name__)
+    log("%d/%d passed" % (len(tests) - len(failed), len(tests)), "failed: %s" % failed if failed else "")
+    sys.exit(1 if failed else 0)

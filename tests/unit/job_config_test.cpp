@@ -1,0 +1,130 @@
+// run_varuna's job config: JSON file, command line on top, env file, checks.
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "test_env.h"
+#include "varuna/common/errors.h"
+#include "varuna/manager/job_config.h"
+
+using namespace varuna;
+
+namespace {
+
+std::optional<JobConfig> parseArgs(std::vector<std::string> args) {
+  args.insert(args.begin(), "run_varuna");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  int code = 0;
+  return parseCommandLine(static_cast<int>(argv.size()), argv.data(), code);
+}
+
+}  // namespace
+
+TEST_CASE("job config JSON: every key, and the command line overrides the file", "[config]") {
+  const auto dir = varuna::test::scratchDir("job_config");
+  const auto file = dir / "job.json";
+  std::ofstream(file) << R"({"job": "gpt", "machine_list": "m.txt", "nstages": 2, "batch_size": 16,
+                            "chunk_size": 4, "no_morphing": true, "slow_threshold": 0.2,
+                            "program": ["./train_gpt", "--steps", "10"]})";
+  auto config = parseArgs({"--config", file.string(), "--nstages", "3", "--heartbeat_timeout_s", "2.5"});
+  REQUIRE(config);
+  CHECK(config->job == "gpt");
+  CHECK(config->nstages == 3);  // command line wins
+  CHECK(config->batchSize == 16);
+  CHECK(config->noMorphing);
+  CHECK(config->slowThreshold == Approx(0.2));
+  CHECK(config->heartbeatTimeoutS == Approx(2.5));
+  CHECK(config->program == std::vector<std::string>{"./train_gpt", "--steps", "10"});
+
+  auto withProgram = parseArgs({"--config", file.string(), "--", "./other", "--lr", "0.1"});
+  REQUIRE(withProgram);
+  CHECK(withProgram->program == std::vector<std::string>{"./other", "--lr", "0.1"});
+
+  // The JSON form of a config reads back to the same config.
+  const auto again = applyJobJson(JobConfig{}, toJson(*config), "round trip");
+  CHECK(toJson(again) == toJson(*config));
+}
+
+TEST_CASE("job config: bad inputs are named with the fix", "[config]") {
+  struct Case {
+    std::string json;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {R"({"nstage": 2})", "unknown key 'nstage'"},
+      {R"({"nstages": "two"})", "'nstages' must be an integer"},
+      {R"({"nstages": 2.5})", "'nstages' must be an integer"},
+      {R"({"no_morphing": 1})", "'no_morphing' must be true or false"},
+      {R"({"program": "./train"})", "'program' must be a list of strings"},
+      {R"({"program": ["./train", 3]})", "'program' must be a list of strings"},
+      {R"({"port": 99999999999})", "'port' must be an integer"},
+      {R"([1, 2])", "must be a JSON object"},
+      {R"({"nstages": 2,)", "not valid JSON"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.json);
+    CHECK_THROWS_WITH(parseJobConfigText(c.json, "job.json"), Catch::Contains(c.expected) && Catch::Contains("job.json"));
+  }
+  CHECK_THROWS_WITH(parseArgs({"--nstages", "x"}), Catch::Contains("--nstages must be an integer"));
+  CHECK_THROWS_WITH(parseArgs({"--heartbeat_timeout_s", "soon"}), Catch::Contains("--heartbeat_timeout_s must be a number"));
+}
+
+TEST_CASE("job config validation names the missing or bad option", "[config]") {
+  const auto dir = varuna::test::scratchDir("job_config_validate");
+  std::ofstream(dir / "machines.txt") << "127.0.0.1 slots=2\n";
+  auto valid = [&] {
+    JobConfig c;
+    c.machineList = (dir / "machines.txt").string();
+    c.nstages = 2;
+    c.batchSize = 16;
+    c.chunkSize = 4;
+    c.globalStore = (dir / "store").string();
+    c.stateDir = (dir / "state").string();
+    c.program = {"./train_gpt"};
+    return c;
+  };
+  JobConfig ok = valid();
+  REQUIRE_NOTHROW(validateJobConfig(ok, "/opt/varuna/bin/run_varuna"));
+  CHECK(ok.agentPath == "/opt/varuna/bin/varuna_agent");
+  CHECK(std::filesystem::path(ok.codeDir).is_absolute());
+
+  struct Case {
+    std::function<void(JobConfig&)> edit;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {[](JobConfig& c) { c.machineList.clear(); }, "--machine_list is required"},
+      {[](JobConfig& c) { c.machineList = "/nonexistent/m.txt"; }, "/nonexistent/m.txt does not exist"},
+      {[](JobConfig& c) { c.nstages = 0; }, "--nstages"},
+      {[](JobConfig& c) { c.batchSize = 0; }, "--batch_size"},
+      {[](JobConfig& c) { c.chunkSize = -1; }, "--chunk_size"},
+      {[](JobConfig& c) { c.program.clear(); }, "after `--`"},
+      {[](JobConfig& c) { c.globalStore.clear(); }, "--global_store is required"},
+      {[](JobConfig& c) { c.port = 70000; }, "--port"},
+      {[](JobConfig& c) { c.heartbeatTimeoutS = 0; }, "--heartbeat_timeout_s must be > 0"},
+      {[](JobConfig& c) { c.slowThreshold = -1; }, "--slow_threshold"},
+      {[](JobConfig& c) { c.job = "a/b"; }, "--job"},
+      {[](JobConfig& c) { c.envFile = "/nonexistent/env"; }, "--env_file /nonexistent/env does not exist"},
+      {[](JobConfig& c) { c.gpusPerNode = 0; }, "--gpus_per_node"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    INFO("case " << i);
+    JobConfig c = valid();
+    cases[i].edit(c);
+    CHECK_THROWS_WITH(validateJobConfig(c, "/x/run_varuna"), Catch::Contains(cases[i].expected));
+  }
+}
+
+TEST_CASE("env file: KEY=VALUE lines, comments, export and quotes; bad lines name file:line", "[config]") {
+  const auto env = parseEnvFile("# comment\n\nOMP_NUM_THREADS=1\nexport A_B='x y'\nC=\"q\"\nEMPTY=\n", "env");
+  REQUIRE(env.size() == 4);
+  CHECK(env[0] == std::pair<std::string, std::string>{"OMP_NUM_THREADS", "1"});
+  CHECK(env[1] == std::pair<std::string, std::string>{"A_B", "x y"});
+  CHECK(env[2].second == "q");
+  CHECK(env[3].second.empty());
+  CHECK_THROWS_WITH(parseEnvFile("A=1\nnot a line\n", "my.env"), Catch::Contains("my.env:2"));
+  CHECK_THROWS_WITH(parseEnvFile("1A=2\n", "my.env"), Catch::Contains("my.env:1"));
+  CHECK_THROWS_WITH(parseEnvFile("A-B=2\n", "my.env"), Catch::Contains("KEY=VALUE"));
+}
