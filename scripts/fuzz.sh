@@ -9,13 +9,14 @@ OUT="${2:-$ROOT/build/fuzz}"
 command -v clang++ >/dev/null || { echo "fuzz.sh: clang++ is missing (scripts/setup.sh installs it)" >&2; exit 1; }
 mkdir -p "$OUT"
 FLAGS=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-       -I"$ROOT/common/include")
+       -I"$ROOT/common/include" -I"$ROOT/manager/include")
 declare -A SOURCES=(
   [protocol_fuzz]="$ROOT/common/src/protocol.cpp $ROOT/common/src/errors.cpp"
   [machine_list_fuzz]="$ROOT/common/src/machine_list.cpp $ROOT/common/src/errors.cpp"
+  [job_config_fuzz]="$ROOT/manager/src/job_config.cpp $ROOT/common/src/errors.cpp"
 )
-declare -A CORPUS=([protocol_fuzz]=protocol [machine_list_fuzz]=machine_list)
-for target in protocol_fuzz machine_list_fuzz; do
+declare -A CORPUS=([protocol_fuzz]=protocol [machine_list_fuzz]=machine_list [job_config_fuzz]=job_config)
+for target in protocol_fuzz machine_list_fuzz job_config_fuzz; do
   echo "[fuzz] building $target"
   # shellcheck disable=SC2086
   clang++ "${FLAGS[@]}" "$ROOT/tests/fuzz/$target.cpp" ${SOURCES[$target]} -o "$OUT/$target"

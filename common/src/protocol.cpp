@@ -38,6 +38,8 @@ json toJson(const LaunchWorkers& m) {
 json toJson(const CheckpointAndExit&) { return {{"type", "checkpoint_and_exit"}}; }
 json toJson(const KillWorkers& m) { return {{"type", "kill_workers"}, {"reason", m.reason}}; }
 json toJson(const Shutdown& m) { return {{"type", "shutdown"}, {"reason", m.reason}}; }
+json toJson(const Ping& m) { return {{"type", "ping"}, {"sequence", m.sequence}, {"sent_ns", m.sentNs}}; }
+json toJson(const Pong& m) { return {{"type", "pong"}, {"sequence", m.sequence}, {"sent_ns", m.sentNs}}; }
 json toJson(const Ack& m) { return {{"type", "ack"}, {"ok", m.ok}, {"error", m.error}}; }
 
 Message fromJson(const json& j) {
@@ -72,6 +74,8 @@ Message fromJson(const json& j) {
   if (type == "checkpoint_and_exit") return CheckpointAndExit{};
   if (type == "kill_workers") return KillWorkers{j.at("reason")};
   if (type == "shutdown") return Shutdown{j.at("reason")};
+  if (type == "ping") return Ping{j.at("sequence"), j.at("sent_ns")};
+  if (type == "pong") return Pong{j.at("sequence"), j.at("sent_ns")};
   if (type == "ack") return Ack{j.at("ok"), j.at("error")};
   throw ProtocolError("unknown message type '" + type + "'");
 }

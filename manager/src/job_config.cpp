@@ -63,6 +63,7 @@ const std::vector<Field>& fields() {
       {"ssh_port", &JobConfig::sshPort},
       {"ssh_identity", &JobConfig::sshIdentity},
       {"ssh_known_hosts", &JobConfig::sshKnownHosts},
+      {"ssh_connect_timeout_s", &JobConfig::sshConnectTimeoutS},
       {"agent_path", &JobConfig::agentPath},
       {"log_level", &JobConfig::logLevel},
       {"program", &JobConfig::program},
@@ -125,7 +126,9 @@ std::string trim(std::string_view s) {
 
 JobConfig applyJobJson(JobConfig base, const json& object, const std::string& source) {
   if (!object.is_object()) throw ConfigError(strCat(source, ": a job config must be a JSON object {\"key\": value}"));
-  for (const auto& [key, value] : object.items()) {
+  for (const auto& item : object.items()) {
+    const std::string key = item.key();  // named copies: lambdas cannot capture structured bindings on clang 14
+    const json& value = item.value();
     const auto it = std::find_if(fields().begin(), fields().end(), [&](const Field& f) { return key == f.key; });
     if (it == fields().end()) {
       throw ConfigError(strCat(source, ": unknown key '", key, "'; known keys: ", knownKeys()));
@@ -185,6 +188,7 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
   requirePositive(config.startupTimeoutS, "startup_timeout_s");
   requirePositive(config.checkpointTimeoutS, "checkpoint_timeout_s");
   requirePositive(config.agentGraceS, "agent_grace_s");
+  requirePositive(config.sshConnectTimeoutS, "ssh_connect_timeout_s");
   requirePositive(config.failureWindowS, "failure_window_s");
   if (config.restartBackoffS < 0) throw ConfigError("--restart_backoff_s must be >= 0");
   if (config.maxFailures < 0) throw ConfigError("--max_failures must be >= 0");

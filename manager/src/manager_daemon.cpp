@@ -295,6 +295,10 @@ void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& con
 void ManagerDaemon::onAgentMessage(const std::string& host, const proto::Message& message) {
   auto& agent = agents_.at(host);
   agent.lastSeen = Clock::now();
+  if (const auto* ping = std::get_if<proto::Ping>(&message)) {
+    if (agent.connection) agent.connection->send(proto::Pong{ping->sequence, ping->sentNs});
+    return;
+  }
   if (const auto* exited = std::get_if<proto::WorkerExited>(&message)) {
     if (exited->generation != controller_->generation()) return;  // a straggler of an earlier launch
     const std::string how = exited->exitCode >= 0 ? strCat("code ", exited->exitCode)
@@ -318,7 +322,11 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   auto it = workers_.find(rank);
   if (it == workers_.end()) return;
   it->second.lastSeen = Clock::now();
-  if (const auto* report = std::get_if<proto::StepReport>(&message)) onStepReport(*report);
+  if (const auto* report = std::get_if<proto::StepReport>(&message)) {
+    onStepReport(*report);
+  } else if (const auto* ping = std::get_if<proto::Ping>(&message)) {
+    if (it->second.connection) it->second.connection->send(proto::Pong{ping->sequence, ping->sentNs});
+  }
 }
 
 void ManagerDaemon::onAgentLost(const std::string& host, const std::string& reason) {
@@ -428,6 +436,10 @@ void ManagerDaemon::maybeStartJob() {
   jobStarted_ = true;
   const auto usable = usableMachines();
   log::info(usable.size(), " of ", listed_.size(), " host(s) ready");
+  if (usable.size() < listed_.size()) {
+    log::error(listed_.size() - usable.size(), " host(s) could not start an agent (see the errors above); they are "
+               "retried when the machine list changes");
+  }
   const auto now = Clock::now();
   apply(controller_->machinesChanged(usable, now));
   apply(controller_->start(now));
@@ -441,10 +453,12 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
     if (const auto* launch = std::get_if<action::Launch>(&a)) {
       doLaunch(*launch);
     } else if (std::holds_alternative<action::Checkpoint>(a)) {
+      if (!morph_.active) morph_ = MorphTimes{"the machines changed", Clock::now(), {}, {}, true};
       log::info("ordering an on-demand checkpoint from every worker");
       events_->write("checkpoint_ordered", {{"generation", controller_->generation()}});
       sendToAgentsOfPlan(proto::CheckpointAndExit{});
     } else if (const auto* kill = std::get_if<action::KillAll>(&a)) {
+      if (!morph_.active) morph_ = MorphTimes{kill->reason, Clock::now(), {}, {}, true};
       log::warn("stopping every worker: ", kill->reason);
       events_->write("kill_all", {{"reason", kill->reason}});
       sendToAgentsOfPlan(proto::KillWorkers{kill->reason});

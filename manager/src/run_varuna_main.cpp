@@ -108,6 +108,7 @@ int main(int argc, char** argv) {
   ssh.port = config.sshPort;
   ssh.identityFile = config.sshIdentity;
   ssh.knownHostsFile = config.sshKnownHosts;
+  ssh.connectTimeout = std::chrono::milliseconds(static_cast<int64_t>(config.sshConnectTimeoutS * 1000));
   ManagerDaemon daemon(io, config, std::make_unique<ShellHostLauncher>(ssh));
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
   std::function<void()> waitForSignal = [&] {

@@ -28,6 +28,8 @@ std::vector<Message> samples() {
           CheckpointAndExit{},
           KillWorkers{"morph"},
           Shutdown{"host preempted"},
+          Ping{7, 123456789},
+          Pong{7, 123456789},
           Ack{false, "no such host"}};
 }
 

@@ -87,6 +87,16 @@ struct Shutdown {  // to an agent: kill its workers (if any) and exit; the host 
   std::string reason;
   bool operator==(const Shutdown&) const = default;
 };
+struct Ping {  // any peer, after its hello: the manager answers with Pong at once
+  int64_t sequence = 0;
+  int64_t sentNs = 0;  // sender's clock, echoed back (round-trip measurement)
+  bool operator==(const Ping&) const = default;
+};
+struct Pong {
+  int64_t sequence = 0;
+  int64_t sentNs = 0;
+  bool operator==(const Pong&) const = default;
+};
 struct Ack {
   bool ok = true;
   std::string error;
@@ -94,7 +104,7 @@ struct Ack {
 };
 
 using Message = std::variant<Hello, Heartbeat, StepReport, WorkerExited, PreemptNotice, LaunchWorkers,
-                             CheckpointAndExit, KillWorkers, Shutdown, Ack>;
+                             CheckpointAndExit, KillWorkers, Shutdown, Ping, Pong, Ack>;
 
 // A malformed frame or message; the connection that sent it must be closed.
 class ProtocolError : public Error {

@@ -51,6 +51,7 @@ std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int
   int sshPort = 22;
   std::string sshIdentity;
   std::string sshKnownHosts;
+  double sshConnectTimeoutS = 10;
   std::string agentPath;            // varuna_agent on every host (default: next to run_varuna)
   std::string logLevel = "info";
   std::vector<std::string> program; // the training program and its arguments (after `--`)

@@ -1,0 +1,928 @@
+// bench/manager_scale: run_varuna under many simulated workers.
+//
+// The bench starts the real run_varuna (a child process, its own process
+// group) on a machine list of H loopback hosts (127.0.x.y count as "this
+// machine": no SSH) with S slots each, and with an agent shim as --agent_path.
+// The shim only hands (host, manager address, job token) to this process
+// through a FIFO and exits 0; this process then plays every agent and every
+// worker over real TCP connections to the manager, on one thread and one
+// Asio event loop:
+//  - agents: Hello, a heartbeat a second; LaunchWorkers -> one worker
+//    connection per rank; CheckpointAndExit / KillWorkers -> the host's worker
+//    connections close and WorkerExited (75 / signal 9) goes out per rank;
+//  - workers: Hello, then (once all are connected) Heartbeat{rank, step} at
+//    --heartbeat_hz, spread evenly over the period (rank r's beats are offset
+//    by r/N of it), a StepReport a second (every rank of every step, so the
+//    manager's step aggregation and slow-machine detector run), and for
+//    --ping_workers of them a Ping a second. The Pong's round trip is the
+//    latency sample: it waits behind whatever the manager has queued, which
+//    is the point.
+// After --warmup_s of load, over --seconds: the manager's CPU (utime+stime of
+// /proc/PID/stat) per wall second, and the round trips' p50/p99/max. Then
+// SIGTERM to run_varuna (SIGKILL to its group after 10 s).
+// Progress lines and a summary on stdout; the last line is one JSON object.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <utility>  // before Asio: its headers miss it with this GCC
+#include <boost/asio.hpp>
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "varuna/common/control_client.h"
+#include "varuna/common/errors.h"
+#include "varuna/common/protocol.h"
+#include "varuna/common/stage_map.h"
+
+namespace {
+
+namespace asio = boost::asio;
+namespace fs = std::filesystem;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using varuna::strCat;
+namespace proto = varuna::proto;
+
+constexpr auto kTick = std::chrono::milliseconds(1);
+constexpr auto kStopGrace = std::chrono::seconds(10);
+constexpr double kPongDrainS = 0.5;  // after the window: late pongs of pings sent inside it
+
+struct Options {
+  int hosts = 125;
+  int slots = 8;
+  int stages = 8;
+  double seconds = 20;
+  double warmupS = 5;
+  double heartbeatHz = 10;
+  int pingWorkers = 100;
+  double startupTimeoutS = 120;
+  std::string runVaruna;
+  bool keep = false;
+};
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+int64_t steadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// The bench failed (setup, the manager died, a deadline passed): printed, exit 1.
+class BenchError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// utime + stime of a process, in seconds (all its threads).
+double processCpuSeconds(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  const auto paren = text.rfind(')');
+  if (paren == std::string::npos) throw BenchError(strCat("cannot read /proc/", pid, "/stat"));
+  std::istringstream fields(text.substr(paren + 2));
+  std::string field;
+  unsigned long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {  // field 3 is the state
+    if (i == 14) utime = std::stoull(field);
+    if (i == 15) stime = std::stoull(field);
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+double selfCpuSeconds() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  return s(usage.ru_utime) + s(usage.ru_stime);
+}
+
+std::string tail(const fs::path& path, size_t bytes) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  return text.size() > bytes ? "..." + text.substr(text.size() - bytes) : text;
+}
+
+// Nearest-rank percentile of sorted values.
+double percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  const auto rank = static_cast<size_t>(std::ceil(p * static_cast<double>(sorted.size())));
+  return sorted[std::min(sorted.size() - 1, rank == 0 ? 0 : rank - 1)];
+}
+
+// One simulated connection to the manager. Writes go straight to the
+// non-blocking socket; only what the kernel does not take waits in `outbox_`
+// for the socket to become writable. Owned by shared_ptr (handlers keep it
+// alive); everything runs on the one event loop thread.
+class Peer : public std::enable_shared_from_this<Peer> {
+ public:
+  using OnMessage = std::function<void(const proto::Message&)>;
+  using OnClose = std::function<void(const std::string& reason)>;
+
+  explicit Peer(asio::io_context& io) : socket_(io) {}
+
+  // Connects, sends `hello` first, then reads until closed.
+  void connect(const tcp::endpoint& endpoint, const proto::Hello& hello, OnMessage onMessage, OnClose onClose,
+               std::function<void()> onConnected) {
+    onMessage_ = std::move(onMessage);
+    onClose_ = std::move(onClose);
+    socket_.async_connect(endpoint, [self = shared_from_this(), hello, onConnected = std::move(onConnected)](
+                                        const boost::system::error_code& ec) {
+      if (ec) {
+        self->fail("connect: " + ec.message());
+        return;
+      }
+      boost::system::error_code ignored;
+      self->socket_.set_option(tcp::no_delay(true), ignored);
+      self->socket_.non_blocking(true, ignored);
+      self->open_ = true;
+      self->send(proto::encode(hello));
+      self->doRead();
+      onConnected();
+    });
+  }
+
+  void send(std::string_view frame) {
+    if (!open_) return;
+    if (!outbox_.empty()) {
+      outbox_.append(frame);
+      return;
+    }
+    boost::system::error_code ec;
+    size_t n = socket_.write_some(asio::buffer(frame.data(), frame.size()), ec);
+    if (ec == asio::error::would_block || ec == asio::error::try_again) {
+      n = 0;
+    } else if (ec) {
+      fail("write: " + ec.message());
+      return;
+    }
+    if (n < frame.size()) {
+      outbox_.append(frame.substr(n));
+      waitWritable();
+    }
+  }
+
+  // Closes without calling onClose (the simulator chose to).
+  void close() {
+    onClose_ = nullptr;
+    shutdown();
+  }
+  bool open() const { return open_; }
+
+ private:
+  void doRead() {
+    socket_.async_read_some(asio::buffer(readBuffer_),
+                            [self = shared_from_this()](const boost::system::error_code& ec, size_t bytes) {
+                              self->onRead(ec, bytes);
+                            });
+  }
+
+  void onRead(const boost::system::error_code& ec, size_t bytes) {
+    if (!open_) return;
+    if (ec) {
+      fail(ec == asio::error::eof ? "closed by the manager" : ec.message());
+      return;
+    }
+    try {
+      decoder_.feed(std::string_view(readBuffer_.data(), bytes));
+      while (open_) {
+        auto message = decoder_.next();
+        if (!message) break;
+        onMessage_(*message);
+      }
+    } catch (const std::exception& e) {
+      fail(e.what());
+      return;
+    }
+    if (open_) doRead();
+  }
+
+  void waitWritable() {
+    socket_.async_wait(tcp::socket::wait_write, [self = shared_from_this()](const boost::system::error_code& ec) {
+      if (!self->open_) return;
+      if (ec) {
+        self->fail("write: " + ec.message());
+        return;
+      }
+      boost::system::error_code writeError;
+      const size_t n = self->socket_.write_some(asio::buffer(self->outbox_), writeError);
+      if (writeError && writeError != asio::error::would_block && writeError != asio::error::try_again) {
+        self->fail("write: " + writeError.message());
+        return;
+      }
+      self->outbox_.erase(0, writeError ? 0 : n);
+      if (!self->outbox_.empty()) self->waitWritable();
+    });
+  }
+
+  void fail(const std::string& reason) {
+    shutdown();
+    if (onClose_) {
+      auto callback = std::move(onClose_);
+      onClose_ = nullptr;
+      callback(reason);
+    }
+  }
+
+  void shutdown() {
+    open_ = false;
+    outbox_.clear();
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+  }
+
+  tcp::socket socket_;
+  bool open_ = false;
+  std::string outbox_;
+  proto::FrameDecoder decoder_;
+  std::array<char, 4096> readBuffer_{};
+  OnMessage onMessage_;
+  OnClose onClose_;
+};
+
+struct SimAgent {
+  std::string host;
+  std::shared_ptr<Peer> peer;
+  bool up = false;
+  int generation = -1;
+  std::vector<int> ranks;  // of the current launch
+};
+
+struct SimWorker {
+  int rank = 0, stage = 0, replica = 0;
+  size_t agent = 0;  // index into agents_
+  std::shared_ptr<Peer> peer;
+  bool connected = false;
+  int64_t step = 0;           // the last step it reported
+  std::string heartbeatFrame;  // encoded Heartbeat{rank, heartbeatStep}
+  int64_t heartbeatStep = -1;
+  double computeSeconds = 0;  // per micro-batch, this "machine's" speed
+};
+
+struct Results {
+  int workers = 0;
+  double windowS = 0;
+  double managerCpuS = 0;
+  double benchCpuS = 0;
+  uint64_t messages = 0;  // frames to the manager inside the window
+  uint64_t pings = 0, pongs = 0;
+  std::vector<double> rttMs;  // sorted
+  double connectS = 0;        // first LaunchWorkers -> every worker connected
+  double agentsS = 0;         // manager started -> every agent connected
+  int launches = 0;
+  int unexpectedCloses = 0;
+  int managerExit = -1;
+  bool managerKilled = false;
+  double stopS = 0;
+};
+
+// The simulator and the bench's phases, all on `io_`'s thread.
+class Bench {
+ public:
+  Bench(Options options, fs::path dir) : options_(std::move(options)), dir_(std::move(dir)) {}
+
+  Results run() {
+    writeFiles();
+    startManager();
+    openFifo();
+    startedAt_ = Clock::now();
+    signals_.async_wait([this](const boost::system::error_code& ec, int signal) {
+      if (!ec) abort(strCat("interrupted by ", ::strsignal(signal)));
+    });
+    scheduleTick(Clock::now());
+    io_.run();
+    if (!error_.empty()) throw BenchError(error_);
+    return results_;
+  }
+
+  // Leaves nothing behind: SIGKILL to the manager's process group (it and any
+  // shim still running), then reaps the manager. Safe to call twice.
+  void killManager() {
+    if (managerPid_ <= 0) return;
+    ::kill(-managerPid_, SIGKILL);  // the group is still ours: the leader is not reaped yet
+    int status = 0;
+    ::waitpid(managerPid_, &status, 0);
+    managerPid_ = -1;
+  }
+  pid_t managerPid() const { return managerPid_; }
+  fs::path managerLog() const { return dir_ / "run_varuna.log"; }
+
+ private:
+  // --- setup ----------------------------------------------------------------------
+
+  std::string hostName(int i) const { return strCat("127.0.", 1 + i / 250, ".", 1 + i % 250); }
+
+  void writeFiles() {
+    {
+      std::ofstream list(dir_ / "machines.txt");
+      for (int i = 0; i < options_.hosts; ++i) list << hostName(i) << " slots=" << options_.slots << "\n";
+    }
+    const fs::path fifo = dir_ / "agents.fifo";
+    if (::mkfifo(fifo.c_str(), 0600) != 0) throw BenchError(strCat("mkfifo ", fifo.string(), ": ", std::strerror(errno)));
+    // run_varuna runs `VARUNA_JOB_TOKEN=... exec SHIM --daemonize --manager A --host H ...` per host.
+    const fs::path shim = dir_ / "agent_shim.sh";
+    {
+      std::ofstream out(shim);
+      out << "#!/bin/sh\n"
+             "# bench_manager_scale's stand-in for varuna_agent: hands the host to the simulator and exits.\n"
+             "host= manager=\n"
+             "while [ $# -gt 0 ]; do\n"
+             "  case \"$1\" in\n"
+             "    --host) host=$2; shift 2 ;;\n"
+             "    --manager) manager=$2; shift 2 ;;\n"
+             "    *) shift ;;\n"
+             "  esac\n"
+             "done\n"
+             "printf '%s %s %s\\n' \"$host\" \"$manager\" \"$VARUNA_JOB_TOKEN\" > '"
+          << fifo.string()
+          << "'\n"
+             "echo \"simulated agent for $host\"\n";
+    }
+    fs::permissions(shim, fs::perms::owner_all);
+  }
+
+  void startManager() {
+    const int totalSlots = options_.hosts * options_.slots;
+    const int replicas = totalSlots / options_.stages;
+    if (replicas < 1) throw BenchError(strCat("--hosts x --slots (", totalSlots, ") is less than --stages"));
+    const std::vector<std::string> args = {
+        options_.runVaruna,
+        "--job", "bench_scale",
+        "--machine_list", (dir_ / "machines.txt").string(),
+        "--nstages", std::to_string(options_.stages),
+        "--batch_size", std::to_string(replicas * 8),  // every replica gets 8 samples: all slots are used
+        "--chunk_size", "1",
+        "--agent_path", (dir_ / "agent_shim.sh").string(),
+        "--heartbeat_timeout_s", "30",
+        "--startup_timeout_s", "120",
+        "--manager_ip", "127.0.0.1",
+        "--port", "0",
+        "--state_dir", (dir_ / "state").string(),
+        "--global_store", (dir_ / "store").string(),
+        "--code_dir", dir_.string(),
+        "--", "/bin/true"};
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const std::string log = managerLog().string();
+    const pid_t pid = ::fork();
+    if (pid < 0) throw BenchError(strCat("fork: ", std::strerror(errno)));
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+      }
+      const int devNull = ::open("/dev/null", O_RDONLY);
+      if (devNull >= 0) ::dup2(devNull, 0);
+      ::close_range(3, ~0U, 0);
+      ::execv(argv[0], argv.data());
+      std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // also here: no race with the child's own call
+    managerPid_ = pid;
+    std::cout << "started " << options_.runVaruna << " (pid " << pid << "): " << options_.hosts << " hosts x "
+              << options_.slots << " slots, " << options_.stages << " stages; log " << log << std::endl;
+  }
+
+  void openFifo() {
+    const fs::path fifo = dir_ / "agents.fifo";
+    const int readFd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    // A writer of our own, so the reader never sees EOF between two shims.
+    fifoKeepOpen_ = ::open(fifo.c_str(), O_WRONLY | O_CLOEXEC);
+    if (readFd < 0 || fifoKeepOpen_ < 0) throw BenchError(strCat("open ", fifo.string(), ": ", std::strerror(errno)));
+    fifo_.assign(readFd);
+    doReadFifo();
+  }
+
+  void doReadFifo() {
+    fifo_.async_read_some(asio::buffer(fifoBuffer_), [this](const boost::system::error_code& ec, size_t bytes) {
+      if (ec) return abort("reading the agent FIFO: " + ec.message());
+      fifoText_.append(fifoBuffer_.data(), bytes);
+      for (size_t nl; (nl = fifoText_.find('\n')) != std::string::npos;) {
+        std::istringstream line(fifoText_.substr(0, nl));
+        fifoText_.erase(0, nl + 1);
+        std::string host, address, token;
+        line >> host >> address >> token;
+        if (!host.empty()) startAgent(host, address, token);
+      }
+      doReadFifo();
+    });
+  }
+
+  // --- the simulated agents ---------------------------------------------------------
+
+  void startAgent(const std::string& host, const std::string& address, const std::string& token) {
+    if (managerEndpoint_.port() == 0) {
+      const auto [ip, port] = proto::splitHostPort(address, "the manager address");
+      managerEndpoint_ = tcp::endpoint(asio::ip::make_address(ip), static_cast<uint16_t>(port));
+      token_ = token;
+    }
+    const size_t index = agents_.size();
+    agents_.push_back(SimAgent{host, std::make_shared<Peer>(io_)});
+    agentByHost_[host] = index;
+    agents_[index].peer->connect(
+        managerEndpoint_, proto::Hello{proto::kVersion, token_, "agent", host, -1, -1},
+        [this, index](const proto::Message& m) { onAgentMessage(index, m); },
+        [this, index](const std::string& reason) { onUnexpectedClose("agent of " + agents_[index].host, reason); },
+        [this, index] {
+          agents_[index].up = true;
+          if (++agentsUp_ == options_.hosts) {
+            results_.agentsS = secondsSince(startedAt_);
+            std::cout << "all " << agentsUp_ << " agents connected (" << fmt(results_.agentsS) << " s)" << std::endl;
+          }
+        });
+  }
+
+  void onAgentMessage(size_t index, const proto::Message& message) {
+    SimAgent& agent = agents_[index];
+    if (const auto* launch = std::get_if<proto::LaunchWorkers>(&message)) return onLaunch(index, *launch);
+    if (std::holds_alternative<proto::CheckpointAndExit>(message)) return exitWorkers(agent, varuna::kExitCheckpointed, 0);
+    if (std::holds_alternative<proto::KillWorkers>(message)) return exitWorkers(agent, -1, SIGKILL);
+    if (std::holds_alternative<proto::Shutdown>(message)) {
+      exitWorkers(agent, -1, SIGKILL);
+      agent.peer->close();
+      return;
+    }
+    if (const auto* ack = std::get_if<proto::Ack>(&message); ack && !ack->ok) {
+      abort(strCat("the manager refused the agent of ", agent.host, ": ", ack->error));
+    }
+  }
+
+  void onLaunch(size_t index, const proto::LaunchWorkers& launch) {
+    SimAgent& agent = agents_[index];
+    if (launch.generation != generation_) {
+      if (generation_ >= 0) {
+        std::cout << "warning: the manager relaunched (generation " << launch.generation
+                  << "): the figures include a morph" << std::endl;
+      }
+      generation_ = launch.generation;
+      ++results_.launches;
+      for (auto& w : workers_) {
+        if (w.peer) w.peer->close();
+      }
+      workers_.clear();
+      workers_.resize(static_cast<size_t>(launch.worldSize));
+      workersUp_ = 0;
+      loadRunning_ = false;
+      stageMap_ = varuna::StageToRankMap::parse(launch.stageToRankMap);
+      launchedAt_ = Clock::now();
+      std::cout << "generation " << launch.generation << ": launching " << launch.worldSize << " workers ("
+                << stageMap_->numStages() << " stages x " << stageMap_->numReplicas() << " replicas)" << std::endl;
+    }
+    exitWorkers(agent, -1, SIGKILL);  // a relaunch replaces what ran there
+    agent.generation = launch.generation;
+    agent.ranks.clear();
+    for (const auto& spec : launch.workers) {
+      agent.ranks.push_back(spec.rank);
+      SimWorker& w = workers_.at(static_cast<size_t>(spec.rank));
+      w = SimWorker{};
+      w.rank = spec.rank;
+      w.stage = stageMap_->stageOf(spec.rank);
+      w.replica = stageMap_->replicaOf(spec.rank);
+      w.agent = index;
+      // A few percent apart, like real machines; none slow enough to be flagged.
+      w.computeSeconds = 0.050 * (1.0 + 0.02 * std::sin(1.7 * spec.rank));
+      w.peer = std::make_shared<Peer>(io_);
+      const int rank = spec.rank;
+      const int generation = launch.generation;
+      w.peer->connect(
+          managerEndpoint_, proto::Hello{proto::kVersion, token_, "worker", agent.host, rank, generation},
+          [this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
+          [this, rank](const std::string& reason) { onUnexpectedClose(strCat("worker ", rank), reason); },
+          [this, rank, generation] {
+            if (generation != generation_) return;
+            workers_[static_cast<size_t>(rank)].connected = true;
+            if (++workersUp_ == static_cast<int>(workers_.size())) onAllWorkersConnected();
+          });
+    }
+  }
+
+  // What a real agent reports when its workers end: their connections close,
+  // then one WorkerExited per rank.
+  void exitWorkers(SimAgent& agent, int exitCode, int signal) {
+    for (const int rank : agent.ranks) {
+      if (static_cast<size_t>(rank) >= workers_.size()) continue;
+      SimWorker& w = workers_[static_cast<size_t>(rank)];
+      if (w.peer) w.peer->close();
+      w.connected = false;
+      agent.peer->send(proto::encode(proto::WorkerExited{agent.host, rank, exitCode, signal, agent.generation, ""}));
+    }
+    agent.ranks.clear();
+  }
+
+  void onWorkerMessage(int rank, const proto::Message& message) {
+    if (const auto* pong = std::get_if<proto::Pong>(&message)) {
+      const int64_t now = steadyNs();
+      if (pong->sentNs >= windowStartNs_ && pong->sentNs < windowEndNs_) {
+        results_.rttMs.push_back(static_cast<double>(now - pong->sentNs) / 1e6);
+        ++results_.pongs;
+      }
+      return;
+    }
+    if (const auto* ack = std::get_if<proto::Ack>(&message); ack && !ack->ok) {
+      abort(strCat("the manager refused worker ", rank, ": ", ack->error));
+    }
+  }
+
+  void onUnexpectedClose(const std::string& who, const std::string& reason) {
+    if (stopping_) return;
+    if (++results_.unexpectedCloses <= 5) std::cout << "warning: " << who << " lost its connection: " << reason << std::endl;
+  }
+
+  // --- the load --------------------------------------------------------------------------
+
+  void onAllWorkersConnected() {
+    results_.workers = static_cast<int>(workers_.size());
+    results_.connectS = secondsSince(launchedAt_);
+    std::cout << "all " << workers_.size() << " workers connected (" << fmt(results_.connectS)
+              << " s after the launch); load: " << options_.heartbeatHz << " heartbeats/s and 1 step report/s per "
+              << "worker, " << pingTargets().size() << " workers ping once a second; warm-up " << options_.warmupS
+              << " s" << std::endl;
+    loadRunning_ = true;
+    loadStart_ = Clock::now();
+    heartbeatsDone_ = reportsDone_ = pingsDone_ = 0;
+    pingTargets_ = pingTargets();
+    const auto windowStart = loadStart_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.warmupS));
+    phaseTimer_.expires_at(windowStart);
+    phaseTimer_.async_wait([this](const boost::system::error_code& ec) {
+      if (!ec) beginWindow();
+    });
+  }
+
+  std::vector<int> pingTargets() const {
+    std::vector<int> ranks;
+    const int n = static_cast<int>(workers_.size());
+    const int k = std::clamp(options_.pingWorkers, 0, n);
+    for (int i = 0; i < k; ++i) ranks.push_back(static_cast<int>(static_cast<int64_t>(i) * n / k));
+    return ranks;
+  }
+
+  void scheduleTick(Clock::time_point at) {
+    tickTimer_.expires_at(at);
+    tickTimer_.async_wait([this, at](const boost::system::error_code& ec) {
+      if (ec) return;
+      onTick();
+      // Fixed cadence; a late tick catches up on the events it missed (the
+      // load is defined by event counts over time, not by ticks).
+      scheduleTick(std::max(at + kTick, Clock::now() - kTick));
+    });
+  }
+
+  void onTick() {
+    if (!stopping_) checkManagerAlive();
+    if (!error_.empty()) return;
+    const auto now = Clock::now();
+    if (!stopping_ && agentsUp_ < options_.hosts && secondsSince(startedAt_) > options_.startupTimeoutS) {
+      return abort(strCat("only ", agentsUp_, " of ", options_.hosts, " agents connected within ",
+                          options_.startupTimeoutS, " s"));
+    }
+    if (!stopping_ && generation_ >= 0 && !loadRunning_ && secondsSince(launchedAt_) > options_.startupTimeoutS) {
+      return abort(strCat("only ", workersUp_, " of ", workers_.size(), " workers connected within ",
+                          options_.startupTimeoutS, " s"));
+    }
+    // Agent heartbeats: one a second each, spread over the second.
+    const double sinceStart = std::chrono::duration<double>(now - startedAt_).count();
+    const auto hosts = static_cast<uint64_t>(options_.hosts);
+    const auto agentTarget = static_cast<uint64_t>(sinceStart * static_cast<double>(hosts));
+    for (; !stopping_ && agentBeatsDone_ < agentTarget; ++agentBeatsDone_) {
+      const uint64_t i = agentBeatsDone_ % hosts;
+      if (i < agents_.size() && agents_[i].up) sendTo(*agents_[i].peer, agentHeartbeat_);
+    }
+    if (!loadRunning_ || stopping_) return;
+    const double t = std::chrono::duration<double>(now - loadStart_).count();
+    const uint64_t n = workers_.size();
+    // Step reports: rank r reports step s at s + r/N seconds.
+    const auto reportTarget = static_cast<uint64_t>(t * static_cast<double>(n));
+    for (; reportsDone_ < reportTarget; ++reportsDone_) {
+      SimWorker& w = workers_[reportsDone_ % n];
+      w.step = static_cast<int64_t>(reportsDone_ / n);
+      if (!w.connected) continue;
+      const double microbatches = 8;
+      proto::StepReport report{w.rank, w.stage, w.replica, w.step,
+                               2.0 + 6.0 * std::exp(-static_cast<double>(w.step) / 200.0),
+                               w.computeSeconds * (microbatches + stageMap_->numStages() - 1),
+                               w.computeSeconds};
+      sendTo(*w.peer, proto::encode(report));
+    }
+    // Heartbeats: rank r's at (k + r/N) / hz seconds.
+    const auto heartbeatTarget = static_cast<uint64_t>(t * options_.heartbeatHz * static_cast<double>(n));
+    for (; heartbeatsDone_ < heartbeatTarget; ++heartbeatsDone_) {
+      SimWorker& w = workers_[heartbeatsDone_ % n];
+      if (!w.connected) continue;
+      if (w.heartbeatStep != w.step) {
+        w.heartbeatFrame = proto::encode(proto::Heartbeat{w.rank, w.step});
+        w.heartbeatStep = w.step;
+      }
+      sendTo(*w.peer, w.heartbeatFrame);
+    }
+    // Pings: each target once a second, the targets spread over the second.
+    const auto pingTarget = static_cast<uint64_t>(t * static_cast<double>(pingTargets_.size()));
+    for (; !pingTargets_.empty() && pingsDone_ < pingTarget; ++pingsDone_) {
+      SimWorker& w = workers_[static_cast<size_t>(pingTargets_[pingsDone_ % pingTargets_.size()])];
+      if (!w.connected) continue;
+      const int64_t sent = steadyNs();
+      if (sent >= windowStartNs_ && sent < windowEndNs_) ++results_.pings;
+      sendTo(*w.peer, proto::encode(proto::Ping{static_cast<int64_t>(pingsDone_), sent}));
+    }
+  }
+
+  void sendTo(Peer& peer, std::string_view frame) {
+    ++messagesSent_;
+    peer.send(frame);
+  }
+
+  // --- measurement ------------------------------------------------------------------------------
+
+  void beginWindow() {
+    std::cout << "measuring for " << options_.seconds << " s" << std::endl;
+    windowStart_ = Clock::now();
+    windowStartNs_ = steadyNs();
+    windowEndNs_ = std::numeric_limits<int64_t>::max();
+    cpuStart_ = processCpuSeconds(managerPid_);
+    selfCpuStart_ = selfCpuSeconds();
+    messagesStart_ = messagesSent_;
+    progress(0);
+  }
+
+  // A line every 5 s of the window: the manager's CPU so far.
+  void progress(int elapsedS) {
+    const int step = 5;
+    const int next = elapsedS + step;
+    if (next >= options_.seconds) {
+      phaseTimer_.expires_at(windowStart_ + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(options_.seconds)));
+      phaseTimer_.async_wait([this](const boost::system::error_code& ec) {
+        if (!ec) endWindow();
+      });
+      return;
+    }
+    phaseTimer_.expires_at(windowStart_ + std::chrono::seconds(next));
+    phaseTimer_.async_wait([this, next](const boost::system::error_code& ec) {
+      if (ec) return;
+      const double wall = secondsSince(windowStart_);
+      std::cout << "  " << next << " s: manager CPU " << fmt((processCpuSeconds(managerPid_) - cpuStart_) / wall, 3)
+                << " of a core, " << results_.pongs << " pongs" << std::endl;
+      progress(next);
+    });
+  }
+
+  void endWindow() {
+    results_.windowS = secondsSince(windowStart_);
+    windowEndNs_ = steadyNs();
+    results_.managerCpuS = processCpuSeconds(managerPid_) - cpuStart_;
+    results_.benchCpuS = selfCpuSeconds() - selfCpuStart_;
+    results_.messages = messagesSent_ - messagesStart_;
+    // Pongs of the last pings may still be on their way.
+    phaseTimer_.expires_after(std::chrono::milliseconds(static_cast<int>(kPongDrainS * 1000)));
+    phaseTimer_.async_wait([this](const boost::system::error_code& ec) {
+      if (!ec) stopManager();
+    });
+  }
+
+  // --- shutdown ----------------------------------------------------------------------------------
+
+  void stopManager() {
+    std::cout << "stopping run_varuna (SIGTERM); the simulated agents answer its checkpoint order" << std::endl;
+    stopping_ = true;
+    loadRunning_ = false;
+    stopAt_ = Clock::now();
+    ::kill(managerPid_, SIGTERM);
+    waitForExit();
+  }
+
+  void waitForExit() {
+    phaseTimer_.expires_after(std::chrono::milliseconds(20));
+    phaseTimer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      siginfo_t info{};
+      ::waitid(P_PID, static_cast<id_t>(managerPid_), &info, WEXITED | WNOHANG | WNOWAIT);
+      if (info.si_pid == managerPid_) {
+        results_.managerExit = info.si_code == CLD_EXITED ? info.si_status : 128 + info.si_status;
+        results_.stopS = secondsSince(stopAt_);
+        return finish();
+      }
+      if (Clock::now() - stopAt_ > kStopGrace) {
+        std::cout << "warning: run_varuna did not exit within " << kStopGrace.count() << " s of SIGTERM: SIGKILL"
+                  << std::endl;
+        results_.managerKilled = true;
+        results_.stopS = secondsSince(stopAt_);
+        return finish();
+      }
+      waitForExit();
+    });
+  }
+
+  void checkManagerAlive() {
+    if (managerPid_ <= 0) return;
+    siginfo_t info{};
+    ::waitid(P_PID, static_cast<id_t>(managerPid_), &info, WEXITED | WNOHANG | WNOWAIT);
+    if (info.si_pid == managerPid_) {
+      abort(strCat("run_varuna exited early (", info.si_code == CLD_EXITED ? "code " : "signal ", info.si_status,
+                   "); the end of its log:\n", tail(managerLog(), 3000)));
+    }
+  }
+
+  void finish() {
+    killManager();
+    closeAll();
+  }
+
+  void abort(const std::string& message) {
+    if (error_.empty()) error_ = message;
+    stopping_ = true;
+    finish();
+  }
+
+  void closeAll() {
+    boost::system::error_code ignored;
+    tickTimer_.cancel();
+    phaseTimer_.cancel();
+    signals_.cancel(ignored);
+    fifo_.close(ignored);
+    if (fifoKeepOpen_ >= 0) ::close(fifoKeepOpen_);
+    fifoKeepOpen_ = -1;
+    for (auto& w : workers_) {
+      if (w.peer) w.peer->close();
+    }
+    for (auto& a : agents_) {
+      if (a.peer) a.peer->close();
+    }
+    io_.stop();
+  }
+
+  static std::string fmt(double value, int decimals = 1) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.*f", decimals, value);
+    return text;
+  }
+
+  Options options_;
+  fs::path dir_;
+  asio::io_context io_{1};
+  asio::signal_set signals_{io_, SIGINT, SIGTERM};
+  asio::steady_timer tickTimer_{io_};
+  asio::steady_timer phaseTimer_{io_};
+  asio::posix::stream_descriptor fifo_{io_};
+  int fifoKeepOpen_ = -1;
+  std::array<char, 4096> fifoBuffer_{};
+  std::string fifoText_;
+  pid_t managerPid_ = -1;
+  tcp::endpoint managerEndpoint_;
+  std::string token_;
+  const std::string agentHeartbeat_ = proto::encode(proto::Heartbeat{-1, 0});
+
+  std::vector<SimAgent> agents_;
+  std::map<std::string, size_t> agentByHost_;
+  int agentsUp_ = 0;
+  std::vector<SimWorker> workers_;  // by rank, current generation
+  int workersUp_ = 0;
+  int generation_ = -1;
+  std::optional<varuna::StageToRankMap> stageMap_;
+  std::vector<int> pingTargets_;
+
+  Clock::time_point startedAt_, launchedAt_, loadStart_, windowStart_, stopAt_;
+  bool loadRunning_ = false;
+  bool stopping_ = false;
+  uint64_t agentBeatsDone_ = 0, heartbeatsDone_ = 0, reportsDone_ = 0, pingsDone_ = 0;
+  uint64_t messagesSent_ = 0, messagesStart_ = 0;
+  int64_t windowStartNs_ = std::numeric_limits<int64_t>::max();
+  int64_t windowEndNs_ = std::numeric_limits<int64_t>::max();
+  double cpuStart_ = 0, selfCpuStart_ = 0;
+  Results results_;
+  std::string error_;
+};
+
+std::string defaultRunVaruna() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  return (self.parent_path().parent_path() / "bin" / "run_varuna").string();  // <build>/bench -> <build>/bin
+}
+
+// Each side of 1000+ connections needs a descriptor per connection.
+void raiseFileLimit(int needed) {
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  if (limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+  }
+  if (limit.rlim_cur < static_cast<rlim_t>(needed)) {
+    throw BenchError(strCat("the open-file limit (", limit.rlim_cur, ") is below the ", needed,
+                            " descriptors this run needs: raise `ulimit -n` or use fewer --hosts/--slots"));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  CLI::App app{"bench_manager_scale: run_varuna under N simulated workers heartbeating at 10 Hz"};
+  app.add_option("--hosts", options.hosts, "simulated hosts (127.0.x.y)")->check(CLI::Range(1, 10000));
+  app.add_option("--slots", options.slots, "workers per host")->check(CLI::Range(1, 1024));
+  app.add_option("--stages", options.stages, "pipeline stages (--nstages)")->check(CLI::PositiveNumber);
+  app.add_option("--seconds", options.seconds, "measurement window")->check(CLI::PositiveNumber);
+  app.add_option("--warmup_s", options.warmupS, "load before the window")->check(CLI::NonNegativeNumber);
+  app.add_option("--heartbeat_hz", options.heartbeatHz, "heartbeats per worker per second")->check(CLI::PositiveNumber);
+  app.add_option("--ping_workers", options.pingWorkers, "workers that ping once a second (latency samples)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--startup_timeout_s", options.startupTimeoutS, "for the agents, then the workers, to connect")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--run_varuna", options.runVaruna, "the run_varuna to measure (default: <build>/bin/run_varuna)");
+  app.add_flag("--keep", options.keep, "keep the temp folder (run_varuna's log, state, events)");
+  CLI11_PARSE(app, argc, argv);
+  if (options.runVaruna.empty()) options.runVaruna = defaultRunVaruna();
+  if (::access(options.runVaruna.c_str(), X_OK) != 0) {
+    std::cerr << "bench_manager_scale: " << options.runVaruna
+              << " is not an executable run_varuna; build it (ninja -C build run_varuna) or pass --run_varuna"
+              << std::endl;
+    return 2;
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+
+  std::string dirTemplate = (fs::temp_directory_path() / "varuna_bench_scale.XXXXXX").string();
+  if (!::mkdtemp(dirTemplate.data())) {
+    std::cerr << "bench_manager_scale: mkdtemp: " << std::strerror(errno) << std::endl;
+    return 1;
+  }
+  const fs::path dir = dirTemplate;
+  Bench bench(options, dir);
+  Results r;
+  int status = 0;
+  try {
+    raiseFileLimit(2 * options.hosts * (options.slots + 1) + 64);
+    r = bench.run();
+  } catch (const std::exception& e) {
+    bench.killManager();
+    std::cerr << "bench_manager_scale failed: " << e.what() << "\n(files kept in " << dir.string() << ")" << std::endl;
+    return 1;
+  }
+  bench.killManager();  // reaps it; nothing of it is left
+
+  std::sort(r.rttMs.begin(), r.rttMs.end());
+  const double cpu = r.windowS > 0 ? r.managerCpuS / r.windowS : 0;
+  const double benchCpu = r.windowS > 0 ? r.benchCpuS / r.windowS : 0;
+  const double rate = r.windowS > 0 ? static_cast<double>(r.messages) / r.windowS : 0;
+  const double p50 = percentile(r.rttMs, 0.50), p99 = percentile(r.rttMs, 0.99);
+  const double maxMs = r.rttMs.empty() ? 0 : r.rttMs.back();
+  const bool cpuMet = cpu <= 0.10, latencyMet = !r.rttMs.empty() && p99 <= 5.0;
+  const bool clean = r.managerExit == 0 && !r.managerKilled && r.launches == 1 && r.unexpectedCloses == 0 &&
+                     r.pongs == r.pings;
+  if (!clean) status = 1;
+
+  char line[512];
+  std::printf("\nrun_varuna with %d simulated workers on %d hosts, %.0f heartbeats/s each, over %.1f s:\n",
+              r.workers, options.hosts, options.heartbeatHz, r.windowS);
+  std::printf("  messages to the manager   %.0f /s (heartbeats, step reports, pings, agent heartbeats)\n", rate);
+  std::printf("  manager CPU               %.3f of a core   (target <= 0.10: %s)\n", cpu, cpuMet ? "met" : "MISSED");
+  std::printf("  ping -> pong round trip   p50 %.3f ms, p99 %.3f ms, max %.3f ms over %llu samples   "
+              "(target p99 <= 5 ms: %s)\n",
+              p50, p99, maxMs, static_cast<unsigned long long>(r.rttMs.size()), latencyMet ? "met" : "MISSED");
+  std::printf("  this bench's own CPU      %.3f of a core\n", benchCpu);
+  std::printf("  start-up                  agents %.1f s after the start, workers %.1f s after the launch\n",
+              r.agentsS, r.connectS);
+  std::printf("  stop                      run_varuna %s %.1f s after SIGTERM\n",
+              r.managerKilled ? "was SIGKILLed" : strCat("exited with ", r.managerExit).c_str(), r.stopS);
+  if (r.pongs != r.pings) {
+    std::printf("  warning: %llu of %llu pings sent in the window got no pong\n",
+                static_cast<unsigned long long>(r.pings - std::min(r.pings, r.pongs)),
+                static_cast<unsigned long long>(r.pings));
+  }
+  if (r.launches != 1) std::printf("  warning: %d launches (the manager morphed during the run)\n", r.launches);
+  if (r.unexpectedCloses) std::printf("  warning: %d connections lost\n", r.unexpectedCloses);
+  if (options.keep) {
+    std::printf("  files kept in %s\n", dir.c_str());
+  } else {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  std::snprintf(line, sizeof(line),
+                "{\"workers\": %d, \"seconds\": %.1f, \"cpu_fraction_of_core\": %.4f, \"p50_ms\": %.3f, "
+                "\"p99_ms\": %.3f, \"max_ms\": %.3f, \"messages_per_s\": %.0f, \"latency_samples\": %zu, "
+                "\"bench_cpu_fraction_of_core\": %.4f, \"manager_exit\": %d}",
+                r.workers, r.windowS, cpu, p50, p99, maxMs, rate, r.rttMs.size(), benchCpu,
+                r.managerKilled ? -9 : r.managerExit);
+  std::cout << std::flush;
+  std::printf("%s\n", line);
+  return status;
+}

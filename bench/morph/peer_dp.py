@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""The peer's worker for bench/morph: a data-parallel GPT (DDP on Gloo) of the
+size bench_morph runs our train_gpt at, started by torchrun (rank, world size
+and the store address come from torchrun's environment).
+
+It keeps a fixed global batch (split over whatever world torchrun gives it),
+so losing a node doubles each survivor's share, as a morph does for Varuna.
+Rank 0 saves model and optimizer to --ckpt after every step (write to a temp
+file, then rename), and every worker resumes from that file when it starts, so
+a restart loses at most the step in flight. No preemption notice reaches the
+peer: torchrun has none, it only sees its workers or a node die.
+
+Each worker appends JSON lines to <--events>/rank<r>.<pid>.jsonl, each with a
+Unix time "t": "start" (first line of the script, before `import torch`),
+"imported", "pg_ready" (process group up), "loaded" (model built, checkpoint
+read), one "step" per completed step, and "error" if a collective fails (the
+process then exits non-zero, which is what torchrun watches for).
+"""
+import time
+
+T_START = time.time()  # before `import torch`: process start as torchrun sees it
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+
+T_IMPORTED = time.time()
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+
+class Block(nn.Module):
+    """The example GPT's block (examples/gpt/gpt_model.cpp, bench/pipeline/peer_pipelining.py)."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, 2)
+        heads = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        h = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.fc2(F.gelu(self.fc(self.ln2(h))))
+
+
+class Gpt(nn.Module):
+    """The whole example GPT in one process; the LM head is tied to the token
+    embedding, as train_gpt's is by default."""
+
+    def __init__(self, vocab, d, layers, heads, seq):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, tokens):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
+
+def load_tokens(path):
+    """The text as token ids over its sorted byte alphabet (char_dataset.cpp's vocabulary)."""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path))
+        files = [f for f in files if os.path.isfile(f) and not os.path.islink(f)]
+    else:
+        files = [path]
+    raw = torch.frombuffer(bytearray(b"".join(open(f, "rb").read() for f in files)), dtype=torch.uint8).long()
+    alphabet = torch.unique(raw)  # sorted
+    lookup = torch.zeros(256, dtype=torch.long)
+    lookup[alphabet] = torch.arange(len(alphabet))
+    return lookup[raw], len(alphabet)
+
+
+MASK = (1 << 64) - 1
+
+
+def splitmix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def samples(tokens, first, count, seq, seed):
+    """char_dataset.cpp's sampler: sample k starts at splitmix64(seed * 0x100000001b3 ^ k) mod (len - seq - 1)."""
+    windows = len(tokens) - seq - 1
+    rows = []
+    for k in range(first, first + count):
+        off = splitmix64(((seed * 0x100000001B3) & MASK) ^ k) % windows
+        rows.append(tokens[off:off + seq + 1])
+    data = torch.stack(rows)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--events", required=True, help="folder for the per-worker event files")
+    p.add_argument("--ckpt", required=True, help="checkpoint file (rank 0 writes it after every step)")
+    p.add_argument("--steps", type=int, default=100000)
+    p.add_argument("--batch", type=int, default=16, help="global batch, split over the workers")
+    p.add_argument("--d_model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq_len", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data", default="/usr/share/common-licenses")
+    p.add_argument("--data_seed", type=int, default=7)
+    args = p.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    out = open(os.path.join(args.events, "rank%d.%d.jsonl" % (rank, os.getpid())), "a", buffering=1)
+
+    def record(event, t=None, **fields):
+        out.write(json.dumps({"event": event, "t": t or time.time(), "rank": rank, "world": world,
+                              "restart": restart, "pid": os.getpid(), **fields}) + "\n")
+
+    record("start", T_START)
+    record("imported", T_IMPORTED)
+    torch.set_num_threads(1)
+    # A lost peer shows up as a closed connection at once; the timeout only bounds a silent hang.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    record("pg_ready")
+
+    tokens, vocab = load_tokens(args.data)
+    torch.manual_seed(1234)  # same initial weights on every worker (DDP broadcasts rank 0's anyway)
+    model = Gpt(vocab, args.d_model, args.layers, args.heads, args.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    first = 0
+    if os.path.exists(args.ckpt):
+        state = torch.load(args.ckpt)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        first = state["step"]
+    ddp = DistributedDataParallel(model)
+    record("loaded", resume_step=first, parameters=sum(p.numel() for p in model.parameters()))
+
+    if args.batch % world:
+        raise SystemExit("--batch %d does not split over %d workers" % (args.batch, world))
+    share = args.batch // world
+    try:
+        for step in range(first, args.steps):
+            x, y = samples(tokens, step * args.batch + rank * share, share, args.seq_len, args.data_seed)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
+            loss.backward()
+            optimizer.step()
+            if rank == 0:
+                tmp = args.ckpt + ".tmp"
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, tmp)
+                os.replace(tmp, args.ckpt)
+            record("step", step=step, loss=loss.item())
+    except RuntimeError as e:  # a peer died mid-collective: let torchrun restart us
+        record("error", error=str(e)[:200])
+        raise
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""run_varuna over SSH: hosts are network namespaces, each with its own real
+sshd and throwaway keys (netns_cluster.py); the manager runs in a separate
+"head" namespace and starts the agents with libssh, checking host keys.
+
+Scenarios: a preemption notice sent from the preempted host itself, then a
+host added to the machine list; a host vanishing (kill -9 of everything on it,
+network down) and a host made slow with a CPU quota; and the set-up errors a
+user meets first (unknown host key, wrong key, unreachable host, missing
+program). Every scenario ends with no process left on any host."""
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from netns_cluster import Cluster  # noqa: E402
+from varuna_e2e import BIN, Manager, assert_nothing_left, log, run_tests, wait_for  # noqa: E402
+
+if os.geteuid() != 0:
+    print("skipped: network namespaces and sshd need root")
+    sys.exit(77)
+
+ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-ssh-e2e-")))
+ROOT.mkdir(parents=True, exist_ok=True)
+
+
+def ssh_manager(cluster, name, hosts, identity=None, known_hosts=None, **kw):
+    extra = ["--manager_ip", cluster.head_addr, "--ssh_identity", identity or cluster.identity_file,
+             "--ssh_known_hosts", known_hosts or cluster.known_hosts_file, "--ssh_connect_timeout_s", "3",
+             "--heartbeat_timeout_s", "3", "--restart_backoff_s", "0.2", *kw.pop("extra_args", [])]
+    return Manager(ROOT / name, hosts, job="ssh-" + name + "-" + str(os.getpid()), extra_args=extra,
+                   prefix=["ip", "netns", "exec", cluster.head_ns], **kw)
+
+
+def hosts_of(plan_event):
+    return plan_event["plan"]["hosts"]
+
+
+def assert_clean(cluster, m):
+    assert_nothing_left(m.job)
+    left = cluster.leftover_processes()
+    assert not left, "processes left on the hosts: %s" % left
+
+
+def test_preemption_from_the_host_then_a_host_added():
+    with Cluster(3, str(ROOT / "cluster-preempt")) as c:
+        h0, h1, h2 = c.hosts
+        m = ssh_manager(c, "preempt", ["%s slots=2" % h0.addr, "%s slots=2" % h1.addr], steps=400)
+        m.start()
+        m.wait_step(30)
+        # The poller on the preempted VM calls the hook with the agent's connection file.
+        r = c.run_in(h1, [str(BIN / "notify_manager_preempt"), "--connection_file", str(m.connection_file(h1.addr)),
+                          "--in_seconds", "30"])
+        assert r.returncode == 0, r.stderr
+        m.wait_event("launch", count=2, timeout=60)
+        assert hosts_of(m.events("launch")[1]) == [h0.addr]
+        m.wait_event("morph_complete", timeout=60)
+        m.write_machines(["%s slots=2" % h.addr for h in (h0, h1, h2)])
+        m.wait_event("launch", count=3, timeout=60)
+        assert m.wait_exit(240) == 0, m.tail()
+        plans = [((e["plan"]["stages"], e["plan"]["replicas"]), hosts_of(e)) for e in m.events("launch")]
+        assert plans == [((2, 2), [h0.addr, h1.addr]), ((2, 1), [h0.addr]), ((2, 2), [h0.addr, h2.addr])], plans
+        assert len(m.events("morph_complete")) == 2
+        assert_clean(c, m)
+
+
+def test_host_vanishes_then_a_slow_host_is_flagged():
+    with Cluster(3, str(ROOT / "cluster-vanish")) as c:
+        h0, h1, h2 = c.hosts
+        m = ssh_manager(c, "vanish", ["%s slots=2" % h.addr for h in (h0, h1, h2)], steps=100000,
+                        extra_args=["--slow_window", "5"], train_args=["--checkpoint_every", "10"])
+        m.start()
+        m.wait_step(25)
+        assert hosts_of(m.events("launch")[0]) == [h0.addr, h1.addr]  # h2 is spare (16 % 3 != 0)
+        t0 = time.monotonic()
+        c.kill_host(h1)
+        m.wait_event("launch", count=2, timeout=60)
+        log("host vanished -> relaunch decided in %.1f s" % (time.monotonic() - t0))
+        second = m.events("launch")[1]
+        assert hosts_of(second) == [h0.addr, h2.addr] and second["resume_step"] >= 10, second
+        m.wait_event("morph_complete", timeout=60)
+        c.slow_host(h2, 0.15)
+        slow_file = m.state_dir / "slow_machines.out"
+        wait_for("slow_machines.out naming %s" % h2.addr,
+                 lambda: slow_file.exists() and h2.addr in slow_file.read_text(), timeout=120)
+        log("slow_machines.out:\n" + slow_file.read_text())
+        assert h0.addr not in slow_file.read_text()
+        m.kill(signal.SIGTERM)
+        assert m.wait_exit(120) == 0, m.tail()
+        assert_clean(c, m)
+
+
+def test_setup_errors_are_clear():
+    with Cluster(2, str(ROOT / "cluster-errors")) as c:
+        h0, h1 = c.hosts
+        empty_known_hosts = ROOT / "empty_known_hosts"
+        empty_known_hosts.write_text("")
+        cases = [
+            ("unknown-key", dict(known_hosts=str(empty_known_hosts)), ["ssh-keyscan", "known_hosts"]),
+            ("wrong-key", dict(identity=c.wrong_identity_file), ["authenticat"]),
+            ("missing-program", dict(program="./no_such_trainer"), ["no_such_trainer does not exist"]),
+        ]
+        for name, kw, expected in cases:
+            m = ssh_manager(c, name, ["%s slots=2" % h0.addr], **kw)
+            m.start()
+            code = m.wait_exit(60)
+            out = m.output()
+            log(name, "-> exit", code, ":", [l for l in out.splitlines() if "error" in l][:2])
+            assert code == 2, (name, code, m.tail())
+            for text in expected:
+                assert text in out, (name, text, m.tail())
+            assert_clean(c, m)
+        # An unreachable machine: reported, and the job runs on the others.
+        m = ssh_manager(c, "unreachable", ["10.213.0.99 slots=2", "%s slots=2" % h1.addr], steps=30)
+        m.start()
+        assert m.wait_exit(120) == 0, m.tail()
+        failed = m.events("agent_failed")
+        assert failed and failed[0]["host"] == "10.213.0.99", failed
+        log("unreachable:", failed[0]["reason"])
+        assert "10.213.0.99" in failed[0]["reason"]
+        assert hosts_of(m.events("launch")[0]) == [h1.addr]
+        assert_clean(c, m)
+
+
+if __name__ == "__main__":
+    run_tests([
+        test_setup_errors_are_clear,
+        test_preemption_from_the_host_then_a_host_added,
+        test_host_vanishes_then_a_slow_host_is_flagged,
+    ])
