@@ -697,6 +697,7 @@ void ManagerDaemon::onStepReport(const proto::StepReport& report) {
   lastSamplesPerSecond_ = done.maxStepSeconds > 0 ? static_cast<double>(config_.batchSize) / done.maxStepSeconds : 0;
   if (firstStepOfGeneration_ < 0) {
     firstStepOfGeneration_ = report.step;
+    progressMarkStep_ = -1;  // throughput restarts with the new plan
     if (morph_.active) {
       const json phases = {
           {"cause", morph_.cause},
@@ -714,6 +715,12 @@ void ManagerDaemon::onStepReport(const proto::StepReport& report) {
     }
   }
   if (now - lastProgressPrint_ >= std::chrono::seconds(1)) {
+    // Throughput over the steps since the last line, not one noisy step.
+    if (progressMarkStep_ >= 0 && report.step > progressMarkStep_ && lastProgressPrint_ != TimePoint{}) {
+      lastSamplesPerSecond_ = static_cast<double>((report.step - progressMarkStep_) * config_.batchSize) /
+                              secondsBetween(lastProgressPrint_, now);
+    }
+    progressMarkStep_ = report.step;
     lastProgressPrint_ = now;
     const std::string ckptText =
         lastCheckpoint_ ? strCat("last checkpoint step ", *lastCheckpoint_,

@@ -140,6 +140,7 @@ class ManagerDaemon {
   double lastLoss_ = 0, lastSamplesPerSecond_ = 0;
   int64_t firstStepOfGeneration_ = -1;
   TimePoint lastProgressPrint_{};
+  int64_t progressMarkStep_ = -1;  // step of the last progress line
   std::optional<int64_t> lastCheckpoint_;
   TimePoint lastCheckpointSeen_{};
   TimePoint lastCheckpointPoll_{};
