@@ -357,7 +357,11 @@ void ManagerDaemon::onAgentLost(const std::string& host, const std::string& reas
 std::string ManagerDaemon::agentCommand(const std::string& host) const {
   // The token travels in the environment of the remote shell, not on the
   // agent's command line (where `ps` would show it for the agent's lifetime).
-  return strCat("VARUNA_JOB_TOKEN=", shellQuote(token_), " exec ", shellQuote(config_.agentPath),
+  // The env_file's variables reach the agent as well as (through
+  // LaunchWorkers) every worker.
+  std::string environment;
+  for (const auto& [key, value] : env_) environment += key + "=" + shellQuote(value) + " ";
+  return strCat(environment, "VARUNA_JOB_TOKEN=", shellQuote(token_), " exec ", shellQuote(config_.agentPath),
                 " --daemonize --manager ", shellQuote(advertisedAddress_), " --host ", shellQuote(host), " --job ",
                 shellQuote(config_.job), " --code_dir ", shellQuote(config_.codeDir), " --program ",
                 shellQuote(config_.program.front()), " --grace_s ", config_.agentGraceS, " --log_level ",

@@ -116,6 +116,21 @@ def test_manager_killed_and_restarted_carries_on():
     assert_nothing_left(m.job)
 
 
+def test_no_morphing_stops_on_the_first_failure():
+    env_file = ROOT / "no-morphing.env"
+    env_file.write_text("# from the env file\nVARUNA_E2E_MARK=from-env-file\n")
+    m = manager("no-morphing", steps=100000, extra_args=["--no_morphing", "--env_file", str(env_file)]).start()
+    m.wait_step(10)
+    workers = [p for p, cmd in processes_of_job(m.job) if "train_gpt" in cmd]
+    environ = Path("/proc/%d/environ" % workers[0]).read_bytes()
+    assert b"VARUNA_E2E_MARK=from-env-file\0" in environ, "the env file did not reach the workers"
+    os.kill(workers[0], signal.SIGKILL)
+    assert m.wait_exit(60) == 1, m.tail()
+    assert "morphing is off" in m.output(), m.tail()
+    assert len(m.events("launch")) == 1
+    assert_nothing_left(m.job)
+
+
 def test_sigterm_checkpoints_and_stops():
     m = manager("sigterm", steps=100000).start()
     m.wait_step(20)
@@ -165,5 +180,6 @@ if __name__ == "__main__":
         test_host_added_to_machine_list_grows_the_job,
         test_manager_killed_and_restarted_carries_on,
         test_sigterm_checkpoints_and_stops,
+        test_no_morphing_stops_on_the_first_failure,
         test_bad_inputs_are_clear_errors,
     ])
