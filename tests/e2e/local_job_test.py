@@ -87,6 +87,27 @@ def test_worker_killed_relaunches_from_latest_checkpoint():
     assert_nothing_left(m.job)
 
 
+def test_every_process_of_a_host_killed():
+    """kill -9 of the agent and the workers of 127.0.0.2 (the kernel closes their
+    connections): the manager decides at once and carries on with 127.0.0.1."""
+    m = manager("host-killed", steps=300, extra_args=["--restart_backoff_s", "0.2"],
+                train_args=["--checkpoint_every", "20"]).start()
+    m.wait_step(45)
+    on_host = [p for p, cmd in processes_of_job(m.job)
+               if ("--host 127.0.0.2 " in cmd + " ") or b"VARUNA_HOST=127.0.0.2\0" in Path("/proc/%d/environ" % p).read_bytes()]
+    assert len(on_host) == 3, on_host  # the agent and its two workers
+    t0 = time.monotonic()
+    for pid in on_host:
+        os.kill(pid, signal.SIGKILL)
+    m.wait_event("kill_all", timeout=10)
+    log("kill -9 of a host's processes -> manager decision: %.2f s" % (time.monotonic() - t0))
+    assert m.wait_exit() == 0, m.tail()
+    launches = m.events("launch")
+    assert launches[-1]["plan"]["hosts"] == ["127.0.0.1"] and launches[-1]["resume_step"] >= 40, launches
+    assert m.events("host_lost")[0]["host"] == "127.0.0.2"
+    assert_nothing_left(m.job)
+
+
 def test_host_added_to_machine_list_grows_the_job():
     m = manager("grow", machines=["127.0.0.1 slots=2"], steps=300).start()
     m.wait_step(20)
@@ -177,6 +198,7 @@ if __name__ == "__main__":
         test_preemption_morphs_2x2_to_2x1_and_resumes_exactly,
         test_worker_killed_relaunches_from_latest_checkpoint,
         test_sigstop_worker_is_detected_by_heartbeat_timeout,
+        test_every_process_of_a_host_killed,
         test_host_added_to_machine_list_grows_the_job,
         test_manager_killed_and_restarted_carries_on,
         test_sigterm_checkpoints_and_stops,
