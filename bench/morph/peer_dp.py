@@ -11,10 +11,14 @@ a restart loses at most the step in flight. No preemption notice reaches the
 peer: torchrun has none, it only sees its workers or a node die.
 
 Each worker appends JSON lines to <--events>/rank<r>.<pid>.jsonl, each with a
-Unix time "t": "start" (first line of the script, before `import torch`),
-"imported", "pg_ready" (process group up), "loaded" (model built, checkpoint
-read), one "step" per completed step, and "error" if a collective fails (the
-process then exits non-zero, which is what torchrun watches for).
+Unix time "t": "start" (first line of the script, before `import torch`;
+with --run-path --start-method fork, right after the fork), "imported",
+"model_ready" (model and optimizer built: the first optimizer imports
+torch._dynamo, ~1.5 s here, unless forked from an agent that has it),
+"pg_ready" (process group up), "loaded"
+(checkpoint read, DDP built), one "step" per completed step, and "error" if a
+collective fails (the exception then propagates and the process exits
+non-zero, which is what torchrun watches for).
 """
 import time
 
@@ -23,6 +27,7 @@ T_START = time.time()  # before `import torch`: process start as torchrun sees i
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -123,7 +128,12 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--data", default="/usr/share/common-licenses")
     p.add_argument("--data_seed", type=int, default=7)
+    p.add_argument("--fast_exit", action="store_true",
+                   help="os._exit(1) when a collective fails, skipping the interpreter's teardown, and die on "
+                        "SIGTERM at once (a worker forked by torchrun inherits its handler, which raises instead)")
     args = p.parse_args()
+    if args.fast_exit:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -136,14 +146,14 @@ def main():
     record("start", T_START)
     record("imported", T_IMPORTED)
     torch.set_num_threads(1)
-    # A lost peer shows up as a closed connection at once; the timeout only bounds a silent hang.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    record("pg_ready")
-
     tokens, vocab = load_tokens(args.data)
     torch.manual_seed(1234)  # same initial weights on every worker (DDP broadcasts rank 0's anyway)
     model = Gpt(vocab, args.d_model, args.layers, args.heads, args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    record("model_ready")
+    # A lost peer shows up as a closed connection at once; the timeout only bounds a silent hang.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    record("pg_ready")
     first = 0
     if os.path.exists(args.ckpt):
         state = torch.load(args.ckpt)
@@ -170,6 +180,9 @@ def main():
             record("step", step=step, loss=loss.item())
     except RuntimeError as e:  # a peer died mid-collective: let torchrun restart us
         record("error", error=str(e)[:200])
+        if args.fast_exit:
+            out.flush()
+            os._exit(1)
         raise
     dist.destroy_process_group()
 
