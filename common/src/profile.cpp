@@ -89,19 +89,21 @@ double Profile::p2pSeconds(int64_t bytes, bool sameHost) const {
 
 double Profile::allreduceSeconds(int64_t bytes, int replicas, bool crossHost) const {
   if (replicas <= 1 || bytes <= 0) return 0;
-  // The measured replica count closest to the one asked for (same link kind if possible).
+  // The link kind asked for if it was measured, else the other one; then the
+  // measured replica count closest to the one asked for.
+  const bool kind = std::any_of(allreduce.begin(), allreduce.end(),
+                                [&](const AllReduceSample& o) { return o.crossHost == crossHost; })
+                        ? crossHost
+                        : !crossHost;
   int best = -1;
   for (const auto& s : allreduce) {
-    if (s.crossHost != crossHost && std::any_of(allreduce.begin(), allreduce.end(),
-                                                [&](const AllReduceSample& o) { return o.crossHost == crossHost; })) {
-      continue;
-    }
+    if (s.crossHost != kind) continue;
     if (best < 0 || std::abs(s.replicas - replicas) < std::abs(best - replicas)) best = s.replicas;
   }
   if (best < 0) return 0;
   std::vector<std::pair<double, double>> points;
   for (const auto& s : allreduce) {
-    if (s.replicas == best) points.emplace_back(static_cast<double>(s.bytes), s.seconds);
+    if (s.crossHost == kind && s.replicas == best) points.emplace_back(static_cast<double>(s.bytes), s.seconds);
   }
   std::sort(points.begin(), points.end());
   const double measured = interpolate(points, static_cast<double>(bytes));
@@ -195,7 +197,10 @@ Profile fromJson(const json& j, const std::string& source) {
       pp.paramBytes = piece.at("param_bytes");
       for (const auto& [size, s] : piece.at("micro_batch").items()) {
         const int64_t m = std::stoll(size);
-        if (m < 1) throw ProfileError(strCat("micro-batch size ", size, " of piece ", pp.name, " is not positive"));
+        if (m < 1) {
+          throw ProfileError(strCat(source, ": micro-batch size ", size, " of piece ", pp.name,
+                                    " is not positive: profile the model again"));
+        }
         pp.bySize[m] = PieceAtSize{timingFromJson(s.at("forward")), timingFromJson(s.at("backward")),
                                    timingFromJson(s.at("recompute")), s.at("output_bytes"),
                                    s.at("saved_activation_bytes"), s.at("peak_bytes")};

@@ -65,11 +65,15 @@ class VarunaScheduleBuilder {
 
   Schedule build() {
     long remaining = static_cast<long>(P_) * m_ * 2 + static_cast<long>(P_ - 1) * m_;
-    for (long now = 0; remaining > 0; ++now) {
+    for (long now = 0; remaining > 0; now = nextEvent(now)) {
       VARUNA_CHECK(now < kTickLimit, "Varuna schedule simulation did not converge");
+      startedNow_ = false;
       for (int s = 0; s < P_; ++s) {
         if (freeAt_[s] > now) continue;
-        if (startNextTask(s, now)) --remaining;
+        if (startNextTask(s, now)) {
+          --remaining;
+          startedNow_ = true;
+        }
       }
     }
     return keepActivationsWhereBackwardFollows();
@@ -85,6 +89,23 @@ class VarunaScheduleBuilder {
   };
 
   bool last(int s) const { return s == P_ - 1; }
+
+  // The next tick at which a task may become ready: readiness only changes at
+  // a task's end or one message later than a task's start or end. So after a
+  // tick where something started or ended, the next tick; otherwise the
+  // earliest end still ahead (idle ticks in between change nothing, and
+  // skipping them keeps the result identical while making it O(tasks)).
+  long nextEvent(long now) const {
+    bool endedNow = false;
+    long next = kNever;
+    for (long t : freeAt_) {
+      endedNow = endedNow || t == now;
+      if (t > now) next = std::min(next, t);
+    }
+    if (startedNow_ || endedNow) return now + 1;
+    VARUNA_CHECK(next != kNever, "Varuna schedule simulation stalled: no stage can run and none is busy");
+    return next;
+  }
   static bool reached(long t, long now) { return t != kNever && t <= now; }
 
   bool backwardReady(int s, int i, long now) const {
@@ -152,6 +173,7 @@ class VarunaScheduleBuilder {
   std::vector<std::vector<long>> fDone_, bStart_, bDone_, rDone_;
   std::vector<Cursor> next_;
   std::vector<long> freeAt_;
+  bool startedNow_ = false;
   Schedule order_;
 };
 
@@ -180,8 +202,23 @@ std::string describe(const StageSchedule& stage) {
 }
 
 ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCosts>& stageCosts) {
+  if (stageCosts.size() != schedule.size()) throw std::logic_error("one TaskCosts per stage needed");
+  ReplayCosts costs;
+  costs.taskSeconds = [&stageCosts](int s, const Task& t) {
+    const TaskCosts& c = stageCosts[s];
+    return t.type == TaskType::kForward ? c.forward : t.type == TaskType::kRecompute ? c.recompute : c.backward;
+  };
+  // One figure per boundary: stageCosts[s].transfer is the s <-> s+1 link, both ways.
+  costs.transferSeconds = [&stageCosts](int from, int to, int) { return stageCosts[std::min(from, to)].transfer; };
+  return replaySchedule(schedule, costs);
+}
+
+ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs) {
   const int P = static_cast<int>(schedule.size());
-  if (static_cast<int>(stageCosts.size()) != P) throw std::logic_error("one TaskCosts per stage needed");
+  if (!costs.taskSeconds) throw std::logic_error("ReplayCosts.taskSeconds is required");
+  auto transfer = [&costs](int from, int to, int i) {
+    return costs.transferSeconds ? costs.transferSeconds(from, to, i) : 0.0;
+  };
   constexpr double kUnknown = -1.0;
   int m = 0;
   for (const auto& stage : schedule) {
@@ -203,7 +240,7 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCo
     switch (t.type) {
       case TaskType::kForward:
         if (s == 0) return 0.0;
-        return fEnd[s - 1][i] < 0 ? kUnknown : fEnd[s - 1][i] + stageCosts[s - 1].transfer;
+        return fEnd[s - 1][i] < 0 ? kUnknown : fEnd[s - 1][i] + transfer(s - 1, s, i);
       case TaskType::kRecompute:
         if (state[s][i] != 1) throw std::logic_error(strCat("stage ", s, " recomputes micro-batch ", i,
                                                              " without a prior activation-free forward"));
@@ -212,7 +249,7 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCo
         if (state[s][i] != 2) throw std::logic_error(strCat("stage ", s, " runs backward of micro-batch ", i,
                                                              " without activations"));
         if (s == P - 1) return 0.0;
-        return bEnd[s + 1][i] < 0 ? kUnknown : bEnd[s + 1][i] + stageCosts[s].transfer;
+        return bEnd[s + 1][i] < 0 ? kUnknown : bEnd[s + 1][i] + transfer(s + 1, s, i);
     }
     return kUnknown;
   };
@@ -226,9 +263,7 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCo
         const Task& t = schedule[s][pos[s]];
         const double arrival = inputArrival(s, t);
         if (arrival < 0) break;  // waits for another stage
-        const double cost = t.type == TaskType::kForward     ? stageCosts[s].forward
-                            : t.type == TaskType::kRecompute ? stageCosts[s].recompute
-                                                             : stageCosts[s].backward;
+        const double cost = costs.taskSeconds(s, t);
         const double start = std::max(freeAt[s], arrival);
         const double end = start + cost;
         timing.start[s].push_back(start);

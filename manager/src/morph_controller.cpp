@@ -34,14 +34,24 @@ std::set<std::string> MorphController::unavailable() const {
 }
 
 PlanRequest MorphController::planRequest() const {
-  return PlanRequest{machines_, options_.stages, options_.globalBatch, options_.chunkSize, unavailable()};
+  PlanRequest request;
+  request.machines = machines_;
+  request.stages = options_.stages;
+  request.globalBatch = options_.globalBatch;
+  request.chunkSize = options_.chunkSize;
+  request.excludedHosts = unavailable();
+  return request;
+}
+
+Plan MorphController::makeNextPlan() const {
+  return options_.planner ? options_.planner(planRequest()) : makePlan(planRequest());
 }
 
 std::vector<Action> MorphController::start(TimePoint now) { return relaunch(now); }
 
 std::vector<Action> MorphController::relaunch(TimePoint now) {
   try {
-    plan_ = makePlan(planRequest());
+    plan_ = makeNextPlan();
   } catch (const ConfigError& e) {
     if (generation_ < options_.firstGeneration || !options_.morphing) {
       phase_ = Phase::kFailed;
@@ -181,8 +191,11 @@ std::vector<Action> MorphController::machinesChanged(std::vector<Machine> machin
   if (phase_ == Phase::kWaitingForMachines) return relaunch(now);
   if (phase_ == Phase::kRunning) {
     try {
-      const Plan next = makePlan(planRequest());
-      if (next.placement == plan_.placement && next.stageToRankMap == plan_.stageToRankMap) return {};
+      const Plan next = makeNextPlan();
+      if (next.placement == plan_.placement && next.stageToRankMap == plan_.stageToRankMap &&
+          next.chunkSize == plan_.chunkSize && next.schedule == plan_.schedule && next.pieceCosts == plan_.pieceCosts) {
+        return {};
+      }
     } catch (const ConfigError&) {
       // Too few machines for any plan: morph anyway; the relaunch waits for machines.
     }

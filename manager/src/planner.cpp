@@ -29,6 +29,7 @@ std::string Plan::describe() const {
     out << "]";
   }
   if (unusedSlots > 0) out << "; " << unusedSlots << " slot(s) idle";
+  if (!pieceCosts.empty()) out << "; schedule " << toString(schedule) << ", stages balanced by profiled costs";
   return out.str();
 }
 
@@ -46,9 +47,19 @@ Plan makePlan(const PlanRequest& request) {
                              slots, " are available (", request.machines.size(), " machines, ",
                              request.excludedHosts.size(), " excluded); add machines or use fewer stages"));
   }
-  // The most replicas that fit and split the global batch evenly.
-  int D = slots / P;
-  while (D > 1 && request.globalBatch % D != 0) --D;
+  int D = request.replicas;
+  if (D < 0) throw ConfigError(strCat("number of replicas must be >= 0 (0: as many as fit), got ", D));
+  if (D == 0) {
+    // The most replicas that fit and split the global batch evenly.
+    D = slots / P;
+    while (D > 1 && request.globalBatch % D != 0) --D;
+  } else if (P * D > slots) {
+    throw ConfigError(strCat(P, " stages x ", D, " replicas need ", P * D, " worker slots, ", slots,
+                             " are available"));
+  } else if (request.globalBatch % D != 0) {
+    throw ConfigError(strCat("the global batch ", request.globalBatch, " does not split evenly into ", D,
+                             " replicas"));
+  }
   Plan plan;
   plan.stages = P;
   plan.replicas = D;

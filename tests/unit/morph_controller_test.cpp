@@ -256,3 +256,48 @@ TEST_CASE("a worker's configuration error stops the job instead of retrying", "[
   CHECK(std::get<action::Stop>(actions[1]).exitCode == kExitConfigError);
   CHECK(h.controller.phase() == Phase::kFailed);
 }
+
+TEST_CASE("an injected planner chooses the shape at every (re)launch", "[morph]") {
+  // Stands in for AutoConfig: two stages on 4 slots or more, one below.
+  std::vector<PlanRequest> asked;
+  auto options = Harness::defaults();
+  options.stages = 0;  // the planner decides
+  options.planner = [&asked](const PlanRequest& request) {
+    asked.push_back(request);
+    int slots = 0;
+    for (const auto& m : request.machines) slots += request.excludedHosts.count(m.host) ? 0 : m.slots;
+    PlanRequest chosen = request;
+    chosen.stages = slots >= 4 ? 2 : 1;
+    Plan plan = makePlan(chosen);
+    plan.pieceCosts = {1.0, 2.0};
+    return plan;
+  };
+  Harness h(twoHosts(), options);
+  auto launch = only<action::Launch>(h.controller.start(h.now));
+  CHECK(launch.plan.stages == 2);
+  CHECK(launch.plan.replicas == 2);
+  CHECK(launch.plan.pieceCosts == std::vector<double>{1.0, 2.0});  // what the workers balance by
+  REQUIRE(asked.size() == 1);
+  CHECK(asked[0].stages == 0);
+  CHECK(asked[0].globalBatch == 16);
+
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now));
+  h.latest = 12;
+  auto relaunch = only<action::Launch>(h.allExit(kExitCheckpointed));
+  CHECK(relaunch.plan.stages == 1);  // a different P on fewer machines
+  CHECK(relaunch.plan.replicas == 2);
+  CHECK(relaunch.plan.hosts == std::vector<std::string>{"a"});
+  CHECK(relaunch.resumeStep == 12);
+  CHECK(asked.back().excludedHosts == std::set<std::string>{"b"});
+
+  // b leaves the list (the plan stays as it is), then comes back: the
+  // planner's wider plan morphs the job.
+  CHECK(h.controller.machinesChanged({{"a", 2, 1}}, h.now).empty());
+  only<action::Checkpoint>(h.controller.machinesChanged(twoHosts(), h.now));
+  CHECK(only<action::Launch>(h.allExit(kExitCheckpointed)).plan.stages == 2);
+  // A planner that throws ConfigError (nothing fits) makes the controller wait for machines.
+  h.controller.excludeHost("a");
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now));
+  CHECK(h.allExit(kExitCheckpointed).empty());
+  CHECK(h.controller.phase() == Phase::kWaitingForMachines);
+}

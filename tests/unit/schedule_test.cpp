@@ -111,3 +111,34 @@ TEST_CASE("bad schedule inputs are refused", "[schedule]") {
   Schedule broken = {{{TaskType::kBackward, 0, true}, {TaskType::kForward, 0, true}}};
   CHECK_THROWS_AS(replaySchedule(broken, uniformCosts(1)), std::logic_error);
 }
+
+TEST_CASE("replay with per-task costs and per-message transfers", "[schedule]") {
+  // The per-stage form is the general one with constant costs.
+  for (auto kind : {ScheduleKind::kVaruna, ScheduleKind::k1F1B, ScheduleKind::kGPipe}) {
+    auto schedule = generateSchedule(kind, 3, 5);
+    const TaskCosts c{1.0, 0.5, 2.0, 0.25};
+    ReplayCosts general;
+    general.taskSeconds = [&](int, const Task& t) {
+      return t.type == TaskType::kForward ? c.forward : t.type == TaskType::kRecompute ? c.recompute : c.backward;
+    };
+    general.transferSeconds = [&](int, int, int) { return c.transfer; };
+    const auto a = replaySchedule(schedule, uniformCosts(3, c));
+    const auto b = replaySchedule(schedule, general);
+    CHECK(a.makespan == b.makespan);
+    CHECK(a.end == b.end);
+  }
+  // GPipe, 2 stages, 2 micro-batches; the second micro-batch is half as costly
+  // and only the gradient of micro-batch 1 takes time to cross (3 s).
+  ReplayCosts costs;
+  costs.taskSeconds = [](int, const Task& t) {
+    const double scale = t.microbatch == 1 ? 0.5 : 1.0;
+    return (t.type == TaskType::kBackward ? 2.0 : 1.0) * scale;
+  };
+  costs.transferSeconds = [](int from, int to, int i) { return from > to && i == 1 ? 3.0 : 0.0; };
+  const auto timing = replaySchedule(generateSchedule(ScheduleKind::kGPipe, 2, 2), costs);
+  // Stage 1: f0 1-2, f1 2-2.5, b0 2.5-4.5, b1 4.5-5.5; stage 0: b0 4.5-6.5, b1 waits for 5.5 + 3.
+  CHECK(timing.end[1] == std::vector<double>{2.0, 2.5, 4.5, 5.5});
+  CHECK(timing.end[0] == std::vector<double>{1.0, 1.5, 6.5, 9.5});
+  CHECK(timing.makespan == 9.5);
+  CHECK_THROWS_AS(replaySchedule(generateSchedule(ScheduleKind::kGPipe, 1, 1), ReplayCosts{}), std::logic_error);
+}

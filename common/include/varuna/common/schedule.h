@@ -16,6 +16,7 @@
 //  - kGPipe: all forwards, then all backwards, no recompute.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -68,5 +69,17 @@ struct ScheduleTiming {
 // std::logic_error if the order can deadlock or a dependency is missing, which
 // makes it the schedule generator's own consistency check.
 ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCosts>& stageCosts);
+
+// The general form the simulator uses: a duration per task (micro-batches may
+// differ, e.g. a smaller last one) and a transfer time per message.
+struct ReplayCosts {
+  // Seconds `stage` spends computing `task`.
+  std::function<double(int stage, const Task& task)> taskSeconds;
+  // Seconds from the end of the producing task until the neighbour may use its
+  // output: micro-batch `microbatch`'s activation from stage s to s+1, or its
+  // gradient from s+1 to s. Null: transfers are free.
+  std::function<double(int fromStage, int toStage, int microbatch)> transferSeconds;
+};
+ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs);
 
 }  // namespace varuna

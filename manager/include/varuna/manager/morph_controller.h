@@ -58,6 +58,12 @@ struct ControllerOptions {
   std::chrono::milliseconds failureWindow{std::chrono::minutes(10)};
   std::chrono::milliseconds restartBackoff{std::chrono::seconds(1)};  // doubles per recent failure
   int firstGeneration = 1;  // a restarted manager continues the numbering of the one before
+  // Turns the machines at hand into a plan, at start and at every morph; may
+  // throw ConfigError (no plan fits: wait for machines). Null: makePlan with
+  // `stages` and `chunkSize`. AutoConfig plugs in here (autoConfigPlanner),
+  // choosing P and the micro-batch itself; it is called on the controller's
+  // thread, so it must be quick and must not block.
+  std::function<Plan(const PlanRequest&)> planner;
 };
 
 class MorphController {
@@ -93,6 +99,7 @@ class MorphController {
   std::vector<Action> allExited(TimePoint now);
   std::set<std::string> unavailable() const;
   PlanRequest planRequest() const;
+  Plan makeNextPlan() const;
 
   ControllerOptions options_;
   std::vector<Machine> machines_;

@@ -1,0 +1,389 @@
+#include "varuna/common/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "varuna/common/errors.h"
+
+namespace varuna {
+namespace {
+
+// The job-wide exchange of a step: loss, squared gradient norm, checkpoint flag (doubles).
+constexpr int64_t kStepStatsBytes = 3 * 8;
+
+std::string sizesText(const std::vector<int64_t>& sizes) {
+  std::string out;
+  for (int64_t s : sizes) out += (out.empty() ? "" : ", ") + std::to_string(s);
+  return out.empty() ? "none" : out;
+}
+
+void requireSize(const profile::Profile& profile, int64_t microBatch) {
+  if (profile.pieces.empty()) throw ConfigError("the profile has no pieces: profile the model first");
+  const auto sizes = profile.microBatchSizes();
+  if (std::find(sizes.begin(), sizes.end(), microBatch) == sizes.end()) {
+    throw ConfigError(strCat("the profile has no figures for micro-batch size ", microBatch, " (profiled for every piece: ",
+                             sizesText(sizes), "); profile that size or choose one of those"));
+  }
+}
+
+// One piece's figures at micro-batch size b: the profiled ones when b was
+// profiled, else linear between the neighbouring profiled sizes (proportional
+// below the smallest). Used for the smaller last micro-batch only.
+struct Figures {
+  double forward = 0, backward = 0, recompute = 0;
+  int64_t outputBytes = 0, savedBytes = 0, peakBytes = 0;
+};
+
+Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
+  auto exact = piece.bySize.find(b);
+  auto from = [](const profile::PieceAtSize& s) {
+    return Figures{s.forward.median, s.backward.median, s.recompute.median, s.outputBytes, s.savedActivationBytes,
+                   s.peakBytes};
+  };
+  if (exact != piece.bySize.end()) return from(exact->second);
+  VARUNA_CHECK(!piece.bySize.empty(), "piece ", piece.name, " has no profiled sizes");
+  auto hi = piece.bySize.lower_bound(b);
+  auto scaled = [](const Figures& a, const Figures& c, double w) {  // a + w (c - a)
+    auto mix = [w](double x, double y) { return x + w * (y - x); };
+    auto mixBytes = [w](int64_t x, int64_t y) {
+      return static_cast<int64_t>(std::llround(static_cast<double>(x) + w * static_cast<double>(y - x)));
+    };
+    return Figures{mix(a.forward, c.forward),         mix(a.backward, c.backward),
+                   mix(a.recompute, c.recompute),     mixBytes(a.outputBytes, c.outputBytes),
+                   mixBytes(a.savedBytes, c.savedBytes), mixBytes(a.peakBytes, c.peakBytes)};
+  };
+  if (hi == piece.bySize.begin()) {  // below the smallest profiled size: proportional
+    const Figures zero{};
+    return scaled(zero, from(hi->second), static_cast<double>(b) / static_cast<double>(hi->first));
+  }
+  auto lo = std::prev(hi);
+  if (hi == piece.bySize.end()) {  // above the largest: proportional to it
+    const Figures zero{};
+    return scaled(zero, from(lo->second), static_cast<double>(b) / static_cast<double>(lo->first));
+  }
+  const double w = static_cast<double>(b - lo->first) / static_cast<double>(hi->first - lo->first);
+  return scaled(from(lo->second), from(hi->second), w);
+}
+
+// A stage's figures at one micro-batch size.
+struct StageFigures {
+  double forward = 0, backward = 0, recompute = 0;
+  int64_t inBytes = 0;   // the activation arriving from the previous stage (0 on stage 0)
+  int64_t outBytes = 0;  // the activation leaving for the next stage (0 on the last)
+  int64_t savedBytes = 0;
+  int64_t transientBytes = 0;  // CUDA peak above the saved activations, the largest piece's
+  std::vector<double> pieceBackward;  // by piece, in piece order
+};
+
+std::vector<StageFigures> stageFigures(const profile::Profile& profile, const std::vector<int>& firstPiece, int64_t b) {
+  const int P = static_cast<int>(firstPiece.size()) - 1;
+  std::vector<StageFigures> out(P);
+  for (int s = 0; s < P; ++s) {
+    StageFigures& f = out[s];
+    for (int k = firstPiece[s]; k < firstPiece[s + 1]; ++k) {
+      const Figures piece = figuresAt(profile.pieces[k], b);
+      f.forward += piece.forward;
+      f.backward += piece.backward;
+      f.recompute += piece.recompute;
+      f.savedBytes += piece.savedBytes;
+      f.transientBytes = std::max(f.transientBytes, piece.peakBytes - piece.savedBytes);
+      f.pieceBackward.push_back(piece.backward);
+      if (k == firstPiece[s + 1] - 1 && s + 1 < P) f.outBytes = piece.outputBytes;
+    }
+    if (s > 0) f.inBytes = out[s - 1].outBytes;
+  }
+  return out;
+}
+
+void checkPartition(const std::vector<int>& firstPiece, int P, int n) {
+  bool ok = static_cast<int>(firstPiece.size()) == P + 1 && firstPiece.front() == 0 && firstPiece.back() == n;
+  for (size_t s = 0; ok && s + 1 < firstPiece.size(); ++s) ok = firstPiece[s] < firstPiece[s + 1];
+  if (!ok) {
+    std::string text;
+    for (int v : firstPiece) text += (text.empty() ? "" : ",") + std::to_string(v);
+    throw ConfigError(strCat("partition [", text, "] is not a split of ", n, " pieces into ", P,
+                             " stages: it needs ", P + 1, " increasing entries from 0 to ", n));
+  }
+}
+
+// What one replica's replay yields for each stage.
+struct StageTimes {
+  double lastTaskEnd = 0;
+  double lastSendArrival = 0;          // its last outgoing message has arrived
+  std::vector<double> pieceFinal;      // by piece of the stage: its gradients are final (last backward)
+};
+
+}  // namespace
+
+std::vector<double> pieceCosts(const profile::Profile& profile, int64_t microBatch, ScheduleKind schedule) {
+  requireSize(profile, microBatch);
+  std::vector<double> costs;
+  for (const auto& piece : profile.pieces) {
+    const auto& s = piece.bySize.at(microBatch);
+    double cost = s.forward.median + s.backward.median;
+    if (schedule == ScheduleKind::kVaruna) cost += s.recompute.median;
+    costs.push_back(cost);
+  }
+  return costs;
+}
+
+Simulation simulate(const profile::Profile& profile, const SimulationInput& in, const Schedule* givenSchedule) {
+  const int P = in.stages, D = in.replicas;
+  const int n = static_cast<int>(profile.pieces.size());
+  if (P < 1) throw ConfigError(strCat("number of stages must be >= 1, got ", P));
+  if (D < 1) throw ConfigError(strCat("number of replicas must be >= 1, got ", D));
+  if (in.globalBatch < 1) throw ConfigError(strCat("global batch size must be >= 1, got ", in.globalBatch));
+  if (in.microBatch < 1) throw ConfigError(strCat("micro-batch size must be >= 1, got ", in.microBatch));
+  requireSize(profile, in.microBatch);
+  if (P > n) {
+    throw ConfigError(strCat("cannot simulate ", P, " stages: the profiled model has ", n,
+                             " pieces (add CutPoints or use at most ", n, " stages)"));
+  }
+  if (in.globalBatch % D != 0) {
+    throw ConfigError(strCat("global batch ", in.globalBatch, " does not split evenly into ", D, " replicas"));
+  }
+  const int64_t perReplica = in.globalBatch / D;
+  if (in.microBatch > perReplica) {
+    throw ConfigError(strCat("micro-batch ", in.microBatch, " exceeds the per-replica batch ", perReplica,
+                             " (global ", in.globalBatch, " / ", D, " replicas)"));
+  }
+  if (!in.hostOfRank.empty() && static_cast<int>(in.hostOfRank.size()) != P * D) {
+    throw ConfigError(strCat("placement names ", in.hostOfRank.size(), " ranks; ", P, " stages x ", D,
+                             " replicas need ", P * D));
+  }
+  if (in.bucketBytes < 1) throw ConfigError(strCat("gradient bucket size must be >= 1 byte, got ", in.bucketBytes));
+
+  Simulation sim;
+  // The partition: given, or the one the runtime computes from pieceCosts().
+  if (in.firstPiece.empty()) {
+    sim.partition = partitionPieces(pieceCosts(profile, in.microBatch, in.schedule), P);
+  } else {
+    checkPartition(in.firstPiece, P, n);
+    const auto costs = pieceCosts(profile, in.microBatch, in.schedule);
+    sim.partition.firstPiece = in.firstPiece;
+    for (int s = 0; s < P; ++s) {
+      double c = 0;
+      for (int k = in.firstPiece[s]; k < in.firstPiece[s + 1]; ++k) c += costs[k];
+      sim.partition.stageCost.push_back(c);
+    }
+  }
+  const std::vector<int>& first = sim.partition.firstPiece;
+
+  // Micro-batches as the runtime splits the replica's batch: all of size m but
+  // possibly a smaller last one.
+  const int M = static_cast<int>((perReplica + in.microBatch - 1) / in.microBatch);
+  sim.microbatches = M;
+  const int64_t lastSize = perReplica - static_cast<int64_t>(M - 1) * in.microBatch;
+  const auto full = stageFigures(profile, first, in.microBatch);
+  const auto tail = lastSize == in.microBatch ? full : stageFigures(profile, first, lastSize);
+  auto figures = [&](int microbatch) -> const std::vector<StageFigures>& { return microbatch == M - 1 ? tail : full; };
+
+  Schedule generated;
+  if (!givenSchedule) generated = generateSchedule(in.schedule, P, M);
+  const Schedule& schedule = givenSchedule ? *givenSchedule : generated;
+  VARUNA_CHECK(static_cast<int>(schedule.size()) == P, "schedule for ", schedule.size(), " stages, plan has ", P);
+  VARUNA_CHECK(static_cast<int>(schedule.back().size()) == 2 * M, "schedule of the last stage has ",
+               schedule.back().size(), " tasks, ", M, " micro-batches need ", 2 * M);
+
+  auto host = [&](int rank) -> const std::string& {
+    static const std::string kOneHost;
+    return in.hostOfRank.empty() ? kOneHost : in.hostOfRank[rank];
+  };
+
+  // Replicas differ only in which cuts cross hosts: replay each distinct pattern once.
+  std::map<std::vector<bool>, int> patterns;  // which cuts stay on one host -> a replica with that pattern
+  for (int r = 0; r < D; ++r) {
+    std::vector<bool> sameHost(std::max(P - 1, 0));
+    for (int b = 0; b + 1 < P; ++b) sameHost[b] = host(r * P + b) == host(r * P + b + 1);
+    patterns.emplace(sameHost, r);
+  }
+  std::vector<StageTimes> worst(P);
+  for (int s = 0; s < P; ++s) worst[s].pieceFinal.assign(first[s + 1] - first[s], 0.0);
+  double worstMakespan = -1;
+  ScheduleTiming worstTiming;
+  for (const auto& [sameHost, replica] : patterns) {
+    // Per cut, the message time of a full and of the last micro-batch.
+    std::vector<double> fullTransfer(P), tailTransfer(P);
+    for (int b = 0; b + 1 < P; ++b) {
+      fullTransfer[b] = profile.p2pSeconds(full[b].outBytes, sameHost[b]);
+      tailTransfer[b] = profile.p2pSeconds(tail[b].outBytes, sameHost[b]);
+    }
+    ReplayCosts costs;
+    costs.taskSeconds = [&](int s, const Task& t) {
+      const StageFigures& f = figures(t.microbatch)[s];
+      return t.type == TaskType::kForward ? f.forward : t.type == TaskType::kRecompute ? f.recompute : f.backward;
+    };
+    costs.transferSeconds = [&](int from, int to, int i) {
+      return (i == M - 1 ? tailTransfer : fullTransfer)[std::min(from, to)];
+    };
+    const ScheduleTiming timing = replaySchedule(schedule, costs);
+    for (int s = 0; s < P; ++s) {
+      StageTimes& w = worst[s];
+      const auto& tasks = schedule[s];
+      w.lastTaskEnd = std::max(w.lastTaskEnd, timing.end[s].back());
+      int finalBackward = -1;
+      for (size_t k = 0; k < tasks.size(); ++k) {
+        const Task& t = tasks[k];
+        if (t.type == TaskType::kBackward) finalBackward = static_cast<int>(k);
+        const bool sends = (t.type == TaskType::kForward && s + 1 < P) || (t.type == TaskType::kBackward && s > 0);
+        if (sends) {
+          const int to = t.type == TaskType::kForward ? s + 1 : s - 1;
+          w.lastSendArrival = std::max(w.lastSendArrival, timing.end[s][k] + costs.transferSeconds(s, to, t.microbatch));
+        }
+      }
+      // The last backward walks the stage's pieces last-to-first; each piece's
+      // gradients are final when its part of that backward ends.
+      const Task& lastBackward = tasks[finalBackward];
+      const auto& pieceBackward = figures(lastBackward.microbatch)[s].pieceBackward;
+      double t = timing.start[s][finalBackward];
+      for (int k = static_cast<int>(pieceBackward.size()) - 1; k >= 0; --k) {
+        t += pieceBackward[k];
+        w.pieceFinal[k] = std::max(w.pieceFinal[k], t);
+      }
+    }
+    if (timing.makespan > worstMakespan) {
+      worstMakespan = timing.makespan;
+      worstTiming = timing;
+    }
+  }
+  sim.pipelineSeconds = worstTiming.makespan;
+  sim.stageComputeSeconds = worstTiming.busy;
+  double busy = 0;
+  for (double b : worstTiming.busy) busy += b;
+  sim.bubbleFraction = sim.pipelineSeconds > 0 ? 1.0 - busy / (P * sim.pipelineSeconds) : 0.0;
+
+  // Data-parallel all-reduce of each stage's gradient buckets, in bucket order
+  // on the stage's group, each starting once its pieces are final everywhere.
+  double barrier = 0;
+  std::set<std::string> hosts;
+  for (int r = 0; r < P * D; ++r) hosts.insert(host(r));
+  for (int s = 0; s < P; ++s) {
+    const StageTimes& w = worst[s];
+    const double computeDone = std::max(w.lastTaskEnd, w.lastSendArrival);
+    double reduced = 0;
+    if (D > 1) {
+      bool crossHost = false;
+      for (int r = 1; r < D; ++r) crossHost = crossHost || host(r * P + s) != host(s);
+      // Buckets fill with the pieces' gradients last piece first (GradBuckets::add).
+      double channelFree = 0, pending = 0;
+      int64_t filled = 0;
+      auto launch = [&](int64_t bytes, double ready) {
+        const double start = std::max(ready, channelFree);
+        channelFree = start + profile.allreduceSeconds(bytes, D, crossHost);
+      };
+      for (int k = first[s + 1] - 1; k >= first[s]; --k) {
+        int64_t bytes = profile.pieces[k].paramCount * profile.gradientBytesPerParam;
+        const double ready = w.pieceFinal[k - first[s]];
+        while (bytes > 0) {
+          const int64_t take = std::min(bytes, in.bucketBytes - filled);
+          filled += take;
+          bytes -= take;
+          pending = ready;
+          if (filled == in.bucketBytes) {
+            launch(filled, ready);
+            filled = 0;
+          }
+        }
+      }
+      if (filled > 0) launch(filled, pending);
+      reduced = channelFree;
+    }
+    sim.stageExposedAllreduceSeconds.push_back(std::max(0.0, reduced - computeDone));
+    barrier = std::max(barrier, std::max(computeDone, reduced));
+  }
+  const double stepStats = P * D > 1 ? profile.allreduceSeconds(kStepStatsBytes, P * D, hosts.size() > 1) : 0.0;
+  sim.allreduceSeconds = barrier - sim.pipelineSeconds + stepStats;
+
+  // Optimizer, and memory.
+  for (int s = 0; s < P; ++s) {
+    int64_t params = 0, paramBytes = 0;
+    for (int k = first[s]; k < first[s + 1]; ++k) {
+      params += profile.pieces[k].paramCount;
+      paramBytes += profile.pieces[k].paramBytes;
+    }
+    sim.optimizerSeconds = std::max(sim.optimizerSeconds, profile.optimizerSecondsPerParam * static_cast<double>(params));
+
+    // Walk the task order. Live activations: from a forward that keeps them
+    // (or a recompute) to the end of that micro-batch's backward. Boundary
+    // tensors: the runtime posts every activation receive at the start of the
+    // step, allocates the gradient receive and holds the sent activation at
+    // each forward, holds the sent gradient at each backward, and frees all of
+    // them only when the step's sends are done.
+    int64_t boundary = 0, live = 0, peak = 0;
+    int liveCount = 0, peakCount = 0;
+    if (s > 0) {
+      for (int i = 0; i < M; ++i) boundary += figures(i)[s].inBytes;
+    }
+    for (const Task& t : schedule[s]) {
+      const StageFigures& f = figures(t.microbatch)[s];
+      switch (t.type) {
+        case TaskType::kForward:
+          if (t.keepActivations) {
+            live += f.savedBytes;
+            ++liveCount;
+          }
+          boundary += 2 * f.outBytes;
+          peak = std::max(peak, boundary + live);
+          break;
+        case TaskType::kRecompute:
+          live += f.savedBytes;
+          ++liveCount;
+          peak = std::max(peak, boundary + live);
+          break;
+        case TaskType::kBackward:
+          boundary += f.inBytes;
+          peak = std::max(peak, boundary + live);
+          live -= f.savedBytes;
+          --liveCount;
+          break;
+      }
+      peakCount = std::max(peakCount, liveCount);
+    }
+    const int64_t state = paramBytes + params * (profile.gradientBytesPerParam + profile.optimizerBytesPerParam);
+    sim.stageMemoryBytes.push_back(state + peak + std::max<int64_t>(full[s].transientBytes, 0));
+    sim.stagePeakLiveMicrobatches.push_back(peakCount);
+  }
+  sim.stepSeconds = barrier + stepStats + sim.optimizerSeconds;
+  return sim;
+}
+
+int64_t Simulation::maxStageMemoryBytes() const {
+  return stageMemoryBytes.empty() ? 0 : *std::max_element(stageMemoryBytes.begin(), stageMemoryBytes.end());
+}
+
+std::string Simulation::describe() const {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(4) << "step " << stepSeconds << " s = pipeline " << pipelineSeconds
+      << " + exposed all-reduce " << allreduceSeconds << " + optimizer " << optimizerSeconds << "; bubble "
+      << std::setprecision(1) << 100.0 * bubbleFraction << "%; " << microbatches << " micro-batches per replica";
+  for (int s = 0; s < partition.numStages(); ++s) {
+    out << "\n  stage " << s << ": pieces " << partition.begin(s) << "-" << partition.end(s) - 1 << ", compute "
+        << std::setprecision(4) << stageComputeSeconds[s] << " s, memory " << formatBytes(stageMemoryBytes[s])
+        << " (" << stagePeakLiveMicrobatches[s] << " micro-batch(es) of activations live)";
+    if (stageExposedAllreduceSeconds[s] > 0) out << ", all-reduce exposed " << stageExposedAllreduceSeconds[s] << " s";
+  }
+  return out.str();
+}
+
+std::string formatBytes(int64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (std::abs(value) >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    ++unit;
+  }
+  std::ostringstream out;
+  if (unit == 0) {
+    out << bytes << " B";
+  } else {
+    out << std::fixed << std::setprecision(value < 10 ? 2 : 1) << value << " " << kUnits[unit];
+  }
+  return out.str();
+}
+
+}  // namespace varuna

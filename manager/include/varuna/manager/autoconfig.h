@@ -1,0 +1,81 @@
+// AutoConfig: chooses the job's shape (stages P, replicas D, micro-batch size,
+// schedule) for the machines at hand by simulating every feasible plan on the
+// model's profile and taking the fastest. Pure function of its inputs (no I/O),
+// so run_varuna can call it at launch and at every morph, from the
+// controller's thread (MorphController's `planner`, see autoConfigPlanner).
+//
+// Enumerated (docs/profile.md, "AutoConfig"): every P from 1 to min(pieces,
+// slots); every D with P*D <= slots that divides the global batch; every
+// profiled micro-batch size m <= the per-replica batch; every schedule asked
+// for. Placement is the planner's (clustered, host by host); the partition is
+// partitionPieces() over the profiled per-piece costs at m, which the plan
+// carries to the workers. A plan is feasible when every stage's predicted
+// memory fits the device.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "varuna/common/machine_list.h"
+#include "varuna/common/profile.h"
+#include "varuna/common/schedule.h"
+#include "varuna/common/simulator.h"
+#include "varuna/manager/planner.h"
+
+namespace varuna {
+
+struct AutoConfigRequest {
+  std::vector<Machine> machines;
+  std::set<std::string> excludedHosts;
+  int64_t globalBatch = 0;
+  int64_t memoryPerDeviceBytes = 0;  // 0: unlimited
+  std::vector<ScheduleKind> schedules{ScheduleKind::kVaruna};
+  std::vector<int64_t> microBatchSizes;  // empty: every size in the profile
+  int fixedStages = 0;     // > 0: only this P (--nstages given)
+  int64_t fixedChunk = 0;  // > 0: only this micro-batch size (--chunk_size given)
+  int64_t bucketBytes = 4 << 20;  // the workers' VarunaOptions::bucketBytes
+};
+
+struct Candidate {
+  Plan plan;  // its `schedule` and `pieceCosts` are set: hand both to the workers
+  ScheduleKind schedule = ScheduleKind::kVaruna;
+  Simulation simulation;
+  double samplesPerSecond = 0;
+  bool feasible = false;
+  std::string infeasibleBecause;  // e.g. "stage 0 needs 13.1 GiB, devices have 12.0 GiB"
+
+  // "2x4 m=4 varuna"
+  std::string shortName() const;
+};
+
+struct AutoConfigResult {
+  Candidate best;
+  // Feasible first, fastest first; ties go to fewer workers, then fewer
+  // stages, then the larger micro-batch, then the schedule listed first.
+  // Infeasible ones follow, the smallest memory first, each with its reason.
+  std::vector<Candidate> ranked;
+  int slots = 0;  // usable worker slots
+
+  // One paragraph: the choice, its predicted step, where the time goes, and
+  // what it beat.
+  std::string explain() const;
+  // A ranked table of the alternatives (the first maxRows), for --dry_run.
+  std::string table(int maxRows = 15) const;
+};
+
+// Throws ConfigError when no plan is feasible, saying why (no slots, P or the
+// micro-batch pinned to something impossible, unprofiled sizes, memory), and
+// ProfileError-class ConfigErrors for an empty profile.
+AutoConfigResult autoConfigure(const profile::Profile& profile, const AutoConfigRequest& request);
+
+// A MorphController planner running AutoConfig over the request's machines,
+// exclusions and global batch, with `settings` for the rest. The request's
+// stages / chunkSize pin P / the micro-batch when > 0 (else AutoConfig
+// chooses). `onChoice` (optional) sees every result, e.g. to log explain().
+std::function<Plan(const PlanRequest&)> autoConfigPlanner(profile::Profile profile, AutoConfigRequest settings,
+                                                          std::function<void(const AutoConfigResult&)> onChoice = {});
+
+}  // namespace varuna
