@@ -66,6 +66,10 @@ const std::vector<Field>& fields() {
       {"ssh_connect_timeout_s", &JobConfig::sshConnectTimeoutS},
       {"agent_path", &JobConfig::agentPath},
       {"log_level", &JobConfig::logLevel},
+      {"profile", &JobConfig::profile},
+      {"memory_per_device_gb", &JobConfig::memoryPerDeviceGb},
+      {"schedules", &JobConfig::schedules},
+      {"dry_run", &JobConfig::dryRun},
       {"program", &JobConfig::program},
   };
   return table;
@@ -172,11 +176,22 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
     throw ConfigError("--machine_list is required: a file with one host per line (e.g. `127.0.0.1 slots=2`)");
   }
   if (config.gpusPerNode < 1) throw ConfigError(strCat("--gpus_per_node must be >= 1, got ", config.gpusPerNode));
-  if (config.nstages < 1) {
-    throw ConfigError(strCat("--nstages is required and must be >= 1 (got ", config.nstages, ")"));
+  const bool autoConfig = !config.profile.empty();
+  if (config.nstages < 0 || (config.nstages == 0 && !autoConfig)) {
+    throw ConfigError(strCat("--nstages must be >= 1 (got ", config.nstages,
+                             "), or leave it out and give --profile so AutoConfig chooses"));
   }
   if (config.batchSize < 1) throw ConfigError(strCat("--batch_size (global) must be >= 1, got ", config.batchSize));
-  if (config.chunkSize < 1) throw ConfigError(strCat("--chunk_size (micro-batch) must be >= 1, got ", config.chunkSize));
+  if (config.chunkSize < 0 || (config.chunkSize == 0 && !autoConfig)) {
+    throw ConfigError(strCat("--chunk_size (micro-batch) must be >= 1 (got ", config.chunkSize,
+                             "), or leave it out and give --profile so AutoConfig chooses"));
+  }
+  if (config.memoryPerDeviceGb < 0) throw ConfigError("--memory_per_device_gb must be >= 0 (0: unlimited)");
+  parseScheduleList(config.schedules);
+  if (autoConfig) config.profile = fs::absolute(config.profile).lexically_normal().string();
+  if (autoConfig && !fs::exists(config.profile)) {
+    throw ConfigError(strCat("--profile ", config.profile, " does not exist (run the profiler first, docs/profile.md)"));
+  }
   if (config.port < 0 || config.port > 65535) throw ConfigError(strCat("--port must be 0..65535, got ", config.port));
   if (config.masterPort < 1024 || config.masterPort > 65000) {
     throw ConfigError(strCat("--master_port must be 1024..65000, got ", config.masterPort));
@@ -284,6 +299,22 @@ std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int
   }
   if (!program.empty()) overrides["program"] = program;
   return applyJobJson(config, overrides, "the command line");
+}
+
+std::vector<ScheduleKind> parseScheduleList(const std::string& text) {
+  if (text == "all") return {ScheduleKind::kVaruna, ScheduleKind::k1F1B, ScheduleKind::kGPipe};
+  std::vector<ScheduleKind> kinds;
+  for (size_t start = 0; start <= text.size();) {
+    const auto end = std::min(text.find(',', start), text.size());
+    const std::string name = trim(std::string_view(text).substr(start, end - start));
+    try {
+      kinds.push_back(parseScheduleKind(name));
+    } catch (const std::exception&) {
+      throw ConfigError(strCat("--schedules '", text, "': '", name, "' is not varuna, 1f1b or gpipe (or use all)"));
+    }
+    start = end + 1;
+  }
+  return kinds;
 }
 
 std::vector<std::pair<std::string, std::string>> parseEnvFile(std::string_view text, const std::string& source) {

@@ -71,6 +71,30 @@ json planJson(const Plan& plan) {
 
 }  // namespace
 
+AutoConfigRequest autoConfigSettings(const JobConfig& config) {
+  AutoConfigRequest settings;
+  settings.globalBatch = config.batchSize;
+  settings.memoryPerDeviceBytes = static_cast<int64_t>(config.memoryPerDeviceGb * (1LL << 30));
+  settings.schedules = parseScheduleList(config.schedules);
+  settings.fixedStages = config.nstages;
+  settings.fixedChunk = config.chunkSize;
+  return settings;
+}
+
+std::string dryRunReport(const JobConfig& config) {
+  const auto machines = readMachineList(config.machineList, config.gpusPerNode);
+  if (config.profile.empty()) {
+    const Plan plan = makePlan({machines, config.nstages, config.batchSize, config.chunkSize, {}});
+    return strCat("dry run: ", machines.size(), " machine(s) in ", config.machineList, "\nplan: ", plan.describe(),
+                  "\n(no --profile: P and the micro-batch are as given; give a profile to let AutoConfig choose)\n");
+  }
+  AutoConfigRequest request = autoConfigSettings(config);
+  request.machines = machines;
+  const auto result = autoConfigure(profile::readProfile(config.profile), request);
+  return strCat("dry run: ", machines.size(), " machine(s) in ", config.machineList, ", profile ", config.profile,
+                "\n", result.explain(), "\nplan: ", result.best.plan.describe(), "\n\n", result.table(), "\n");
+}
+
 ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher)
     : io_(io),
       config_(std::move(config)),
@@ -152,6 +176,21 @@ void ManagerDaemon::start() {
   options.failureWindow = millis(config_.failureWindowS);
   options.restartBackoff = millis(config_.restartBackoffS);
   options.firstGeneration = firstGeneration;
+  if (!config_.profile.empty()) {
+    // AutoConfig plans every launch: P and/or the micro-batch as given, the rest chosen.
+    auto profile = profile::readProfile(config_.profile);
+    log::info("AutoConfig: planning with the profile ", config_.profile, " (", profile.pieces.size(), " pieces, ",
+              profile.device, ", micro-batch sizes ", json(profile.microBatchSizes()).dump(), ")");
+    options.stages = config_.nstages;
+    options.chunkSize = config_.chunkSize;
+    options.planner = autoConfigPlanner(std::move(profile), autoConfigSettings(config_),
+                                        [this](const AutoConfigResult& result) {
+                                          log::info("AutoConfig: ", result.explain());
+                                          events_->write("autoconfig", {{"chosen", result.best.shortName()},
+                                                                        {"explain", result.explain()},
+                                                                        {"table", result.table()}});
+                                        });
+  }
   const std::string store = config_.globalStore;
   controller_ = std::make_unique<MorphController>(options, std::vector<Machine>{},
                                                   [store] { return ckpt::latestComplete(store); });
@@ -498,6 +537,17 @@ void ManagerDaemon::doLaunch(const action::Launch& launch) {
   message.argv = config_.program;
   message.codeDir = config_.codeDir;
   message.env = env_;
+  if (!config_.profile.empty()) {
+    // The workers must run the schedule and partition AutoConfig simulated.
+    message.env.emplace_back("VARUNA_SCHEDULE", toString(plan.schedule));
+    std::string costs;
+    for (double c : plan.pieceCosts) {
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.17g", c);  // exact: the same partition on both sides
+      costs += (costs.empty() ? "" : ",") + std::string(text);
+    }
+    if (!costs.empty()) message.env.emplace_back("VARUNA_PIECE_COSTS", costs);
+  }
   message.stageToRankMap = plan.stageToRankMap;
   message.chunkSize = plan.chunkSize;
   message.batchSize = plan.perReplicaBatch;

@@ -101,6 +101,15 @@ int main(int argc, char** argv) {
     std::cerr << "run_varuna: " << e.what() << std::endl;
     return kExitConfigError;
   }
+  if (config.dryRun) {
+    try {
+      std::cout << dryRunReport(config) << std::flush;
+      return 0;
+    } catch (const ConfigError& e) {
+      std::cerr << "run_varuna: " << e.what() << std::endl;
+      return kExitConfigError;
+    }
+  }
   ::signal(SIGPIPE, SIG_IGN);
   boost::asio::io_context io;
   SshOptions ssh;

@@ -90,6 +90,17 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
   CHECK(ok.agentPath == "/opt/varuna/bin/varuna_agent");
   CHECK(std::filesystem::path(ok.codeDir).is_absolute());
 
+  // With a profile, AutoConfig may choose P and the micro-batch.
+  std::ofstream(dir / "profile.json") << "{}";
+  JobConfig automatic = valid();
+  automatic.nstages = 0;
+  automatic.chunkSize = 0;
+  automatic.profile = (dir / "profile.json").string();
+  automatic.schedules = "all";
+  REQUIRE_NOTHROW(validateJobConfig(automatic, "/x/run_varuna"));
+  CHECK(parseScheduleList("all").size() == 3);
+  CHECK(parseScheduleList("1f1b, gpipe") == std::vector<ScheduleKind>{ScheduleKind::k1F1B, ScheduleKind::kGPipe});
+
   struct Case {
     std::function<void(JobConfig&)> edit;
     std::string expected;
@@ -108,6 +119,10 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
       {[](JobConfig& c) { c.job = "a/b"; }, "--job"},
       {[](JobConfig& c) { c.envFile = "/nonexistent/env"; }, "--env_file /nonexistent/env does not exist"},
       {[](JobConfig& c) { c.gpusPerNode = 0; }, "--gpus_per_node"},
+      {[](JobConfig& c) { c.schedules = "varuna,fast"; }, "--schedules 'varuna,fast': 'fast'"},
+      {[](JobConfig& c) { c.nstages = 0; c.profile = "/nonexistent/p.json"; }, "--profile /nonexistent/p.json does not exist"},
+      {[](JobConfig& c) { c.chunkSize = 0; }, "or leave it out and give --profile"},
+      {[](JobConfig& c) { c.memoryPerDeviceGb = -1; }, "--memory_per_device_gb"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     INFO("case " << i);

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "varuna/common/errors.h"
+#include "varuna/common/schedule.h"
 
 extern char** environ;
 
@@ -48,6 +49,20 @@ LaunchArgs parseLaunchArgs(int argc, const char* const* argv, const std::map<std
   args.generation = envNumber<int>(env, "VARUNA_GENERATION", -1);
   args.hostAddr = envText("VARUNA_HOST");
   args.globalStore = envText("VARUNA_GLOBAL_STORE");
+  args.schedule = envText("VARUNA_SCHEDULE");
+  if (!args.schedule.empty()) parseScheduleKind(args.schedule);  // fails early, naming the value
+  const std::string costs = envText("VARUNA_PIECE_COSTS");
+  for (size_t start = 0; start < costs.size();) {
+    const auto end = std::min(costs.find(',', start), costs.size());
+    const std::string item = costs.substr(start, end - start);
+    char* tail = nullptr;
+    const double value = std::strtod(item.c_str(), &tail);
+    if (item.empty() || *tail != '\0' || !(value >= 0)) {
+      throw ConfigError(strCat("VARUNA_PIECE_COSTS='", costs, "': '", item, "' is not a non-negative number"));
+    }
+    args.pieceCosts.push_back(value);
+    start = end + 1;
+  }
 
   CLI::App app{"varuna worker"};
   app.allow_extras();

@@ -70,6 +70,8 @@ void VarunaOptions::applyLaunchArgs(const LaunchArgs& args) {
   manager.token = args.jobToken;
   manager.generation = args.generation;
   manager.host = args.hostAddr;
+  if (!args.schedule.empty()) launcherSchedule = parseScheduleKind(args.schedule);
+  launcherPieceCosts = args.pieceCosts;
 }
 
 namespace {
@@ -188,6 +190,15 @@ class Varuna::Impl {
 };
 
 Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(StageToRankMap::parse(opt_.stageToRankMap)) {
+  if (opt_.launcherSchedule) opt_.schedule = *opt_.launcherSchedule;
+  if (!opt_.launcherPieceCosts.empty()) {
+    if (opt_.launcherPieceCosts.size() != opt_.model.pieces.size()) {
+      throw ConfigError(strCat("the launcher's piece costs (VARUNA_PIECE_COSTS) name ", opt_.launcherPieceCosts.size(),
+                               " pieces but the model has ", opt_.model.pieces.size(),
+                               ": the profile run_varuna planned with is of another model"));
+    }
+    opt_.model.pieceCosts = opt_.launcherPieceCosts;
+  }
   validateModelSpec(opt_.model);
   if (!opt_.getBatch) throw ConfigError("VarunaOptions.getBatch is required: it provides sample inputs of a given size");
   if (opt_.batchSize < 1) throw ConfigError(strCat("global batch size must be >= 1, got ", opt_.batchSize));

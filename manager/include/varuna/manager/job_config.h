@@ -14,14 +14,16 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "varuna/common/schedule.h"
+
 namespace varuna {
 
 struct JobConfig {
   std::string job = "varuna";       // name: log prefix, state and run folders
   std::string machineList;          // path, watched for changes
   int gpusPerNode = 1;              // slots of a host without slots=N
-  int nstages = 0;                  // P
-  int64_t chunkSize = 0;            // micro-batch size
+  int nstages = 0;                  // P; 0: AutoConfig chooses (needs `profile`)
+  int64_t chunkSize = 0;            // micro-batch size; 0: AutoConfig chooses
   int64_t batchSize = 0;            // global batch, constant across morphs
   std::string codeDir;              // where workers start (default: the current folder)
   std::string envFile;              // run_varuna's command line: `--config FILE` (JSON) first, then every option
@@ -29,6 +31,9 @@ struct JobConfig {
 // ConfigError naming the option. Help and usage errors are CLI11's to print:
 // returns nullopt and sets `exitCode` when the caller should exit at once.
 std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int& exitCode);
+
+// "varuna,1f1b" or "all" -> schedule kinds; ConfigError naming --schedules.
+std::vector<ScheduleKind> parseScheduleList(const std::string& text);
 
 // KEY=VALUE lines for agents and workers
   bool noMorphing = false;
@@ -54,6 +59,10 @@ std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int
   double sshConnectTimeoutS = 10;
   std::string agentPath;            // varuna_agent on every host (default: next to run_varuna)
   std::string logLevel = "info";
+  std::string profile;              // the Profiler's profile.json: AutoConfig plans every launch
+  double memoryPerDeviceGb = 0;     // AutoConfig's memory limit per worker (0: unlimited)
+  std::string schedules = "varuna"; // AutoConfig considers these (comma list, or "all")
+  bool dryRun = false;              // print the plan for the machine list and exit
   std::vector<std::string> program; // the training program and its arguments (after `--`)
 };
 
@@ -74,6 +83,9 @@ nlohmann::json toJson(const JobConfig& config);
 // ConfigError naming the option. Help and usage errors are CLI11's to print:
 // returns nullopt and sets `exitCode` when the caller should exit at once.
 std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int& exitCode);
+
+// "varuna,1f1b" or "all" -> schedule kinds; ConfigError naming --schedules.
+std::vector<ScheduleKind> parseScheduleList(const std::string& text);
 
 // KEY=VALUE lines (optional `export `, optional quotes, # comments). Errors
 // name source:line.

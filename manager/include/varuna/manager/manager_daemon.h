@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include "varuna/common/profile.h"
+#include "varuna/manager/autoconfig.h"
 #include "varuna/manager/event_log.h"
 #include "varuna/manager/framed_connection.h"
 #include "varuna/manager/host_launcher.h"
@@ -30,6 +32,12 @@
 #include "varuna/manager/slow_machine_detector.h"
 
 namespace varuna {
+
+// AutoConfig's request for this job (machines filled in by the caller).
+AutoConfigRequest autoConfigSettings(const JobConfig& config);
+// --dry_run: the plan run_varuna would launch on the machine list now (with
+// AutoConfig's ranked table when a profile is given). Throws ConfigError.
+std::string dryRunReport(const JobConfig& config);
 
 class ManagerDaemon {
  public:

@@ -31,6 +31,10 @@ struct LaunchArgs {
   int generation = -1;      // VARUNA_GENERATION
   std::string hostAddr;     // VARUNA_HOST
   std::string globalStore;  // VARUNA_GLOBAL_STORE: the job's checkpoint root
+  // run_varuna's AutoConfig choices (environment only); they win over the
+  // program's own settings so the partition that runs is the one simulated.
+  std::string schedule;             // VARUNA_SCHEDULE: varuna, 1f1b or gpipe
+  std::vector<double> pieceCosts;   // VARUNA_PIECE_COSTS: comma-separated, one per piece
   // Everything the runtime did not recognise, for the training program itself.
   std::vector<std::string> userArgs;
 };

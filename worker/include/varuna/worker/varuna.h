@@ -67,6 +67,10 @@ struct VarunaOptions {
   // Data-parallel gradient buckets, all-reduced as soon as they are complete.
   int64_t bucketBytes = 4 << 20;
   ManagerLinkOptions manager;
+  // Set by applyLaunchArgs from run_varuna's AutoConfig; when given they
+  // override `schedule` and `model.pieceCosts`.
+  std::optional<ScheduleKind> launcherSchedule;
+  std::vector<double> launcherPieceCosts;
 
   // Fills rank, local rank, map and rendezvous from the launcher's arguments.
   void applyLaunchArgs(const LaunchArgs& args);
