@@ -1,6 +1,5 @@
 #include "worker_job.h"
 
-#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/serialize.h>
 
@@ -10,6 +9,8 @@
 
 #include "test_env.h"
 #include "varuna/common/stage_map.h"
+// Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
+#include <catch2/catch.hpp>
 
 namespace varuna::test {
 

@@ -1,6 +1,5 @@
 // Checkpoints through real multi-process jobs: exact resume under other
 // layouts, fp16 resume, crash safety under kill -9, corruption, SIGUSR1.
-#include <catch2/catch.hpp>
 
 #include <signal.h>
 
@@ -11,6 +10,8 @@
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/errors.h"
 #include "worker_job.h"
+// Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
+#include <catch2/catch.hpp>
 
 using namespace varuna;
 using namespace varuna::test;

@@ -2,13 +2,14 @@
 // one worker per GPU, up to 2 stages. Skipped (exit 77) without a GPU, so the
 // suite stays green on CPU-only machines while the code path stays compiled.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
 #include <torch/cuda.h>
 
 #include <iostream>
 
 #include "test_env.h"
 #include "worker_job.h"
+// Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
+#include <catch2/catch.hpp>
 
 using namespace varuna::test;
 

@@ -1,7 +1,8 @@
-#include <catch2/catch.hpp>
 
 #include "varuna/common/errors.h"
 #include "varuna/worker/launch_args.h"
+// Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
+#include <catch2/catch.hpp>
 
 using namespace varuna;
 

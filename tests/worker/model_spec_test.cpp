@@ -1,8 +1,9 @@
-#include <catch2/catch.hpp>
 
 #include "gpt_model.h"
 #include "varuna/common/errors.h"
 #include "varuna/worker/model.h"
+// Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
+#include <catch2/catch.hpp>
 
 using namespace varuna;
 

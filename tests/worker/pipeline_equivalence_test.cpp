@@ -2,7 +2,6 @@
 // same losses and same parameters after several SGD steps with gradient
 // clipping, for every schedule and several (P, D), within fp32 rounding
 // (relative 1e-5, absolute 1e-6 for values near zero).
-#include <catch2/catch.hpp>
 
 #include <cmath>
 
@@ -11,6 +10,8 @@
 #include "reference_trainer.h"
 #include "test_env.h"
 #include "worker_job.h"
+// Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
+#include <catch2/catch.hpp>
 
 using namespace varuna;
 using namespace varuna::test;

@@ -1,6 +1,5 @@
 // Stage-level behaviour that needs no peers: recompute fidelity, and the early
 // errors for misuse, checked through a one-process Varuna job.
-#include <catch2/catch.hpp>
 
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
@@ -9,6 +8,8 @@
 #include "stage_model.h"
 #include "varuna/common/errors.h"
 #include "varuna/worker/varuna.h"
+// Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
+#include <catch2/catch.hpp>
 
 using namespace varuna;
 

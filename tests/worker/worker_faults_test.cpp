@@ -1,13 +1,14 @@
 // Faults the worker runtime claims to survive or report: a killed rank makes
 // every other rank exit with a clear error naming it, in bounded time; an fp16
 // overflow skips the same steps on every rank.
-#include <catch2/catch.hpp>
 
 #include <signal.h>
 
 #include "test_env.h"
 #include "varuna/common/errors.h"
 #include "worker_job.h"
+// Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
+#include <catch2/catch.hpp>
 
 using namespace varuna;
 using namespace varuna::test;

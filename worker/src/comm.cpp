@@ -82,6 +82,8 @@ std::vector<int64_t> PeerMonitor::readHeartbeats() {
   return beats;
 }
 
+bool PeerMonitor::failureRecorded() { return store_->add(kFailureCountKey, 0) > 0; }
+
 PeerLostError PeerMonitor::diagnose(const std::string& during, const std::string& cause) {
   const std::string noticed = strCat("; rank ", rank_, " noticed while ", during, ": ", cause);
   try {

@@ -54,9 +54,14 @@ class PeerMonitor {
   // Works out which rank is gone after `cause` and returns the error to throw.
   PeerLostError diagnose(const std::string& during, const std::string& cause);
 
+  // For long waits on peers that may be busy (the profiler): each rank's
+  // heartbeat count, and whether some rank recorded a failure. Throw if the
+  // store is unreachable.
+  std::vector<int64_t> readHeartbeats();
+  bool failureRecorded();
+
  private:
   void run();
-  std::vector<int64_t> readHeartbeats();
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;

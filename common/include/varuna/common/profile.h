@@ -46,7 +46,8 @@ struct PieceAtSize {  // one piece at one micro-batch size
   Timing recompute;   // forward again before the backward (Varuna schedule)
   int64_t outputBytes = 0;         // the tensor crossing the cut after this piece (0 for the loss)
   int64_t savedActivationBytes = 0;  // what autograd keeps between forward and backward
-  int64_t peakBytes = 0;           // CUDA: caching allocator peak over fwd+bwd; CPU: 0 (not measurable)
+  int64_t peakBytes = 0;           // peak above the live bytes over recompute + backward (CUDA: caching
+                                   // allocator statistics; CPU: a counting wrapper around the CPU allocator)
   bool operator==(const PieceAtSize&) const = default;
 };
 
