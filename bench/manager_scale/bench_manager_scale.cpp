@@ -18,9 +18,14 @@
 //    latency sample: it waits behind whatever the manager has queued, which
 //    is the point.
 // After --warmup_s of load, over --seconds: the manager's CPU (utime+stime of
-// /proc/PID/stat) per wall second, and the round trips' p50/p99/max. Then
-// SIGTERM to run_varuna (SIGKILL to its group after 10 s).
+// /proc/PID/stat) per wall second, the round trips' p50/p99/max, and how
+// contended the CPUs were (the manager's run-queue wait from
+// /proc/PID/schedstat, the machine's PSI cpu "some"): on a shared 2-core VM
+// the tail latency is mostly that. Then SIGTERM to run_varuna, which orders a
+// checkpoint the simulated agents answer (SIGKILL to its group after 10 s).
 // Progress lines and a summary on stdout; the last line is one JSON object.
+// Exit status 0 when the run was clean (1 manager launch, no lost connection
+// or pong, run_varuna exited 0), whether or not the targets were met.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -106,6 +111,35 @@ double processCpuSeconds(pid_t pid) {
     if (i == 15) stime = std::stoull(field);
   }
   return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+// Contention, which the round trips depend on: PSI's "some" stall time of
+// the whole machine (microseconds some runnable task waited for a CPU), and
+// /proc/PID/schedstat of the manager's event-loop thread (ns run, ns waited
+// on a run queue, times scheduled). Zeros where the kernel lacks them.
+double cpuPressureSomeSeconds() {
+  std::ifstream in("/proc/pressure/cpu");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto at = line.find("total=");
+    if (line.rfind("some", 0) == 0 && at != std::string::npos) return std::stod(line.substr(at + 6)) * 1e-6;
+  }
+  return 0;
+}
+
+struct SchedStat {
+  double runS = 0, waitS = 0;
+  double slices = 0;
+};
+SchedStat schedStat(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/schedstat");
+  SchedStat s;
+  double runNs = 0, waitNs = 0;
+  if (in >> runNs >> waitNs >> s.slices) {
+    s.runS = runNs * 1e-9;
+    s.waitS = waitNs * 1e-9;
+  }
+  return s;
 }
 
 double selfCpuSeconds() {
@@ -282,6 +316,9 @@ struct Results {
   double windowS = 0;
   double managerCpuS = 0;
   double benchCpuS = 0;
+  double pressureS = 0;      // machine: time some runnable task waited for a CPU (PSI)
+  double managerWaitS = 0;   // the manager's loop thread: runnable, waiting for a CPU
+  double managerSlices = 0;  // ... times it was scheduled (about its wake-ups)
   uint64_t messages = 0;  // frames to the manager inside the window
   uint64_t pings = 0, pongs = 0;
   std::vector<double> rttMs;  // sorted
@@ -585,7 +622,7 @@ class Bench {
       onTick();
       // Fixed cadence; a late tick catches up on the events it missed (the
       // load is defined by event counts over time, not by ticks).
-      scheduleTick(std::max(at + kTick, Clock::now() - kTick));
+      scheduleTick(std::max(at + kTick, Clock::now()));
     });
   }
 
@@ -661,6 +698,8 @@ class Bench {
     windowEndNs_ = std::numeric_limits<int64_t>::max();
     cpuStart_ = processCpuSeconds(managerPid_);
     selfCpuStart_ = selfCpuSeconds();
+    pressureStart_ = cpuPressureSomeSeconds();
+    schedStart_ = schedStat(managerPid_);
     messagesStart_ = messagesSent_;
     progress(0);
   }
@@ -692,6 +731,10 @@ class Bench {
     windowEndNs_ = steadyNs();
     results_.managerCpuS = processCpuSeconds(managerPid_) - cpuStart_;
     results_.benchCpuS = selfCpuSeconds() - selfCpuStart_;
+    results_.pressureS = cpuPressureSomeSeconds() - pressureStart_;
+    const SchedStat sched = schedStat(managerPid_);
+    results_.managerWaitS = sched.waitS - schedStart_.waitS;
+    results_.managerSlices = sched.slices - schedStart_.slices;
     results_.messages = messagesSent_ - messagesStart_;
     // Pongs of the last pings may still be on their way.
     phaseTimer_.expires_after(std::chrono::milliseconds(static_cast<int>(kPongDrainS * 1000)));
@@ -809,6 +852,8 @@ class Bench {
   int64_t windowStartNs_ = std::numeric_limits<int64_t>::max();
   int64_t windowEndNs_ = std::numeric_limits<int64_t>::max();
   double cpuStart_ = 0, selfCpuStart_ = 0;
+  double pressureStart_ = 0;
+  SchedStat schedStart_;
   Results results_;
   std::string error_;
 };
@@ -883,6 +928,9 @@ int main(int argc, char** argv) {
   const double cpu = r.windowS > 0 ? r.managerCpuS / r.windowS : 0;
   const double benchCpu = r.windowS > 0 ? r.benchCpuS / r.windowS : 0;
   const double rate = r.windowS > 0 ? static_cast<double>(r.messages) / r.windowS : 0;
+  const double waitFraction = r.windowS > 0 ? r.managerWaitS / r.windowS : 0;
+  const double wakeups = r.windowS > 0 ? r.managerSlices / r.windowS : 0;
+  const double pressure = r.windowS > 0 ? r.pressureS / r.windowS : 0;
   const double p50 = percentile(r.rttMs, 0.50), p99 = percentile(r.rttMs, 0.99);
   const double maxMs = r.rttMs.empty() ? 0 : r.rttMs.back();
   const bool cpuMet = cpu <= 0.10, latencyMet = !r.rttMs.empty() && p99 <= 5.0;
@@ -890,7 +938,7 @@ int main(int argc, char** argv) {
                      r.pongs == r.pings;
   if (!clean) status = 1;
 
-  char line[512];
+  char line[1024];
   std::printf("\nrun_varuna with %d simulated workers on %d hosts, %.0f heartbeats/s each, over %.1f s:\n",
               r.workers, options.hosts, options.heartbeatHz, r.windowS);
   std::printf("  messages to the manager   %.0f /s (heartbeats, step reports, pings, agent heartbeats)\n", rate);
@@ -899,6 +947,9 @@ int main(int argc, char** argv) {
               "(target p99 <= 5 ms: %s)\n",
               p50, p99, maxMs, static_cast<unsigned long long>(r.rttMs.size()), latencyMet ? "met" : "MISSED");
   std::printf("  this bench's own CPU      %.3f of a core\n", benchCpu);
+  std::printf("  contention                the manager waited for a CPU %.1f %% of the time and woke %.0f times/s; "
+              "some task waited %.1f %% of the time (PSI)\n",
+              100 * waitFraction, wakeups, 100 * pressure);
   std::printf("  start-up                  agents %.1f s after the start, workers %.1f s after the launch\n",
               r.agentsS, r.connectS);
   std::printf("  stop                      run_varuna %s %.1f s after SIGTERM\n",
@@ -919,8 +970,9 @@ int main(int argc, char** argv) {
   std::snprintf(line, sizeof(line),
                 "{\"workers\": %d, \"seconds\": %.1f, \"cpu_fraction_of_core\": %.4f, \"p50_ms\": %.3f, "
                 "\"p99_ms\": %.3f, \"max_ms\": %.3f, \"messages_per_s\": %.0f, \"latency_samples\": %zu, "
-                "\"bench_cpu_fraction_of_core\": %.4f, \"manager_exit\": %d}",
-                r.workers, r.windowS, cpu, p50, p99, maxMs, rate, r.rttMs.size(), benchCpu,
+                "\"bench_cpu_fraction_of_core\": %.4f, \"manager_cpu_wait_fraction\": %.4f, \"manager_wakeups_per_s\": %.0f, "
+                "\"cpu_pressure_some\": %.4f, \"manager_exit\": %d}",
+                r.workers, r.windowS, cpu, p50, p99, maxMs, rate, r.rttMs.size(), benchCpu, waitFraction, wakeups, pressure,
                 r.managerKilled ? -9 : r.managerExit);
   std::cout << std::flush;
   std::printf("%s\n", line);

@@ -12,14 +12,18 @@ FramedConnection::FramedConnection(asio::ip::tcp::socket socket) : socket_(std::
 }
 
 void FramedConnection::start(OnMessage onMessage, OnClose onClose) {
+  if (dispatching_) replacedOnMessage_ = std::move(onMessage_);  // it is running: destroy it after
   onMessage_ = std::move(onMessage);
   onClose_ = std::move(onClose);
   doRead();
 }
 
 void FramedConnection::doRead() {
+  if (reading_) return;
+  reading_ = true;
   socket_.async_read_some(asio::buffer(readBuffer_),
                           [self = shared_from_this()](const boost::system::error_code& ec, size_t bytes) {
+                            self->reading_ = false;
                             self->onRead(ec, bytes);
                           });
 }
@@ -30,6 +34,9 @@ void FramedConnection::onRead(const boost::system::error_code& ec, size_t bytes)
     close(ec == asio::error::eof ? "closed by peer" : ec.message());
     return;
   }
+  // The bytes are in decoder_ before any callback runs: a read that start()
+  // issues from a callback may reuse readBuffer_ at once.
+  dispatching_ = true;
   try {
     decoder_.feed(std::string_view(readBuffer_.data(), bytes));
     while (open_) {
@@ -40,8 +47,10 @@ void FramedConnection::onRead(const boost::system::error_code& ec, size_t bytes)
   } catch (const std::exception& e) {
     close(e.what());
   }
+  dispatching_ = false;
+  replacedOnMessage_ = nullptr;
   if (open_) {
-    doRead();
+    doRead();  // a no-op if a callback's start() already did
   } else {
     onMessage_ = nullptr;  // not inside it any more: drop what it captured
   }

@@ -89,3 +89,29 @@ TEST_CASE("the first frame must be a hello with our version and token", "[protoc
   CHECK_THROWS_WITH(checkHello(Hello{kVersion + 1, "t0k", "agent", "h1", -1}, "t0k"), Catch::Contains("protocol version"));
   CHECK_THROWS_WITH(checkHello(Heartbeat{}, "t0k"), Catch::Contains("first message must be hello"));
 }
+
+TEST_CASE("heartbeats decode the same through the fast path and the JSON parser", "[protocol]") {
+  // decodeBody matches the canonical heartbeat (what encode() writes) without
+  // a JSON document; a trailing space takes the same body through the parser.
+  const std::vector<std::string> numbers = {"0",  "-0",  "7",  "-1",  "01", "2147483647", "2147483648", "-2147483649",
+                                            "999999999999999999", "9999999999999999999",
+                                            "444444444444444444444444444444", "1.0", "1e3", "+1", "-"};
+  std::vector<std::string> bodies = {encode(Heartbeat{-1, 0}).substr(4), encode(Heartbeat{999, 123456}).substr(4),
+                                     R"({"step":5,"rank":1,"type":"heartbeat"})", R"({ "rank":1,"step":5,"type":"heartbeat"})",
+                                     R"({"rank":1,"step":5,"type":"heartbeat"}x)", R"({"rank":1,"step":5,"type":"heartbeat")"};
+  for (const auto& rank : numbers) {
+    for (const auto& step : numbers) bodies.push_back(R"({"rank":)" + rank + R"(,"step":)" + step + R"(,"type":"heartbeat"})");
+  }
+  auto decode = [](const std::string& body) -> std::optional<Message> {
+    try {
+      return decodeBody(body);
+    } catch (const ProtocolError&) {
+      return std::nullopt;
+    }
+  };
+  for (const auto& body : bodies) {
+    INFO(body);
+    CHECK(decode(body) == decode(body + " "));
+  }
+  CHECK(decode(encode(Heartbeat{12, 34}).substr(4)) == Message(Heartbeat{12, 34}));
+}

@@ -23,7 +23,9 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
 
   explicit FramedConnection(boost::asio::ip::tcp::socket socket);
 
-  // Starts the read loop. Callbacks may call send() and close().
+  // Starts the read loop, or (called again, e.g. from onMessage once a hello
+  // says who the peer is) replaces the callbacks of the running one. Callbacks
+  // may call send(), close() and start().
   void start(OnMessage onMessage, OnClose onClose);
   // Queues a frame; frames go out in order.
   void send(const proto::Message& message);
@@ -46,8 +48,13 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   std::array<char, 16384> readBuffer_{};
   std::deque<std::string> writeQueue_;
   OnMessage onMessage_;
+  OnMessage replacedOnMessage_;  // start() from inside onMessage_: kept alive until it returns
   OnClose onClose_;
   bool open_ = true;
+  // One read at a time: two would share readBuffer_, and the second would
+  // overwrite bytes the first's handler has not consumed yet.
+  bool reading_ = false;
+  bool dispatching_ = false;
   bool closeWhenDrained_ = false;
   std::string pendingCloseReason_;
 };
