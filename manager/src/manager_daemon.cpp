@@ -291,7 +291,10 @@ void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& conne
   worker.connected = true;
   const int rank = hello.rank;
   connection->start([this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
-                    [](const std::string&) {});  // exits are reported by the agents
+                    [rank](const std::string& reason) {
+                      // Exits are reported by the agents; anything but a clean close is worth a line.
+                      if (reason != "closed by peer") log::warn("connection of rank ", rank, " closed: ", reason);
+                    });
   for (const auto& [r, w] : workers_) {
     if (!w.connected) return;
   }
@@ -491,6 +494,7 @@ void ManagerDaemon::maybeStartJob() {
 // --- actions --------------------------------------------------------------------
 
 void ManagerDaemon::apply(const std::vector<Action>& actions) {
+  if (actions.empty()) return;  // the tick writes the state once a second anyway
   for (const auto& a : actions) {
     if (finished_) return;
     if (const auto* launch = std::get_if<action::Launch>(&a)) {
@@ -668,12 +672,17 @@ void ManagerDaemon::checkHeartbeats(TimePoint now) {
   if (phase != Phase::kRunning && phase != Phase::kCheckpointing) return;
   const auto heartbeatTimeout = millis(config_.heartbeatTimeoutS);
   const auto startupTimeout = millis(config_.startupTimeoutS);
-  for (const int rank : std::set<int>(controller_->runningRanks())) {
+  std::vector<int> hungRanks;  // collected first: reporting one changes the running set
+  for (const int rank : controller_->runningRanks()) {
     auto it = workers_.find(rank);
     if (it == workers_.end()) continue;
     const WorkerState& w = it->second;
-    const bool hung = w.connected ? now - w.lastSeen > heartbeatTimeout : now - launchedAt_ > startupTimeout;
-    if (!hung) continue;
+    if (w.connected ? now - w.lastSeen > heartbeatTimeout : now - launchedAt_ > startupTimeout) hungRanks.push_back(rank);
+  }
+  for (const int rank : hungRanks) {
+    auto it = workers_.find(rank);
+    if (it == workers_.end() || !controller_->runningRanks().count(rank)) continue;
+    const WorkerState& w = it->second;
     const std::string host = controller_->plan().placement.at(static_cast<size_t>(rank)).host;
     const std::string why = w.connected ? strCat("no heartbeat for ", config_.heartbeatTimeoutS, " s")
                                         : strCat("never connected within ", config_.startupTimeoutS, " s of the launch");
@@ -804,6 +813,15 @@ void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
   events_->write("slow_machines", {{"machines", list}});
 }
 
+const json& ManagerDaemon::cachedPlanJson() {
+  // 1000 ranks make a large object: build it once per generation.
+  if (planJsonGeneration_ != controller_->generation()) {
+    planJson_ = controller_->phase() == Phase::kIdle ? json() : planJson(controller_->plan());
+    planJsonGeneration_ = controller_->generation();
+  }
+  return planJson_;
+}
+
 void ManagerDaemon::writeState() {
   if (!controller_ || !events_) return;
   lastStateWrite_ = Clock::now();
@@ -827,7 +845,7 @@ void ManagerDaemon::writeState() {
       {"address", advertisedAddress_},
       {"phase", finished_ ? (exitCode_ == 0 ? "finished" : "failed") : toString(controller_->phase())},
       {"generation", controller_->generation()},
-      {"plan", controller_->generation() >= 1 ? planJson(controller_->plan()) : json()},
+      {"plan", cachedPlanJson()},
       {"hosts", hosts},
       {"last_checkpoint_step", lastCheckpoint_ ? json(*lastCheckpoint_) : json()},
       {"progress", {{"step", lastStep_}, {"loss", lastLoss_}, {"samples_per_s", lastSamplesPerSecond_}}},

@@ -13,6 +13,7 @@ void SlowMachineDetector::reset(const Plan& plan) {
   samples_.clear();
   stageOf_.clear();
   overBefore_.clear();
+  ranksWithFullWindow_ = 0;
   const auto map = StageToRankMap::parse(plan.stageToRankMap);
   for (const auto& p : plan.placement) {
     hostOf_[p.rank] = p.host;
@@ -22,11 +23,10 @@ void SlowMachineDetector::reset(const Plan& plan) {
 
 std::optional<std::vector<SlowMachine>> SlowMachineDetector::add(const proto::StepReport& report) {
   if (!hostOf_.count(report.rank) || report.computeSecondsPerMicrobatch <= 0) return std::nullopt;
-  samples_[report.rank].push_back(report.computeSecondsPerMicrobatch);
-  if (samples_.size() < hostOf_.size()) return std::nullopt;
-  for (const auto& [rank, values] : samples_) {
-    if (static_cast<int>(values.size()) < window_) return std::nullopt;
-  }
+  auto& values = samples_[report.rank];
+  values.push_back(report.computeSecondsPerMicrobatch);
+  if (static_cast<int>(values.size()) == window_) ++ranksWithFullWindow_;  // O(1) per report at 1000 ranks
+  if (ranksWithFullWindow_ < hostOf_.size()) return std::nullopt;
   std::map<int, std::vector<std::pair<int, double>>> byStage;  // stage -> (rank, mean)
   for (const auto& [rank, values] : samples_) {
     const double mean = std::accumulate(values.begin(), values.end(), 0.0) / static_cast<double>(values.size());
@@ -48,6 +48,7 @@ std::optional<std::vector<SlowMachine>> SlowMachineDetector::add(const proto::St
     }
   }
   samples_.clear();
+  ranksWithFullWindow_ = 0;
   overBefore_ = std::move(over);
   return slow;
 }

@@ -114,6 +114,7 @@ class ManagerDaemon {
   void onStepReport(const proto::StepReport& report);
   void onSlowVerdict(const std::vector<SlowMachine>& slow);
   void writeState();
+  const nlohmann::json& cachedPlanJson();
   void printSummary();
 
   boost::asio::io_context& io_;
@@ -158,6 +159,8 @@ class ManagerDaemon {
   MorphTimes morph_;
   int morphs_ = 0;
   std::vector<std::string> slowHosts_;
+  nlohmann::json planJson_;
+  int planJsonGeneration_ = -1;
 };
 
 }  // namespace varuna

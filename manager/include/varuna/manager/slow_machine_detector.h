@@ -42,6 +42,7 @@ class SlowMachineDetector {
   std::map<int, std::vector<double>> samples_;  // rank -> compute s/micro-batch this window
   std::map<int, int> stageOf_;
   std::set<int> overBefore_;  // ranks over the threshold in the previous window
+  size_t ranksWithFullWindow_ = 0;
 };
 
 // slow_machines.out: one line per flagged machine, written atomically.
