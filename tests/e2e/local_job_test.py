@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from varuna_e2e import BIN, Manager, assert_nothing_left, log, processes_of_job, run_tests, wait_for  # noqa: E402
+from varuna_e2e import BIN, TINY_MODEL, Manager, assert_nothing_left, log, processes_of_job, run_tests, wait_for  # noqa: E402
 
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-e2e-")))
 TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
@@ -162,6 +162,47 @@ def test_sigterm_checkpoints_and_stops():
     assert_nothing_left(m.job)
 
 
+def make_profile(name):
+    """Profiles the tiny model with 2 processes (profile_gpt under varuna_launch.py)."""
+    out = ROOT / name
+    out.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "varuna_launch.py"),
+                        "--nstages", "2", "--chunk_size", "1", "--batch_size", "1", "--",
+                        str(BIN.parent / "examples" / "gpt" / "profile_gpt"), "--profile_dir", str(out),
+                        "--micro_batch_sizes", "1,2,4", "--repetitions", "4", *TINY_MODEL],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return out / "profile.json"
+
+
+def test_autoconfig_plans_from_a_profile_and_replans_after_a_morph():
+    profile = make_profile("autoconfig-profile")
+    machines = ROOT / "dry-machines.txt"
+    machines.write_text("\n".join(TWO_HOSTS) + "\n")
+    dry = subprocess.run([str(BIN / "run_varuna"), "--dry_run", "--machine_list", str(machines), "--batch_size", "16",
+                          "--profile", str(profile), "--global_store", str(ROOT / "dry-store"), "--", "./train_gpt"],
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "AutoConfig chose" in dry.stdout and "plan:" in dry.stdout, dry.stdout
+    log("dry run:\n" + dry.stdout[:1500])
+    # No --nstages / --chunk_size: AutoConfig decides at launch and again after the morph.
+    m = manager("autoconfig", steps=400, stages=None, chunk=None,
+                extra_args=["--profile", str(profile), "--schedules", "all"]).start()
+    m.wait_step(20)
+    assert len(m.events("autoconfig")) == 1
+    r = m.notify_preempt("127.0.0.2")
+    assert r.returncode == 0, r.stderr
+    assert m.wait_exit() == 0, m.tail()
+    choices = m.events("autoconfig")
+    assert len(choices) == 2, choices
+    launches = m.events("launch")
+    assert len(launches) == 2
+    assert sum(e["plan"]["stages"] * e["plan"]["replicas"] for e in launches[1:]) <= 2  # only 127.0.0.1's slots
+    log("AutoConfig chose %s, then %s after the morph" % (choices[0]["chosen"], choices[1]["chosen"]))
+    assert "AutoConfig" in m.output()
+    assert_nothing_left(m.job)
+
+
 def test_bad_inputs_are_clear_errors():
     m = manager("missing-program", program="./no_such_trainer")
     m.start()
@@ -203,5 +244,6 @@ if __name__ == "__main__":
         test_manager_killed_and_restarted_carries_on,
         test_sigterm_checkpoints_and_stops,
         test_no_morphing_stops_on_the_first_failure,
+        test_autoconfig_plans_from_a_profile_and_replans_after_a_morph,
         test_bad_inputs_are_clear_errors,
     ])

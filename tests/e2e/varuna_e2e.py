@@ -53,8 +53,9 @@ class Manager:
         self.dump = self.workdir / "dump"
         self.dump.mkdir(exist_ok=True)
         self.output_path = self.workdir / "manager.log"
+        plan = (["--nstages", str(stages)] if stages else []) + (["--chunk_size", str(chunk)] if chunk else [])
         self.argv = [*prefix, str(BIN / "run_varuna"), "--job", job, "--machine_list", str(self.machine_list),
-                     "--nstages", str(stages), "--batch_size", str(batch), "--chunk_size", str(chunk),
+                     "--batch_size", str(batch), *plan,
                      "--global_store", str(self.store), "--state_dir", str(self.state_dir),
                      "--code_dir", str(code_dir or TRAIN_DIR), "--port", "0",
                      *extra_args, "--", program, "--steps", str(steps), *TINY_MODEL,
