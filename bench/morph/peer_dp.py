@@ -28,6 +28,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -39,27 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-
-class Block(nn.Module):
-    """The example GPT's block (examples/gpt/gpt_model.cpp, bench/pipeline/peer_pipelining.py)."""
-
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, 2)
-        heads = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
-        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        h = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return h + self.fc2(F.gelu(self.fc(self.ln2(h))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from peer_gpt import Block, batch as samples, load_text  # noqa: E402
 
 
 class Gpt(nn.Module):
@@ -82,37 +64,11 @@ class Gpt(nn.Module):
 
 def load_tokens(path):
     """The text as token ids over its sorted byte alphabet (char_dataset.cpp's vocabulary)."""
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path))
-        files = [f for f in files if os.path.isfile(f) and not os.path.islink(f)]
-    else:
-        files = [path]
-    raw = torch.frombuffer(bytearray(b"".join(open(f, "rb").read() for f in files)), dtype=torch.uint8).long()
+    raw = torch.frombuffer(bytearray(load_text(path)), dtype=torch.uint8).long()
     alphabet = torch.unique(raw)  # sorted
     lookup = torch.zeros(256, dtype=torch.long)
     lookup[alphabet] = torch.arange(len(alphabet))
     return lookup[raw], len(alphabet)
-
-
-MASK = (1 << 64) - 1
-
-
-def splitmix64(x):
-    x = (x + 0x9E3779B97F4A7C15) & MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
-    return x ^ (x >> 31)
-
-
-def samples(tokens, first, count, seq, seed):
-    """char_dataset.cpp's sampler: sample k starts at splitmix64(seed * 0x100000001b3 ^ k) mod (len - seq - 1)."""
-    windows = len(tokens) - seq - 1
-    rows = []
-    for k in range(first, first + count):
-        off = splitmix64(((seed * 0x100000001B3) & MASK) ^ k) % windows
-        rows.append(tokens[off:off + seq + 1])
-    data = torch.stack(rows)
-    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
 def main():

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -19,6 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from peer_gpt import Block, batch, load_text  # noqa: E402
 
 
 class Embed(nn.Module):
@@ -29,26 +33,6 @@ class Embed(nn.Module):
 
     def forward(self, tokens):
         return self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, 2)
-        heads = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        h = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return h + self.fc2(F.gelu(self.fc(self.ln2(h))))
 
 
 class Head(nn.Module):
@@ -75,37 +59,6 @@ class Stage(nn.Module):
         for name in self.order:
             x = getattr(self, name)(x)
         return x
-
-
-def load_text(path):
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path))
-        files = [f for f in files if os.path.isfile(f) and not os.path.islink(f)]
-    else:
-        files = [path]
-    return b"".join(open(f, "rb").read() for f in files)
-
-
-MASK = (1 << 64) - 1
-
-
-def splitmix64(x):
-    x = (x + 0x9E3779B97F4A7C15) & MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
-    return x ^ (x >> 31)
-
-
-def batch(tokens, first, count, seq, seed):
-    """Same sampler as examples/gpt/char_dataset.cpp: sample k starts at
-    splitmix64(seed * 0x100000001b3 ^ k) mod (len - seq - 1)."""
-    windows = len(tokens) - seq - 1
-    rows = []
-    for k in range(first, first + count):
-        off = splitmix64(((seed * 0x100000001B3) & MASK) ^ k) % windows
-        rows.append(tokens[off:off + seq + 1])
-    data = torch.stack(rows)
-    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
 def main():

@@ -12,6 +12,7 @@
 
 #include "char_dataset.h"
 #include "gpt_model.h"
+#include "gpt_options.h"
 #include "varuna/common/log.h"
 #include "varuna/worker/profiler.h"
 
@@ -65,18 +66,10 @@ void parseOptions(const std::vector<std::string>& args, ProfileGptOptions& o) {
   app.add_option("--threads", o.threads, "intra-op threads per worker")->check(CLI::PositiveNumber);
   app.add_option("--peer_timeout_s", o.peerTimeoutSeconds, "declare a silent peer lost after this long");
   app.add_option("--log_level", o.logLevel, "debug, info, warn, error");
-  app.add_option("--d_model", o.model.dModel, "model width")->check(CLI::PositiveNumber);
-  app.add_option("--layers", o.model.layers, "transformer blocks")->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.model.heads, "attention heads")->check(CLI::PositiveNumber);
-  app.add_option("--seq_len", o.model.seqLen, "characters per sample")->check(CLI::PositiveNumber);
-  app.add_option("--dropout", o.model.dropout, "dropout probability");
-  app.add_option("--model_seed", o.model.seed, "seed of the initial weights");
-  bool untied = false;
-  app.add_flag("--untied", untied, "do not tie the LM head to the token embedding");
+  gpt::addModelOptions(app, o.model);
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   try {
     app.parse(reversed);
-    o.model.tieEmbeddings = !untied;
     p.profileCommunication = !noComm;
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help() << std::endl;
