@@ -31,46 +31,47 @@ struct MemberType<T JobConfig::*> {
 struct Field {
   const char* key;
   Member member;
+  const char* help;
 };
 
 const std::vector<Field>& fields() {
   static const std::vector<Field> table = {
-      {"job", &JobConfig::job},
-      {"machine_list", &JobConfig::machineList},
-      {"gpus_per_node", &JobConfig::gpusPerNode},
-      {"nstages", &JobConfig::nstages},
-      {"chunk_size", &JobConfig::chunkSize},
-      {"batch_size", &JobConfig::batchSize},
-      {"code_dir", &JobConfig::codeDir},
-      {"env_file", &JobConfig::envFile},
-      {"no_morphing", &JobConfig::noMorphing},
-      {"manager_ip", &JobConfig::managerIp},
-      {"port", &JobConfig::port},
-      {"master_port", &JobConfig::masterPort},
-      {"global_store", &JobConfig::globalStore},
-      {"state_dir", &JobConfig::stateDir},
-      {"heartbeat_timeout_s", &JobConfig::heartbeatTimeoutS},
-      {"startup_timeout_s", &JobConfig::startupTimeoutS},
-      {"checkpoint_timeout_s", &JobConfig::checkpointTimeoutS},
-      {"agent_grace_s", &JobConfig::agentGraceS},
-      {"max_failures", &JobConfig::maxFailures},
-      {"failure_window_s", &JobConfig::failureWindowS},
-      {"restart_backoff_s", &JobConfig::restartBackoffS},
-      {"exclude_slow", &JobConfig::excludeSlow},
-      {"slow_threshold", &JobConfig::slowThreshold},
-      {"slow_window", &JobConfig::slowWindow},
-      {"ssh_user", &JobConfig::sshUser},
-      {"ssh_port", &JobConfig::sshPort},
-      {"ssh_identity", &JobConfig::sshIdentity},
-      {"ssh_known_hosts", &JobConfig::sshKnownHosts},
-      {"ssh_connect_timeout_s", &JobConfig::sshConnectTimeoutS},
-      {"agent_path", &JobConfig::agentPath},
-      {"log_level", &JobConfig::logLevel},
-      {"profile", &JobConfig::profile},
-      {"memory_per_device_gb", &JobConfig::memoryPerDeviceGb},
-      {"schedules", &JobConfig::schedules},
-      {"dry_run", &JobConfig::dryRun},
-      {"program", &JobConfig::program},
+      {"job", &JobConfig::job, "job name: logs, state folder, agent folders"},
+      {"machine_list", &JobConfig::machineList, "file: one host per line, `host [slots=N]`; watched while the job runs"},
+      {"gpus_per_node", &JobConfig::gpusPerNode, "slots of a host without slots=N (default 1)"},
+      {"nstages", &JobConfig::nstages, "pipeline stages P (without --profile: required)"},
+      {"chunk_size", &JobConfig::chunkSize, "micro-batch size (without --profile: required)"},
+      {"batch_size", &JobConfig::batchSize, "global batch, constant across morphs"},
+      {"code_dir", &JobConfig::codeDir, "folder the workers start in (default: here)"},
+      {"env_file", &JobConfig::envFile, "KEY=VALUE lines for agents and workers"},
+      {"no_morphing", &JobConfig::noMorphing, "run once: any failure stops the job"},
+      {"manager_ip", &JobConfig::managerIp, "this head node's address agents and workers dial"},
+      {"port", &JobConfig::port, "control port (default 0: any free port)"},
+      {"master_port", &JobConfig::masterPort, "workers' rendezvous port on rank 0's host, + generation offset (default 29500)"},
+      {"global_store", &JobConfig::globalStore, "checkpoint folder every worker can reach"},
+      {"state_dir", &JobConfig::stateDir, "state.json, events.jsonl, slow_machines.out, token"},
+      {"heartbeat_timeout_s", &JobConfig::heartbeatTimeoutS, "a worker silent this long is hung (default 10)"},
+      {"startup_timeout_s", &JobConfig::startupTimeoutS, "launch to a worker's first hello (default 120)"},
+      {"checkpoint_timeout_s", &JobConfig::checkpointTimeoutS, "a preemption's checkpoint must finish within this (default 120)"},
+      {"agent_grace_s", &JobConfig::agentGraceS, "agents kill their workers when the manager is gone this long (default 5)"},
+      {"max_failures", &JobConfig::maxFailures, "failures within --failure_window_s before giving up (default 3)"},
+      {"failure_window_s", &JobConfig::failureWindowS, "window of --max_failures (default 600)"},
+      {"restart_backoff_s", &JobConfig::restartBackoffS, "wait before relaunching after a failure, doubling (default 1)"},
+      {"exclude_slow", &JobConfig::excludeSlow, "leave machines in slow_machines.out out of the next plan"},
+      {"slow_threshold", &JobConfig::slowThreshold, "slower than the stage median by this fraction flags a machine (default 0.15)"},
+      {"slow_window", &JobConfig::slowWindow, "steps per slow-machine verdict (default 20)"},
+      {"ssh_user", &JobConfig::sshUser, "SSH user (default: the current user)"},
+      {"ssh_port", &JobConfig::sshPort, "SSH port (default 22)"},
+      {"ssh_identity", &JobConfig::sshIdentity, "SSH private key (default: libssh's)"},
+      {"ssh_known_hosts", &JobConfig::sshKnownHosts, "known_hosts file (default ~/.ssh/known_hosts)"},
+      {"ssh_connect_timeout_s", &JobConfig::sshConnectTimeoutS, "SSH connect timeout (default 10)"},
+      {"agent_path", &JobConfig::agentPath, "varuna_agent on every host (default: next to run_varuna)"},
+      {"log_level", &JobConfig::logLevel, "debug, info, warn or error"},
+      {"profile", &JobConfig::profile, "the Profiler's profile.json: AutoConfig plans every launch"},
+      {"memory_per_device_gb", &JobConfig::memoryPerDeviceGb, "AutoConfig's memory limit per worker (default 0: unlimited)"},
+      {"schedules", &JobConfig::schedules, "schedules AutoConfig may use: varuna,1f1b,gpipe or all (default varuna)"},
+      {"dry_run", &JobConfig::dryRun, "print the plan for the machine list and exit"},
+      {"program", &JobConfig::program, ""},
   };
   return table;
 }
@@ -248,9 +249,9 @@ std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int
     const std::string key = f.key;
     if (key == "program") continue;
     if (std::holds_alternative<bool JobConfig::*>(f.member)) {
-      app.add_flag("--" + key, flags[key]);
+      app.add_flag("--" + key, flags[key], f.help);
     } else {
-      app.add_option("--" + key, given[key]);
+      app.add_option("--" + key, given[key], f.help);
     }
   }
   app.add_option("program", program, "the training program and its arguments, after --");
