@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <string>
 
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
@@ -27,6 +28,25 @@ struct MainOptions {
   bool daemonize = false;
   std::string logLevel = "info";
 };
+
+// The job token: from stdin's first line (run_varuna's way: neither a command
+// line nor an environment that `ps` shows) or from VARUNA_JOB_TOKEN (starting
+// an agent by hand). Workers get it explicitly, never by inheritance.
+std::string readJobToken(bool fromStdin) {
+  std::string token;
+  if (fromStdin) {
+    std::getline(std::cin, token);
+    if (token.empty()) throw ConfigError("--token_stdin was given but stdin held no token line");
+  } else {
+    const char* value = std::getenv("VARUNA_JOB_TOKEN");
+    if (!value || !*value)
+      throw ConfigError("no job token: pass it on stdin with --token_stdin or set VARUNA_JOB_TOKEN "
+                        "(varuna_agent is started by run_varuna)");
+    token = value;
+  }
+  ::unsetenv("VARUNA_JOB_TOKEN");
+  return token;
+}
 
 // Daemon mode: the parent waits on a pipe for the child's verdict ("ok" or an
 // error line) and turns it into its own output and exit code.
@@ -92,16 +112,17 @@ int main(int argc, char** argv) {
   app.add_option("--grace_s", options.graceS, "kill the workers when the manager is gone this long")->check(CLI::PositiveNumber);
   app.add_flag("--daemonize", options.daemonize, "detach, and return once connected to the manager");
   app.add_option("--log_level", options.logLevel, "debug, info, warn or error");
+  bool tokenFromStdin = false;
+  app.add_flag("--token_stdin", tokenFromStdin,
+               "read the job token from the first line of stdin (how run_varuna passes it) instead of "
+               "VARUNA_JOB_TOKEN");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : kExitConfigError;
   }
   try {
-    const char* token = std::getenv("VARUNA_JOB_TOKEN");
-    if (!token || !*token) throw ConfigError("VARUNA_JOB_TOKEN is not set: varuna_agent is started by run_varuna");
-    options.agent.token = token;
-    ::unsetenv("VARUNA_JOB_TOKEN");  // workers get it explicitly
+    options.agent.token = readJobToken(tokenFromStdin);
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
     if (options.agent.runDir.empty()) options.agent.runDir = defaultAgentRunDir(options.agent.job, options.agent.host);
     log::configure({"agent", options.agent.job, options.agent.host}, log::parseLevel(options.logLevel));

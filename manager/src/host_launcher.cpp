@@ -58,24 +58,42 @@ bool isLocalHost(const std::string& host) {
   return local;
 }
 
-HostCommandResult runLocalCommand(const std::string& command, std::chrono::milliseconds timeout) {
+HostCommandResult runLocalCommand(const std::string& command, std::chrono::milliseconds timeout,
+                                  const std::string& input) {
   HostCommandResult result;
   int pipeFds[2];
+  int inputFds[2];
   if (::pipe2(pipeFds, O_CLOEXEC) != 0) {
     result.message = strCat("pipe failed: ", std::strerror(errno));
+    return result;
+  }
+  if (::pipe2(inputFds, O_CLOEXEC) != 0) {
+    result.message = strCat("pipe failed: ", std::strerror(errno));
+    ::close(pipeFds[0]);
+    ::close(pipeFds[1]);
+    return result;
+  }
+  // The input is a line or two, so it fits in the pipe's buffer: written
+  // before the fork it can neither block nor raise SIGPIPE (a child that
+  // exits at once).
+  if (input.size() > 4096 ||
+      (!input.empty() && ::write(inputFds[1], input.data(), input.size()) != static_cast<ssize_t>(input.size()))) {
+    for (int fd : {pipeFds[0], pipeFds[1], inputFds[0], inputFds[1]}) ::close(fd);
+    result.message = strCat("cannot pass ", input.size(), " bytes of input to a local command (at most 4096)");
     return result;
   }
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::dup2(pipeFds[1], 1);
     ::dup2(pipeFds[1], 2);
-    const int devNull = ::open("/dev/null", O_RDONLY);
-    if (devNull >= 0) ::dup2(devNull, 0);
+    ::dup2(inputFds[0], 0);
     ::close_range(3, ~0U, 0);  // nothing of the manager's (its listening socket!) leaks into agents
     ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
     ::_exit(127);
   }
   ::close(pipeFds[1]);
+  ::close(inputFds[0]);
+  ::close(inputFds[1]);
   if (pid < 0) {
     ::close(pipeFds[0]);
     result.message = strCat("fork failed: ", std::strerror(errno));
@@ -111,9 +129,10 @@ HostCommandResult runLocalCommand(const std::string& command, std::chrono::milli
   return result;
 }
 
-HostCommandResult ShellHostLauncher::run(const std::string& host, const std::string& command) {
-  if (isLocalHost(host)) return runLocalCommand(command, ssh_.commandTimeout);
-  const SshResult ssh = runOverSsh(host, command, ssh_);
+HostCommandResult ShellHostLauncher::run(const std::string& host, const std::string& command,
+                                         const std::string& input) {
+  if (isLocalHost(host)) return runLocalCommand(command, ssh_.commandTimeout, input);
+  const SshResult ssh = runOverSsh(host, command, ssh_, input);
   HostCommandResult result;
   result.exitStatus = ssh.exitStatus;
   result.output = ssh.output;

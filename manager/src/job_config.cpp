@@ -155,7 +155,7 @@ JobConfig parseJobConfigText(std::string_view text, const std::string& source) {
   json object;
   try {
     object = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error; out_of_range (a number too large)
     throw ConfigError(strCat(source, ": not valid JSON (", e.what(), ")"));
   }
   return applyJobJson(JobConfig{}, object, source);

@@ -61,6 +61,24 @@ json readJsonFile(const fs::path& path) {
   }
 }
 
+// A checkpoint folder belongs to one job: a new job pointed at another job's
+// store would silently resume that job's weights. The first manager to use a
+// store writes its job name there; later managers of the same job continue,
+// others are refused. (A store without the file, e.g. filled by
+// scripts/varuna_launch.py, is adopted.)
+void claimGlobalStore(const fs::path& store, const std::string& job) {
+  constexpr const char* kOwnerFile = "varuna_job.json";
+  const json owner = readJsonFile(store / kOwnerFile);
+  if (owner.is_object() && owner.contains("job") && owner["job"].is_string()) {
+    const std::string holder = owner["job"].get<std::string>();
+    if (holder == job) return;
+    throw ConfigError(strCat("--global_store ", store.string(), " holds the checkpoints of job '", holder,
+                             "', not of job '", job, "': give this job its own --global_store, or run it as --job ",
+                             holder, " to continue that job"));
+  }
+  ckpt::writeFileAtomic(store, kOwnerFile, json{{"job", job}}.dump() + "\n");
+}
+
 json planJson(const Plan& plan) {
   json placement = json::array();
   for (const auto& p : plan.placement) placement.push_back({{"rank", p.rank}, {"host", p.host}, {"local_rank", p.localRank}});
@@ -115,18 +133,26 @@ void ManagerDaemon::start() {
   std::error_code ec;
   fs::create_directories(stateDir, ec);
   if (ec) throw ConfigError(strCat("cannot create --state_dir ", stateDir.string(), ": ", ec.message()));
+  const json previous = readJsonFile(stateDir / "state.json");
+  if (previous.is_object() && previous.contains("job") && previous["job"] != config_.job) {
+    throw ConfigError(strCat("--state_dir ", stateDir.string(), " holds the state of job ", previous["job"].dump(),
+                             ", not of job '", config_.job, "': give each job its own --state_dir (the default, ",
+                             "/var/lib/varuna/JOB or .varuna/JOB, is one per job)"));
+  }
   token_ = loadOrCreateToken(stateDir);
   events_ = std::make_unique<EventLog>((stateDir / "events.jsonl").string());
   if (!config_.envFile.empty()) env_ = parseEnvFile(ckpt::readFile(config_.envFile), config_.envFile);
   env_.emplace_back("VARUNA_GLOBAL_STORE", config_.globalStore);
   fs::create_directories(config_.globalStore, ec);
+  if (ec) throw ConfigError(strCat("cannot create --global_store ", config_.globalStore, ": ", ec.message()));
 
   listedText_ = ckpt::readFile(config_.machineList);
   listed_ = parseMachineList(listedText_, config_.machineList, config_.gpusPerNode);
 
+  claimGlobalStore(config_.globalStore, config_.job);
+
   // A state file from an earlier manager of this job: continue its numbering.
   int firstGeneration = 1;
-  const json previous = readJsonFile(stateDir / "state.json");
   if (previous.is_object() && previous.value("job", "") == config_.job) {
     firstGeneration = previous.value("generation", 0) + 1;
     const std::string phase = previous.value("phase", "");
@@ -397,14 +423,13 @@ void ManagerDaemon::onAgentLost(const std::string& host, const std::string& reas
 // --- agents -------------------------------------------------------------------
 
 std::string ManagerDaemon::agentCommand(const std::string& host) const {
-  // The token travels in the environment of the remote shell, not on the
-  // agent's command line (where `ps` would show it for the agent's lifetime).
-  // The env_file's variables reach the agent as well as (through
-  // LaunchWorkers) every worker.
+  // The token travels on the command's stdin (startAgent), never in the
+  // command (the remote shell's command line is visible to `ps`). The
+  // env_file's variables reach the agent as well as (through LaunchWorkers)
+  // every worker.
   std::string environment;
   for (const auto& [key, value] : env_) environment += key + "=" + shellQuote(value) + " ";
-  return strCat(environment, "VARUNA_JOB_TOKEN=", shellQuote(token_), " exec ", shellQuote(config_.agentPath),
-                " --daemonize --manager ", shellQuote(advertisedAddress_), " --host ", shellQuote(host), " --job ",
+  return strCat(environment, "exec ", shellQuote(config_.agentPath), " --daemonize --token_stdin --manager ", shellQuote(advertisedAddress_), " --host ", shellQuote(host), " --job ",
                 shellQuote(config_.job), " --code_dir ", shellQuote(config_.codeDir), " --program ",
                 shellQuote(config_.program.front()), " --grace_s ", config_.agentGraceS, " --log_level ",
                 shellQuote(config_.logLevel));
@@ -418,7 +443,7 @@ void ManagerDaemon::startAgent(const std::string& host) {
   log::debug("starting the agent on ", host, ": ", config_.agentPath);
   HostLauncher* launcher = launcher_.get();
   launchThreads_.emplace_back([this, launcher, host, command] {
-    HostCommandResult result = launcher->run(host, command);
+    HostCommandResult result = launcher->run(host, command, token_ + "\n");
     asio::post(io_, [this, host, result] { onAgentCommandDone(host, result); });
   });
 }

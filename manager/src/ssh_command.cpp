@@ -165,8 +165,8 @@ void onExitSignal(ssh_session, ssh_channel, const char* signal, int core, const 
 
 class SshRun {
  public:
-  SshRun(const std::string& host, const std::string& command, const SshOptions& options)
-      : host_(host), command_(command), options_(options), where_(hostPort(host, options.port)) {}
+  SshRun(const std::string& host, const std::string& command, const std::string& input, const SshOptions& options)
+      : host_(host), command_(command), input_(input), options_(options), where_(hostPort(host, options.port)) {}
 
   SshResult run() {
     if (host_.empty())
@@ -369,7 +369,12 @@ class SshRun {
       startFailed(deadline, "start the command");
       return;
     }
-    // Empty stdin, so a command that reads it ends instead of waiting for us.
+    // The input (small: a secret, a line) then EOF, so a command that reads
+    // stdin to its end finishes instead of waiting for us.
+    if (!input_.empty() && ssh_channel_write(ch, input_.data(), static_cast<uint32_t>(input_.size())) == SSH_ERROR) {
+      startFailed(deadline, "send the command's input");
+      return;
+    }
     ssh_channel_send_eof(ch);
 
     OutputTail output;
@@ -451,6 +456,7 @@ class SshRun {
 
   const std::string& host_;
   const std::string& command_;
+  const std::string& input_;
   const SshOptions& options_;
   const std::string where_;
   std::string knownHosts_;
@@ -484,7 +490,8 @@ const char* toString(SshFailure failure) {
   return "?";
 }
 
-SshResult runOverSsh(const std::string& host, const std::string& command, const SshOptions& options) {
+SshResult runOverSsh(const std::string& host, const std::string& command, const SshOptions& options,
+                     const std::string& input) {
   static std::once_flag initOnce;
   static int initResult = SSH_OK;
   const std::string where = hostPort(host, options.port);
@@ -497,7 +504,7 @@ SshResult runOverSsh(const std::string& host, const std::string& command, const 
           strCat("cannot initialise libssh to reach ", where, "; check the libssh and OpenSSL installation");
       return result;
     }
-    SshRun run(host, command, options);
+    SshRun run(host, command, input, options);
     return run.run();
   } catch (const std::exception& e) {
     SshResult result;

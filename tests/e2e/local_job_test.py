@@ -6,6 +6,7 @@ outcome, its event log and that no process is left behind.
 (The SSH paths are in ssh_cluster_test.py.)"""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from varuna_e2e import BIN, TINY_MODEL, Manager, assert_nothing_left, log, processes_of_job, run_tests, wait_for  # noqa: E402
 
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-e2e-")))
+shutil.rmtree(ROOT, ignore_errors=True)  # nothing of an earlier run (state, checkpoints) may leak into this one
+ROOT.mkdir(parents=True)
 TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
 _port = [21000 + (os.getpid() % 200) * 40]
 
@@ -212,6 +215,13 @@ def test_bad_inputs_are_clear_errors():
 
     m = manager("bad-token", steps=100000).start()
     m.wait_step(5)
+    # The job token is on no process's command line (ps shows those to everyone).
+    token = (m.state_dir / "token").read_text().strip()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            assert token not in cmdline.read_bytes().decode(errors="replace"), cmdline
+        except (FileNotFoundError, ProcessLookupError):
+            pass
     conn = json.loads(m.connection_file("127.0.0.1").read_text())
     bad = m.workdir / "bad-token"
     bad.write_text("0" * 48 + "\n")
@@ -227,6 +237,15 @@ def test_bad_inputs_are_clear_errors():
     m.kill(signal.SIGTERM)
     assert m.wait_exit() == 0
     assert_nothing_left(m.job)
+
+    # Another job pointed at this job's state folder, or at its checkpoints, is
+    # refused (it would resume weights that are not its own).
+    other = Manager(m.workdir, TWO_HOSTS, job="e2e-other-" + str(os.getpid())).start()
+    assert other.wait_exit(60) == 2
+    assert "holds the state of job '%s'" % m.job in other.output().replace('"', "'"), other.tail()
+    other = Manager(m.workdir, TWO_HOSTS, job="e2e-other-" + str(os.getpid()), state_dir=m.workdir / "state2").start()
+    assert other.wait_exit(60) == 2
+    assert "holds the checkpoints of job '%s'" % m.job in other.output(), other.tail()
 
     r = subprocess.run([str(BIN / "run_varuna"), "--machine_list", str(ROOT / "nope.txt"), "--nstages", "2",
                         "--batch_size", "8", "--chunk_size", "2", "--global_store", str(ROOT / "s"), "--", "./x"],

@@ -9,6 +9,7 @@ network down) and a host made slow with a CPU quota; and the set-up errors a
 user meets first (unknown host key, wrong key, unreachable host, missing
 program). Every scenario ends with no process left on any host."""
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -24,6 +25,7 @@ if os.geteuid() != 0:
     sys.exit(77)
 
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-ssh-e2e-")))
+shutil.rmtree(ROOT, ignore_errors=True)  # nothing of an earlier run (state, checkpoints) may leak into this one
 ROOT.mkdir(parents=True, exist_ok=True)
 
 

@@ -71,6 +71,7 @@ class Manager:
         log("run_varuna", " ".join(self.argv[:14]), "...")
         self.out = open(self.output_path, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=self.out, stderr=subprocess.STDOUT)
+        _started.append(self)
         return self
 
     def state(self):
@@ -155,6 +156,24 @@ def assert_nothing_left(job, timeout=15):
     wait_for("no process of job %s left (%s)" % (job, processes_of_job(job)), lambda: not processes_of_job(job), timeout)
 
 
+_started = []  # every Manager a test started: a failing test's job is cleaned up after it
+
+
+def _kill_leftovers():
+    """After a test: SIGKILL its managers still running and every agent and
+    worker of their jobs, so one failure does not cascade into the next tests."""
+    while _started:
+        m = _started.pop()
+        m.kill(signal.SIGKILL)
+        if m.proc:
+            m.proc.wait()
+        for pid, _ in processes_of_job(m.job):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run_tests(tests):
     """Runs test functions in order; prints a summary; exit code 1 on any failure."""
     failed = []
@@ -169,5 +188,6 @@ def run_tests(tests):
             traceback.print_exc()
             log("FAIL", test.__name__, ":", e)
             failed.append(test.__name__)
+        _kill_leftovers()
     log("%d/%d passed" % (len(tests) - len(failed), len(tests)), "failed: %s" % failed if failed else "")
     sys.exit(1 if failed else 0)

@@ -229,6 +229,13 @@ TEST_CASE("runOverSsh runs a command and returns its output and exit status", "[
   INFO(describe(cat));
   CHECK(cat.ok());
   CHECK_THAT(cat.output, Catch::Contains("after-cat\n"));
+
+  // Input (how the job token travels) reaches stdin, then EOF.
+  const SshResult fed = runOverSsh("127.0.0.1", "read -r secret; echo \"got<$secret>\"; cat", sshd.options(),
+                                   "t0ken\nrest\n");
+  INFO(describe(fed));
+  CHECK(fed.ok());
+  CHECK(fed.output == "got<t0ken>\nrest\n");
 }
 
 TEST_CASE("runOverSsh reports a non-zero exit as kCommandFailed with the status and the last output", "[ssh]") {

@@ -62,6 +62,7 @@ TEST_CASE("job config: bad inputs are named with the fix", "[config]") {
       {R"({"port": 99999999999})", "'port' must be an integer"},
       {R"([1, 2])", "must be a JSON object"},
       {R"({"nstages": 2,)", "not valid JSON"},
+      {R"({"nstages": 1e999})", "not valid JSON"},  // a number too large for a double (found by fuzzing)
   };
   for (const auto& c : cases) {
     INFO(c.json);

@@ -168,6 +168,18 @@ TEST_CASE("local commands: output, exit status and timeout", "[runtime]") {
   CHECK_THAT(slow.message, Catch::Contains("did not finish"));
 }
 
+TEST_CASE("local commands: the input arrives on stdin, then EOF", "[runtime]") {
+  auto echoed = runLocalCommand("read -r secret; printf '<%s>' \"$secret\"; cat; echo end", std::chrono::seconds(10),
+                                "s3cr3t\nmore\n");
+  CHECK(echoed.ok);
+  CHECK(echoed.output == "<s3cr3t>more\nend\n");
+  // A command that exits without reading its input is no problem (no SIGPIPE).
+  CHECK(runLocalCommand("exit 0", std::chrono::seconds(10), std::string(4000, 'x')).ok);
+  auto tooLong = runLocalCommand("cat", std::chrono::seconds(10), std::string(5000, 'x'));
+  CHECK_FALSE(tooLong.ok);
+  CHECK_THAT(tooLong.message, Catch::Contains("at most 4096"));
+}
+
 TEST_CASE("shell quoting survives the shell; local hosts are recognised", "[runtime]") {
   const std::string nasty = "it's a \"test\" $HOME `x` \\ ;|&";
   const auto echoed = runLocalCommand("printf %s " + shellQuote(nasty), std::chrono::seconds(10));

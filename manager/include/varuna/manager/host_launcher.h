@@ -22,13 +22,14 @@ struct HostCommandResult {
 class HostLauncher {
  public:
   virtual ~HostLauncher() = default;
-  virtual HostCommandResult run(const std::string& host, const std::string& command) = 0;
+  // `input` is the command's stdin (then EOF): how secrets travel.
+  virtual HostCommandResult run(const std::string& host, const std::string& command, const std::string& input) = 0;
 };
 
 class ShellHostLauncher : public HostLauncher {
  public:
   explicit ShellHostLauncher(SshOptions ssh) : ssh_(std::move(ssh)) {}
-  HostCommandResult run(const std::string& host, const std::string& command) override;
+  HostCommandResult run(const std::string& host, const std::string& command, const std::string& input) override;
 
  private:
   SshOptions ssh_;
@@ -37,8 +38,10 @@ class ShellHostLauncher : public HostLauncher {
 // True for localhost, 127.0.0.0/8, ::1 and the addresses of this machine's interfaces.
 bool isLocalHost(const std::string& host);
 
-// Runs `command` with /bin/sh -c, capturing stdout+stderr, killing it after `timeout`.
-HostCommandResult runLocalCommand(const std::string& command, std::chrono::milliseconds timeout);
+// Runs `command` with /bin/sh -c, `input` on its stdin, capturing stdout+stderr,
+// killing it after `timeout`.
+HostCommandResult runLocalCommand(const std::string& command, std::chrono::milliseconds timeout,
+                                  const std::string& input = "");
 
 // 'text' quoted for a POSIX shell.
 std::string shellQuote(const std::string& text);

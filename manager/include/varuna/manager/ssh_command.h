@@ -52,7 +52,10 @@ struct SshResult {
   bool ok() const { return failure == SshFailure::kNone; }
 };
 
-// Runs `command` (through the remote user's login shell) on `host`, with empty stdin.
-SshResult runOverSsh(const std::string& host, const std::string& command, const SshOptions& options);
+// Runs `command` (through the remote user's login shell) on `host`; `input`
+// is its stdin (then EOF). Secrets go there: the command line of the remote
+// shell is visible to every user of the host through `ps`.
+SshResult runOverSsh(const std::string& host, const std::string& command, const SshOptions& options,
+                     const std::string& input = "");
 
 }  // namespace varuna
