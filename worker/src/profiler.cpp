@@ -267,8 +267,19 @@ class Profiler::Impl {
   std::vector<Item> pendingItems() const;
   profile::Profile measurePieces(const std::vector<Item>& mine, const std::set<int>& optimizerPieces,
                                  double& optimizerSeconds, int64_t& optimizerParams);
-  profile::PieceAtSize measureOne(StageModel& piece, const torch::Tensor& input, const Batch& batch, int64_t size,
-                                  bool isLast, MemoryMeter& meter);
+  // Raw samples of one piece at one micro-batch size, gathered over several
+  // calls of runPiece so the sizes' repetitions can be interleaved.
+  struct Samples {
+    std::vector<double> forward, backward, recompute;
+    int64_t outputBytes = 0, savedMax = 0, peakMax = 0;
+    profile::PieceAtSize summary() const;
+  };
+  void runPiece(StageModel& piece, const torch::Tensor& input, const Batch& batch, int64_t size, bool isLast,
+                MemoryMeter& meter, bool timed, Samples& samples);
+  std::map<int64_t, profile::PieceAtSize> measureSizes(StageModel& piece, const std::vector<int64_t>& sizes,
+                                                       std::map<int64_t, torch::Tensor>& inputs,
+                                                       const std::map<int64_t, Batch>& batches, bool isLast,
+                                                       MemoryMeter& meter);
   double timeOptimizer(StageModel& piece);
   profile::Profile gather(const profile::Profile& mine, double optimizerSeconds, int64_t optimizerParams);
 
@@ -469,8 +480,8 @@ std::vector<Item> Profiler::Impl::pendingItems() const {
   return items;
 }
 
-profile::PieceAtSize Profiler::Impl::measureOne(StageModel& piece, const torch::Tensor& input, const Batch& batch,
-                                                int64_t size, bool isLast, MemoryMeter& meter) {
+void Profiler::Impl::runPiece(StageModel& piece, const torch::Tensor& input, const Batch& batch, int64_t size,
+                              bool isLast, MemoryMeter& meter, bool timed, Samples& samples) {
   const bool autocast = opt_.precision != Precision::kFp32;
   auto forward = [&](MicrobatchState& state) {
     AutocastScope scope(autocast, opt_.device.type(), autocastType(opt_.precision));
@@ -478,61 +489,79 @@ profile::PieceAtSize Profiler::Impl::measureOne(StageModel& piece, const torch::
   };
   auto seconds = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
 
-  std::vector<double> fwd, bwd, rec;
-  profile::PieceAtSize result;
   torch::Tensor gradOutput;
-  int64_t savedMax = 0, peakMax = 0;
-  for (int run = 0; run < opt_.warmup + opt_.repetitions; ++run) {
-    const bool timed = run >= opt_.warmup;
-    // Forward with autograd: what its graph keeps alive is the saved activation.
-    {
-      MicrobatchState state;
-      sync();
-      const int64_t before = meter.live();
-      const auto t0 = Clock::now();
-      torch::Tensor out = forward(state);
-      sync();
-      const auto t1 = Clock::now();
-      const int64_t outBytes = isLast ? 0 : out.numel() * static_cast<int64_t>(out.element_size());
-      // The output itself crosses the cut (outputBytes); everything else the
-      // forward allocated and still holds belongs to the graph. (An output
-      // that is a view of the input allocated nothing.)
-      const bool viewOfInput = input.defined() && out.storage().data() == input.storage().data();
-      const int64_t ownOutput = viewOfInput ? 0 : static_cast<int64_t>(out.storage().nbytes());
-      const int64_t saved = std::max<int64_t>(0, meter.live() - before - ownOutput);
-      if (timed) {
-        fwd.push_back(seconds(t0, t1));
-        savedMax = std::max(savedMax, saved);
-      }
-      result.outputBytes = outBytes;
-      if (!gradOutput.defined()) gradOutput = torch::ones_like(out);
-    }
-    // Recompute then backward, back to back as the Varuna schedule runs them:
-    // the peak over both is the piece's working memory beyond what was
-    // resident before (parameters, gradients, the input).
+  // Forward with autograd: what its graph keeps alive is the saved activation.
+  {
     MicrobatchState state;
     sync();
-    const int64_t base = meter.live();
-    meter.resetPeak();
+    const int64_t before = meter.live();
     const auto t0 = Clock::now();
-    forward(state);
+    torch::Tensor out = forward(state);
     sync();
     const auto t1 = Clock::now();
-    piece.backward(state, gradOutput, nullptr);
-    sync();
-    const auto t2 = Clock::now();
+    // The output itself crosses the cut (outputBytes); everything else the
+    // forward allocated and still holds belongs to the graph. (An output
+    // that is a view of the input allocated nothing.)
+    const bool viewOfInput = input.defined() && out.storage().data() == input.storage().data();
+    const int64_t ownOutput = viewOfInput ? 0 : static_cast<int64_t>(out.storage().nbytes());
+    const int64_t saved = std::max<int64_t>(0, meter.live() - before - ownOutput);
     if (timed) {
-      rec.push_back(seconds(t0, t1));
-      bwd.push_back(seconds(t1, t2));
-      peakMax = std::max(peakMax, meter.peak() - base);
+      samples.forward.push_back(seconds(t0, t1));
+      samples.savedMax = std::max(samples.savedMax, saved);
     }
+    samples.outputBytes = isLast ? 0 : out.numel() * static_cast<int64_t>(out.element_size());
+    gradOutput = torch::ones_like(out);
   }
-  result.forward = profile::summarize(fwd);
-  result.backward = profile::summarize(bwd);
-  result.recompute = profile::summarize(rec);
+  // Recompute then backward, back to back as the Varuna schedule runs them:
+  // the peak over both is the piece's working memory beyond what was
+  // resident before (parameters, gradients, the input).
+  MicrobatchState state;
+  sync();
+  const int64_t base = meter.live();
+  meter.resetPeak();
+  const auto t0 = Clock::now();
+  forward(state);
+  sync();
+  const auto t1 = Clock::now();
+  piece.backward(state, gradOutput, nullptr);
+  sync();
+  const auto t2 = Clock::now();
+  if (timed) {
+    samples.recompute.push_back(seconds(t0, t1));
+    samples.backward.push_back(seconds(t1, t2));
+    samples.peakMax = std::max(samples.peakMax, meter.peak() - base);
+  }
+}
+
+profile::PieceAtSize Profiler::Impl::Samples::summary() const {
+  profile::PieceAtSize result;
+  result.forward = profile::summarize(forward);
+  result.backward = profile::summarize(backward);
+  result.recompute = profile::summarize(recompute);
+  result.outputBytes = outputBytes;
   result.savedActivationBytes = savedMax;
   result.peakBytes = peakMax;
   return result;
+}
+
+// The sizes' repetitions are interleaved (1, 2, 4, 8, 1, 2, ...): a burst of
+// interference from the rest of the machine then lands on every size alike
+// instead of skewing one, which would skew AutoConfig's choice of micro-batch
+// size. Warm-up runs every size first.
+std::map<int64_t, profile::PieceAtSize> Profiler::Impl::measureSizes(StageModel& piece,
+                                                                     const std::vector<int64_t>& sizes,
+                                                                     std::map<int64_t, torch::Tensor>& inputs,
+                                                                     const std::map<int64_t, Batch>& batches,
+                                                                     bool isLast, MemoryMeter& meter) {
+  std::map<int64_t, Samples> samples;
+  for (int run = 0; run < opt_.warmup + opt_.repetitions; ++run) {
+    for (int64_t size : sizes) {
+      runPiece(piece, inputs[size], batches.at(size), size, isLast, meter, run >= opt_.warmup, samples[size]);
+    }
+  }
+  std::map<int64_t, profile::PieceAtSize> out;
+  for (const auto& [size, s] : samples) out[size] = s.summary();
+  return out;
 }
 
 double Profiler::Impl::timeOptimizer(StageModel& piece) {
@@ -586,16 +615,21 @@ profile::Profile Profiler::Impl::measurePieces(const std::vector<Item>& mine, co
       record.paramCount += p.numel();
       record.paramBytes += p.numel() * static_cast<int64_t>(p.element_size());
     }
+    std::vector<int64_t> sizes;
     for (const auto& item : mine) {
-      if (item.piece != j) continue;
+      if (item.piece == j) sizes.push_back(item.size);
+    }
+    if (!sizes.empty()) {
       const auto start = Clock::now();
-      auto figures = measureOne(piece, activations[item.size], batches.at(item.size), item.size, isLast, meter);
-      record.bySize[item.size] = figures;
-      log::info("profiled ", record.name, " at micro-batch ", item.size, ": forward ", formatMs(figures.forward.median),
-                ", backward ", formatMs(figures.backward.median), ", recompute ", formatMs(figures.recompute.median),
-                ", output ", formatBytes(figures.outputBytes), ", saved ", formatBytes(figures.savedActivationBytes),
-                ", peak ", formatBytes(figures.peakBytes), " (",
-                formatMs(std::chrono::duration<double>(Clock::now() - start).count()), " in all)");
+      record.bySize = measureSizes(piece, sizes, activations, batches, isLast, meter);
+      const std::string took = formatMs(std::chrono::duration<double>(Clock::now() - start).count());
+      for (const auto& [size, figures] : record.bySize) {
+        log::info("profiled ", record.name, " at micro-batch ", size, ": forward ", formatMs(figures.forward.median),
+                  ", backward ", formatMs(figures.backward.median), ", recompute ",
+                  formatMs(figures.recompute.median), ", output ", formatBytes(figures.outputBytes), ", saved ",
+                  formatBytes(figures.savedActivationBytes), ", peak ", formatBytes(figures.peakBytes), " (", took,
+                  " for all sizes)");
+      }
     }
     if (optimizerPieces.count(j) && record.paramCount > 0) {
       const double seconds = timeOptimizer(piece);
