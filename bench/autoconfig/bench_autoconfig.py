@@ -15,7 +15,7 @@
    prediction error = |predicted - measured| / measured;
    chosen_vs_best_measured = measured throughput of the chosen plan / best measured.
 
-    .venv/bin/python bench/autoconfig/bench_autoconfig.py [--build build] [--rounds 2] [--keep DIR]
+    .venv/bin/python bench/autoconfig/bench_autoconfig.py [--build build] [--rounds 3] [--keep DIR]
 """
 import argparse
 import json
@@ -56,7 +56,7 @@ def profile(build, workdir, sizes):
     log("profiling the example with 2 processes, micro-batch sizes", sizes)
     start = time.monotonic()
     launch(build, 2, 1, 1, 1, [os.path.join(build, "examples", "gpt", "profile_gpt"), "--profile_dir", workdir,
-                               "--micro_batch_sizes", sizes, "--repetitions", "10", *MODEL])
+                               "--micro_batch_sizes", sizes, "--repetitions", "20", *MODEL])
     log("profile written in %.0f s" % (time.monotonic() - start))
     return os.path.join(workdir, "profile.json")
 
@@ -78,8 +78,8 @@ def measure(build, plan, workdir, steps, warmup):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--sizes", default="1,2,4,8", help="micro-batch sizes to profile")
     parser.add_argument("--schedules", default="all")
@@ -104,14 +104,17 @@ def main():
                 log("round %d %-22s predicted %.4f s measured %.4f s" % (r + 1, plan["name"], plan["predicted_step_s"], t))
         rows = []
         for plan in plans:
-            best = min(measured[plan["name"]])
+            samples = measured[plan["name"]]
+            best = min(samples)
             error = abs(plan["predicted_step_s"] - best) / best
-            rows.append(dict(plan, measured_step_s=best, error=error))
+            rows.append(dict(plan, measured_step_s=best, error=error, round_spread=(max(samples) - best) / best))
         rows.sort(key=lambda r: r["measured_step_s"])
-        print("\n%-22s %10s %10s %7s %s" % ("plan", "predicted", "measured", "error", ""))
+        # round spread: (slowest - fastest round) / fastest, the noise each figure carries
+        print("\n%-22s %10s %10s %7s %13s %s" % ("plan", "predicted", "measured", "error", "round spread", ""))
         for r in rows:
-            print("%-22s %9.4fs %9.4fs %6.1f%% %s" % (r["name"], r["predicted_step_s"], r["measured_step_s"],
-                                                     100 * r["error"], "<- chosen" if r["chosen"] else ""))
+            print("%-22s %9.4fs %9.4fs %6.1f%% %12.1f%% %s" % (
+                r["name"], r["predicted_step_s"], r["measured_step_s"], 100 * r["error"], 100 * r["round_spread"],
+                "<- chosen" if r["chosen"] else ""))
         chosen = next(r for r in rows if r["chosen"])
         best = rows[0]
         errors = [r["error"] for r in rows]
@@ -124,7 +127,8 @@ def main():
             "best_measured": best["name"],
             "targets": {"prediction_error_median<=0.15": statistics.median(errors) <= 0.15,
                         "chosen_vs_best_measured>=0.95": best["measured_step_s"] / chosen["measured_step_s"] >= 0.95},
-            "model": " ".join(MODEL), "global_batch": BATCH, "rounds": args.rounds,
+            "round_spread_median": round(statistics.median(r["round_spread"] for r in rows), 4),
+            "model": " ".join(MODEL), "global_batch": BATCH, "rounds": args.rounds, "steps": args.steps,
         }
         print(json.dumps(summary))
     finally:

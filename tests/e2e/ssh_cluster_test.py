@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netns_cluster import Cluster  # noqa: E402
-from varuna_e2e import BIN, Manager, assert_nothing_left, log, run_tests, wait_for  # noqa: E402
+from varuna_e2e import BIN, Manager, assert_nothing_left, log, processes_of_job, run_tests, wait_for  # noqa: E402
 
 if os.geteuid() != 0:
     print("skipped: network namespaces and sshd need root")
@@ -66,6 +66,62 @@ def test_preemption_from_the_host_then_a_host_added():
         plans = [((e["plan"]["stages"], e["plan"]["replicas"]), hosts_of(e)) for e in m.events("launch")]
         assert plans == [((2, 2), [h0.addr, h1.addr]), ((2, 1), [h0.addr]), ((2, 2), [h0.addr, h2.addr])], plans
         assert len(m.events("morph_complete")) == 2
+        assert_clean(c, m)
+    # Exact resume across both morphs: the losses are those of an uninterrupted
+    # run (same global batches; here one 2x1 run on this machine).
+    ref = Manager(ROOT / "preempt-reference", ["127.0.0.1 slots=2"], job="ssh-reference-" + str(os.getpid()),
+                  steps=400).start()
+    assert ref.wait_exit() == 0, ref.tail()
+    got, want = m.losses(), ref.losses()
+    assert sorted(got) == list(range(400)), "missing steps: %s" % sorted(set(range(400)) - set(got))
+    worst = max(abs(got[s] - want[s]) / max(abs(want[s]), 1e-6) for s in range(400))
+    log("max relative loss difference vs the uninterrupted run: %.2e" % worst)
+    assert worst < 1e-4, worst
+
+
+def worker_pids_on(job, host):
+    """train_gpt processes of `job` on `host` (hosts are network namespaces; the PIDs are this machine's)."""
+    out = []
+    for pid, cmd in processes_of_job(job):
+        try:
+            if "train_gpt" in cmd and ("VARUNA_HOST=%s\0" % host).encode() in Path("/proc/%d/environ" % pid).read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def test_hung_worker_then_the_manager_killed_and_restarted():
+    with Cluster(2, str(ROOT / "cluster-hung")) as c:
+        h0, h1 = c.hosts
+        m = ssh_manager(c, "hung", ["%s slots=2" % h.addr for h in (h0, h1)], steps=300,
+                        train_args=["--checkpoint_every", "20"], extra_args=["--agent_grace_s", "30"])
+        m.start()
+        m.wait_step(25)
+        # A worker on h1 stops answering (SIGSTOP): only its heartbeats tell.
+        victim = worker_pids_on(m.job, h1.addr)
+        assert len(victim) == 2, processes_of_job(m.job)
+        t0 = time.monotonic()
+        os.kill(victim[0], signal.SIGSTOP)
+        m.wait_event("worker_hung", timeout=30)
+        log("SIGSTOP -> worker_hung after %.1f s (heartbeat timeout 3 s)" % (time.monotonic() - t0))
+        m.wait_event("launch", count=2, timeout=60)
+        assert m.events("launch")[1]["resume_step"] >= 20, m.events("launch")
+        wait_for("the stopped worker killed", lambda: victim[0] not in worker_pids_on(m.job, h1.addr), 30)
+        m.wait_event("morph_complete", timeout=60)
+        resumed = m.events("launch")[1]["resume_step"]
+        m.wait_step(resumed + 25)
+        # The manager dies (kill -9) mid-run; systemd would start it again with
+        # the same command and state folder.
+        m.kill(signal.SIGKILL)
+        m.proc.wait()
+        assert processes_of_job(m.job), "agents and workers keep running within the grace period"
+        m.start()
+        assert m.wait_exit(240) == 0, m.tail()
+        assert m.events("manager_restarted"), "the restart was not recognised"
+        last = m.events("launch")[-1]
+        assert last["generation"] == 3 and last["resume_step"] >= resumed + 20, m.events("launch")
+        assert sorted(m.losses()) == list(range(300))
         assert_clean(c, m)
 
 
@@ -132,4 +188,5 @@ if __name__ == "__main__":
         test_setup_errors_are_clear,
         test_preemption_from_the_host_then_a_host_added,
         test_host_vanishes_then_a_slow_host_is_flagged,
+        test_hung_worker_then_the_manager_killed_and_restarted,
     ])
