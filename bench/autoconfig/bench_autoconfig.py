@@ -13,7 +13,10 @@
    {"plans", "prediction_error_median", "prediction_error_max",
     "chosen_vs_best_measured", "chosen", "best_measured", ...}
    prediction error = |predicted - measured| / measured;
-   chosen_vs_best_measured = measured throughput of the chosen plan / best measured.
+   chosen_vs_best_measured = measured throughput of the chosen plan / best measured,
+   both from a final: the sweep's --finalists fastest plans and the chosen one
+   measured again in --final_rounds interleaved rounds, median per plan (the
+   sweep's own figure is reported too, as sweep_chosen_vs_best).
 
     .venv/bin/python bench/autoconfig/bench_autoconfig.py [--build build] [--rounds 3] [--keep DIR]
 """
@@ -75,12 +78,38 @@ def measure(build, plan, workdir, steps, warmup):
     return statistics.median(times[warmup:])
 
 
+def final_round(build, workdir, args, rows, chosen):
+    """The sweep's fastest plans plus the chosen one, measured again in
+    --final_rounds interleaved rounds; each plan's figure is its median.
+
+    Picking the fastest of 36 noisy figures favours the luckiest draw (the
+    winner's curse): on this VM one plan's rounds differ by 20 % and more, more
+    than the gaps between the leaders. A final among a few plans with more
+    rounds compares like with like."""
+    finalists = [r for r in rows[:args.finalists]]
+    if chosen not in finalists:
+        finalists.append(chosen)
+    log("final: %s, %d interleaved rounds" % (", ".join(r["name"] for r in finalists), args.final_rounds))
+    times = {r["name"]: [] for r in finalists}
+    for rnd in range(args.final_rounds):
+        for r in finalists:
+            times[r["name"]].append(measure(build, r, workdir, args.steps, args.warmup))
+    print("\n%-22s %10s %s" % ("final", "median", "rounds"))
+    final = {name: statistics.median(t) for name, t in times.items()}
+    for name in sorted(final, key=final.get):
+        print("%-22s %9.4fs %s%s" % (name, final[name], " ".join("%.4f" % x for x in times[name]),
+                                     "  <- chosen" if name == chosen["name"] else ""))
+    return final
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--finalists", type=int, default=4, help="fastest plans of the sweep measured again")
+    parser.add_argument("--final_rounds", type=int, default=5)
     parser.add_argument("--sizes", default="1,2,4,8", help="micro-batch sizes to profile")
     parser.add_argument("--schedules", default="all")
     parser.add_argument("--keep", help="keep the work files in this folder")
@@ -116,17 +145,21 @@ def main():
                 r["name"], r["predicted_step_s"], r["measured_step_s"], 100 * r["error"], 100 * r["round_spread"],
                 "<- chosen" if r["chosen"] else ""))
         chosen = next(r for r in rows if r["chosen"])
-        best = rows[0]
         errors = [r["error"] for r in rows]
+        final = final_round(build, workdir, args, rows, chosen)
+        best_name = min(final, key=final.get)
+        ratio = final[best_name] / final[chosen["name"]]
         summary = {
             "plans": len(rows),
             "prediction_error_median": round(statistics.median(errors), 4),
             "prediction_error_max": round(max(errors), 4),
-            "chosen_vs_best_measured": round(best["measured_step_s"] / chosen["measured_step_s"], 4),
+            "chosen_vs_best_measured": round(ratio, 4),
             "chosen": chosen["name"],
-            "best_measured": best["name"],
+            "best_measured": best_name,
+            "sweep_chosen_vs_best": round(rows[0]["measured_step_s"] / chosen["measured_step_s"], 4),
+            "sweep_best": rows[0]["name"],
             "targets": {"prediction_error_median<=0.15": statistics.median(errors) <= 0.15,
-                        "chosen_vs_best_measured>=0.95": best["measured_step_s"] / chosen["measured_step_s"] >= 0.95},
+                        "chosen_vs_best_measured>=0.95": ratio >= 0.95},
             "round_spread_median": round(statistics.median(r["round_spread"] for r in rows), 4),
             "model": " ".join(MODEL), "global_batch": BATCH, "rounds": args.rounds, "steps": args.steps,
         }

@@ -355,7 +355,11 @@ void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& con
         c->send(proto::Ack{true, ""});
         c->closeAfterSending("done");
         if (!morph_.active) morph_ = MorphTimes{"preemption of " + notice->host, Clock::now(), {}, {}, true};
-        apply(controller_->preemptNotice(notice->host, Clock::now()));
+        std::optional<Clock::time_point> takenAt;
+        if (notice->deadlineUnixMs > 0) {
+          takenAt = Clock::now() + std::chrono::milliseconds(notice->deadlineUnixMs - unixMillisNow());
+        }
+        apply(controller_->preemptNotice(notice->host, Clock::now(), takenAt));
       },
       [](const std::string&) {});
 }

@@ -1,5 +1,7 @@
 #include "varuna/manager/morph_controller.h"
 
+#include <algorithm>
+
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
 
@@ -166,14 +168,21 @@ std::vector<Action> MorphController::hostLost(const std::string& host, TimePoint
   }
 }
 
-std::vector<Action> MorphController::preemptNotice(const std::string& host, TimePoint now) {
+std::vector<Action> MorphController::preemptNotice(const std::string& host, TimePoint now,
+                                                   std::optional<TimePoint> takenAt) {
   leaving_.insert(host);
   if (!options_.morphing) {
     log::warn("preemption notice for ", host, " ignored: morphing is off (--no_morphing)");
     return {};
   }
   if (plan_.ranksOn(host).empty()) return {};  // no worker there: the next plan leaves it out anyway
-  return beginMorph(now);
+  if (phase_ == Phase::kCheckpointing && takenAt) {
+    deadline_ = std::min(deadline_, std::max(now, *takenAt));  // a later notice may be more urgent
+    return {};
+  }
+  auto actions = beginMorph(now);
+  if (phase_ == Phase::kCheckpointing && takenAt) deadline_ = std::min(deadline_, std::max(now, *takenAt));
+  return actions;
 }
 
 std::vector<Action> MorphController::machinesChanged(std::vector<Machine> machines, TimePoint now) {

@@ -156,6 +156,32 @@ TEST_CASE("a checkpoint that does not finish in time becomes a failure", "[morph
   CHECK(relaunch.plan.hosts == std::vector<std::string>{"a"});  // b is still leaving
 }
 
+TEST_CASE("the checkpoint is waited for until the notice's deadline at most", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  // Taken in 8 s: waiting the full 30 s checkpointTimeout would be pointless.
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now, h.now + 8s));
+  CHECK(h.controller.tick(h.now + 7s).empty());
+  only<action::KillAll>(h.controller.tick(h.now + 8s));
+}
+
+TEST_CASE("a more urgent second notice shortens the wait; a later one does not lengthen it", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now, h.now + 20s));
+  CHECK(h.controller.preemptNotice("b", h.now + 1s, h.now + 60s).empty());
+  CHECK(h.controller.preemptNotice("b", h.now + 1s, h.now + 5s).empty());
+  CHECK(h.controller.tick(h.now + 4s).empty());
+  only<action::KillAll>(h.controller.tick(h.now + 5s));
+}
+
+TEST_CASE("a notice whose deadline has passed still checkpoints; the wait ends at the next tick", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now, h.now - 3s));
+  only<action::KillAll>(h.controller.tick(h.now));
+}
+
 TEST_CASE("events during a morph are coalesced into the next plan", "[morph]") {
   Harness h(twoHosts());
   h.controller.start(h.now);

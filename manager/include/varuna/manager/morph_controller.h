@@ -75,7 +75,11 @@ class MorphController {
   // exitCode: the worker's, or -1 when killed by a signal.
   std::vector<Action> workerExited(int rank, int exitCode, TimePoint now);
   std::vector<Action> hostLost(const std::string& host, TimePoint now);
-  std::vector<Action> preemptNotice(const std::string& host, TimePoint now);
+  // takenAt: when the cloud takes the host, if the notice said. The
+  // on-demand checkpoint is waited for until then at the latest (after that
+  // the host's workers are gone anyway), never longer than checkpointTimeout.
+  std::vector<Action> preemptNotice(const std::string& host, TimePoint now,
+                                    std::optional<TimePoint> takenAt = std::nullopt);
   // The usable machines changed (list file edited, an agent came up or went).
   // A running job morphs only if the plan would change.
   std::vector<Action> machinesChanged(std::vector<Machine> machines, TimePoint now);
