@@ -59,7 +59,7 @@ def profile(build, workdir, sizes):
     log("profiling the example with 2 processes, micro-batch sizes", sizes)
     start = time.monotonic()
     launch(build, 2, 1, 1, 1, [os.path.join(build, "examples", "gpt", "profile_gpt"), "--profile_dir", workdir,
-                               "--micro_batch_sizes", sizes, "--repetitions", "20", *MODEL])
+                               "--micro_batch_sizes", sizes, "--repetitions", "60", *MODEL])
     log("profile written in %.0f s" % (time.monotonic() - start))
     return os.path.join(workdir, "profile.json")
 
