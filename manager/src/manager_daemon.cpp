@@ -205,6 +205,11 @@ void ManagerDaemon::start() {
   if (!config_.profile.empty()) {
     // AutoConfig plans every launch: P and/or the micro-batch as given, the rest chosen.
     auto profile = profile::readProfile(config_.profile);
+    // What the profile describes, for every worker to check against the model
+    // it builds: a stale profile (model changed) must not plan silently.
+    json pieces = json::array();
+    for (const auto& piece : profile.pieces) pieces.push_back({piece.name, piece.paramCount});
+    profiledPieces_ = pieces.dump();
     log::info("AutoConfig: planning with the profile ", config_.profile, " (", profile.pieces.size(), " pieces, ",
               profile.device, ", micro-batch sizes ", json(profile.microBatchSizes()).dump(), ")");
     options.stages = config_.nstages;
@@ -580,6 +585,7 @@ void ManagerDaemon::doLaunch(const action::Launch& launch) {
       costs += (costs.empty() ? "" : ",") + std::string(text);
     }
     if (!costs.empty()) message.env.emplace_back("VARUNA_PIECE_COSTS", costs);
+    message.env.emplace_back("VARUNA_PROFILE_PIECES", profiledPieces_);
   }
   message.stageToRankMap = plan.stageToRankMap;
   message.chunkSize = plan.chunkSize;

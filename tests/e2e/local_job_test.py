@@ -205,6 +205,19 @@ def test_autoconfig_plans_from_a_profile_and_replans_after_a_morph():
     assert "AutoConfig" in m.output()
     assert_nothing_left(m.job)
 
+    # A stale profile (the model changed since: here one piece's parameter
+    # count) is refused by the workers at start-up; the job stops (exit 2).
+    stale = json.loads(profile.read_text())
+    stale["pieces"][1]["param_count"] += 1
+    stale_path = ROOT / "stale-profile.json"
+    stale_path.write_text(json.dumps(stale))
+    m = manager("autoconfig-stale", steps=50, stages=None, chunk=None, extra_args=["--profile", str(stale_path)])
+    m.start()
+    assert m.wait_exit(120) == 2, m.tail()
+    name = stale["pieces"][1]["name"]
+    assert "piece '%s' has" % name in m.output() and "profile it again" in m.output(), m.tail()
+    assert_nothing_left(m.job)
+
 
 def test_bad_inputs_are_clear_errors():
     m = manager("missing-program", program="./no_such_trainer")

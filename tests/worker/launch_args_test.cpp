@@ -60,3 +60,16 @@ TEST_CASE("bad launcher arguments are clear errors", "[launch_args]") {
     CHECK_THAT(std::string(e.what()), Catch::Contains("MASTER_PORT='12x'"));
   }
 }
+
+TEST_CASE("AutoConfig's settings reach the runtime through the environment", "[launch_args]") {
+  auto a = parse({}, {{"VARUNA_SCHEDULE", "1f1b"},
+                      {"VARUNA_PIECE_COSTS", "1,2.5,0"},
+                      {"VARUNA_PROFILE_PIECES", R"([["embed", 4096], ["block0", 12672]])"}});
+  CHECK(a.schedule == "1f1b");
+  CHECK(a.pieceCosts == std::vector<double>{1, 2.5, 0});
+  CHECK(a.profiledPieces == std::vector<std::pair<std::string, int64_t>>{{"embed", 4096}, {"block0", 12672}});
+  CHECK_THROWS_WITH(parse({}, {{"VARUNA_SCHEDULE", "pipedream"}}), Catch::Contains("pipedream"));
+  CHECK_THROWS_WITH(parse({}, {{"VARUNA_PIECE_COSTS", "1,-2"}}), Catch::Contains("VARUNA_PIECE_COSTS"));
+  CHECK_THROWS_WITH(parse({}, {{"VARUNA_PROFILE_PIECES", "[[\"embed\"]]"}}), Catch::Contains("VARUNA_PROFILE_PIECES"));
+  CHECK_THROWS_WITH(parse({}, {{"VARUNA_PROFILE_PIECES", "{"}}), Catch::Contains("VARUNA_PROFILE_PIECES"));
+}

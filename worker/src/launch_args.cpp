@@ -4,6 +4,7 @@
 
 #include <charconv>
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 
 #include "varuna/common/errors.h"
 #include "varuna/common/schedule.h"
@@ -62,6 +63,16 @@ LaunchArgs parseLaunchArgs(int argc, const char* const* argv, const std::map<std
     }
     args.pieceCosts.push_back(value);
     start = end + 1;
+  }
+  const std::string pieces = envText("VARUNA_PROFILE_PIECES");
+  if (!pieces.empty()) {
+    try {
+      for (const auto& item : nlohmann::json::parse(pieces)) {
+        args.profiledPieces.emplace_back(item.at(0).get<std::string>(), item.at(1).get<int64_t>());
+      }
+    } catch (const nlohmann::json::exception& e) {
+      throw ConfigError(strCat("VARUNA_PROFILE_PIECES is not a JSON list of [name, parameters] (", e.what(), ")"));
+    }
   }
 
   CLI::App app{"varuna worker"};

@@ -72,6 +72,7 @@ void VarunaOptions::applyLaunchArgs(const LaunchArgs& args) {
   manager.host = args.hostAddr;
   if (!args.schedule.empty()) launcherSchedule = parseScheduleKind(args.schedule);
   launcherPieceCosts = args.pieceCosts;
+  launcherProfiledPieces = args.profiledPieces;
 }
 
 namespace {
@@ -173,6 +174,7 @@ class Varuna::Impl {
   torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
   void checkOutgoing(const torch::Tensor& out, int64_t b) const;
   NamedTensors pieceParams(int local) const;
+  std::string checkAgainstProfile() const;
   std::string pieceFile(int local, const char* kind) const;
   nlohmann::json checkpointMeta(int64_t step);
 
@@ -229,7 +231,8 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   std::string error;
   try {
     model_ = std::make_shared<StageModel>(opt_.model, partition_.begin(stage_), partition_.end(stage_), opt_.device);
-    error = checkSharedWeights();
+    error = checkAgainstProfile();
+    if (error.empty()) error = checkSharedWeights();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -606,6 +609,35 @@ double Varuna::Impl::evaluate(const Batch& inputs) {
 
 
 // --- checkpoints --------------------------------------------------------------
+
+// The launcher planned with a profile (run_varuna --profile): every rank
+// checks the piece names, and the parameter counts of its own pieces, so that
+// between them the ranks check the whole model.
+std::string Varuna::Impl::checkAgainstProfile() const {
+  const auto& profiled = opt_.launcherProfiledPieces;
+  if (profiled.empty()) return "";
+  const std::string fix = "the model changed since it was profiled: profile it again and restart run_varuna";
+  if (profiled.size() != opt_.model.pieces.size()) {
+    return strCat("the profile run_varuna planned with has ", profiled.size(), " pieces but the model has ",
+                  opt_.model.pieces.size(), "; ", fix);
+  }
+  for (size_t i = 0; i < profiled.size(); ++i) {
+    if (profiled[i].first != opt_.model.pieces[i].name) {
+      return strCat("piece ", i, " of the profile run_varuna planned with is '", profiled[i].first,
+                    "' but the model's is '", opt_.model.pieces[i].name, "'; ", fix);
+    }
+  }
+  for (int k = 0; k < model_->numPieces(); ++k) {
+    const int global = model_->firstPiece() + k;
+    int64_t params = 0;
+    for (const auto& p : model_->pieceParams(k)) params += p.numel();
+    if (params != profiled[global].second) {
+      return strCat("piece '", profiled[global].first, "' has ", params, " parameters but ", profiled[global].second,
+                    " in the profile run_varuna planned with; ", fix);
+    }
+  }
+  return "";
+}
 
 NamedTensors Varuna::Impl::pieceParams(int local) const {
   NamedTensors out;

@@ -125,6 +125,7 @@ class ManagerDaemon {
   uint16_t port_ = 0;
   std::string advertisedAddress_;  // host:port agents and workers dial
   std::string token_;
+  std::string profiledPieces_;  // --profile's pieces as JSON [[name, parameters], ...], for the workers
   std::vector<std::pair<std::string, std::string>> env_;  // env_file
   std::unique_ptr<EventLog> events_;
   std::unique_ptr<MorphController> controller_;

@@ -35,6 +35,9 @@ struct LaunchArgs {
   // program's own settings so the partition that runs is the one simulated.
   std::string schedule;             // VARUNA_SCHEDULE: varuna, 1f1b or gpipe
   std::vector<double> pieceCosts;   // VARUNA_PIECE_COSTS: comma-separated, one per piece
+  // VARUNA_PROFILE_PIECES: the pieces of the profile run_varuna planned with,
+  // JSON [[name, parameter count], ...]; the runtime refuses a model that differs.
+  std::vector<std::pair<std::string, int64_t>> profiledPieces;
   // Everything the runtime did not recognise, for the training program itself.
   std::vector<std::string> userArgs;
 };

@@ -71,6 +71,9 @@ struct VarunaOptions {
   // override `schedule` and `model.pieceCosts`.
   std::optional<ScheduleKind> launcherSchedule;
   std::vector<double> launcherPieceCosts;
+  // The pieces (name, parameter count) of the profile the launcher planned
+  // with; a model that differs is refused at start-up (a stale profile).
+  std::vector<std::pair<std::string, int64_t>> launcherProfiledPieces;
 
   // Fills rank, local rank, map and rendezvous from the launcher's arguments.
   void applyLaunchArgs(const LaunchArgs& args);
