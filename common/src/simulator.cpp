@@ -131,7 +131,10 @@ std::vector<double> pieceCosts(const profile::Profile& profile, int64_t microBat
   return costs;
 }
 
-Simulation simulate(const profile::Profile& profile, const SimulationInput& in, const Schedule* givenSchedule) {
+namespace {
+
+// Throws ConfigError for an input no plan could have; returns the per-replica batch.
+int64_t validate(const profile::Profile& profile, const SimulationInput& in) {
   const int P = in.stages, D = in.replicas;
   const int n = static_cast<int>(profile.pieces.size());
   if (P < 1) throw ConfigError(strCat("number of stages must be >= 1, got ", P));
@@ -156,21 +159,64 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
                              " replicas need ", P * D));
   }
   if (in.bucketBytes < 1) throw ConfigError(strCat("gradient bucket size must be >= 1 byte, got ", in.bucketBytes));
+  return perReplica;
+}
 
-  Simulation sim;
-  // The partition: given, or the one the runtime computes from pieceCosts().
-  if (in.firstPiece.empty()) {
-    sim.partition = partitionPieces(pieceCosts(profile, in.microBatch, in.schedule), P);
-  } else {
-    checkPartition(in.firstPiece, P, n);
-    const auto costs = pieceCosts(profile, in.microBatch, in.schedule);
-    sim.partition.firstPiece = in.firstPiece;
-    for (int s = 0; s < P; ++s) {
-      double c = 0;
-      for (int k = in.firstPiece[s]; k < in.firstPiece[s + 1]; ++k) c += costs[k];
-      sim.partition.stageCost.push_back(c);
-    }
+// The partition: given, or the one the runtime computes from pieceCosts().
+Partition resolvePartition(const profile::Profile& profile, const SimulationInput& in) {
+  const auto costs = pieceCosts(profile, in.microBatch, in.schedule);
+  if (in.firstPiece.empty()) return partitionPieces(costs, in.stages);
+  checkPartition(in.firstPiece, in.stages, static_cast<int>(profile.pieces.size()));
+  Partition partition;
+  partition.firstPiece = in.firstPiece;
+  for (int s = 0; s < in.stages; ++s) {
+    double c = 0;
+    for (int k = in.firstPiece[s]; k < in.firstPiece[s + 1]; ++k) c += costs[k];
+    partition.stageCost.push_back(c);
   }
+  return partition;
+}
+
+// The job-wide exchange closing every step (a barrier), and the slowest stage's optimizer.
+double stepStatsSeconds(const profile::Profile& profile, const SimulationInput& in) {
+  if (in.stages * in.replicas <= 1) return 0.0;
+  const std::set<std::string> hosts(in.hostOfRank.begin(), in.hostOfRank.end());
+  return profile.allreduceSeconds(kStepStatsBytes, in.stages * in.replicas, hosts.size() > 1);
+}
+
+double optimizerSeconds(const profile::Profile& profile, const std::vector<int>& first) {
+  double slowest = 0;
+  for (size_t s = 0; s + 1 < first.size(); ++s) {
+    int64_t params = 0;
+    for (int k = first[s]; k < first[s + 1]; ++k) params += profile.pieces[k].paramCount;
+    slowest = std::max(slowest, profile.optimizerSecondsPerParam * static_cast<double>(params));
+  }
+  return slowest;
+}
+
+}  // namespace
+
+double stepLowerBound(const profile::Profile& profile, const SimulationInput& in) {
+  const int64_t perReplica = validate(profile, in);
+  const Partition partition = resolvePartition(profile, in);
+  const int M = static_cast<int>((perReplica + in.microBatch - 1) / in.microBatch);
+  const int64_t lastSize = perReplica - static_cast<int64_t>(M - 1) * in.microBatch;
+  const auto full = stageFigures(profile, partition.firstPiece, in.microBatch);
+  const auto tail = lastSize == in.microBatch ? full : stageFigures(profile, partition.firstPiece, lastSize);
+  // Every stage runs each micro-batch's forward and backward one after the
+  // other (recomputes come on top for some schedules: left out, a bound).
+  double busiest = 0;
+  for (int s = 0; s < in.stages; ++s) {
+    busiest = std::max(busiest, (M - 1) * (full[s].forward + full[s].backward) + tail[s].forward + tail[s].backward);
+  }
+  return busiest + stepStatsSeconds(profile, in) + optimizerSeconds(profile, partition.firstPiece);
+}
+
+Simulation simulate(const profile::Profile& profile, const SimulationInput& in, const Schedule* givenSchedule) {
+  const int P = in.stages, D = in.replicas;
+  const int64_t perReplica = validate(profile, in);
+  Simulation sim;
+  sim.partition = resolvePartition(profile, in);
   const std::vector<int>& first = sim.partition.firstPiece;
 
   // Micro-batches as the runtime splits the replica's batch: all of size m but
@@ -259,8 +305,6 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
   // Data-parallel all-reduce of each stage's gradient buckets, in bucket order
   // on the stage's group, each starting once its pieces are final everywhere.
   double barrier = 0;
-  std::set<std::string> hosts;
-  for (int r = 0; r < P * D; ++r) hosts.insert(host(r));
   for (int s = 0; s < P; ++s) {
     const StageTimes& w = worst[s];
     const double computeDone = std::max(w.lastTaskEnd, w.lastSendArrival);
@@ -271,9 +315,12 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
       // Buckets fill with the pieces' gradients last piece first (GradBuckets::add).
       double channelFree = 0, pending = 0;
       int64_t filled = 0;
+      std::map<int64_t, double> seconds;  // by bucket size: nearly all buckets are full ones
       auto launch = [&](int64_t bytes, double ready) {
         const double start = std::max(ready, channelFree);
-        channelFree = start + profile.allreduceSeconds(bytes, D, crossHost);
+        auto known = seconds.find(bytes);
+        if (known == seconds.end()) known = seconds.emplace(bytes, profile.allreduceSeconds(bytes, D, crossHost)).first;
+        channelFree = start + known->second;
       };
       for (int k = first[s + 1] - 1; k >= first[s]; --k) {
         int64_t bytes = profile.pieces[k].paramCount * profile.gradientBytesPerParam;
@@ -295,17 +342,17 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
     sim.stageExposedAllreduceSeconds.push_back(std::max(0.0, reduced - computeDone));
     barrier = std::max(barrier, std::max(computeDone, reduced));
   }
-  const double stepStats = P * D > 1 ? profile.allreduceSeconds(kStepStatsBytes, P * D, hosts.size() > 1) : 0.0;
+  const double stepStats = stepStatsSeconds(profile, in);
   sim.allreduceSeconds = barrier - sim.pipelineSeconds + stepStats;
 
   // Optimizer, and memory.
+  sim.optimizerSeconds = optimizerSeconds(profile, first);
   for (int s = 0; s < P; ++s) {
     int64_t params = 0, paramBytes = 0;
     for (int k = first[s]; k < first[s + 1]; ++k) {
       params += profile.pieces[k].paramCount;
       paramBytes += profile.pieces[k].paramBytes;
     }
-    sim.optimizerSeconds = std::max(sim.optimizerSeconds, profile.optimizerSecondsPerParam * static_cast<double>(params));
 
     // Walk the task order. Live activations: from a forward that keeps them
     // (or a recompute) to the end of that micro-batch's backward. Boundary

@@ -219,7 +219,10 @@ void ManagerDaemon::start() {
                                           log::info("AutoConfig: ", result.explain());
                                           events_->write("autoconfig", {{"chosen", result.best.shortName()},
                                                                         {"explain", result.explain()},
-                                                                        {"table", result.table()}});
+                                                                        {"table", result.table()},
+                                                                        {"considered", result.ranked.size()},
+                                                                        {"simulated", result.simulatedCount},
+                                                                        {"planning_s", result.planningSeconds}});
                                         });
   }
   const std::string store = config_.globalStore;

@@ -1,6 +1,7 @@
 // AutoConfig on synthetic profiles: what is enumerated, what fits, what wins.
 #include <catch2/catch.hpp>
 
+#include <random>
 #include <set>
 #include <tuple>
 
@@ -41,8 +42,11 @@ Shape shape(const Candidate& c) { return {c.plan.stages, c.plan.replicas, c.plan
 
 TEST_CASE("autoconfig: enumerates every P, every D dividing the batch, every micro-batch that fits", "[autoconfig]") {
   const auto profile = fourPieces();
-  const auto result = autoConfigure(profile, request(twoByTwo(), 16));
+  auto everything = request(twoByTwo(), 16);
+  everything.simulateAll = true;
+  const auto result = autoConfigure(profile, everything);
   CHECK(result.slots == 4);
+  CHECK(result.simulatedCount == static_cast<int>(result.ranked.size()));
   std::set<Shape> expected;
   // P <= 4 pieces, P*D <= 4 slots, D | 16 (so not 3), micro-batch <= 16 / D.
   for (auto [P, D] : {std::pair{1, 1}, {1, 2}, {1, 4}, {2, 1}, {2, 2}, {3, 1}, {4, 1}}) {
@@ -77,6 +81,7 @@ TEST_CASE("autoconfig: each candidate is simulated on the planner's placement", 
   auto ask = request(twoByTwo(), 16);
   ask.fixedStages = 2;
   ask.fixedChunk = 8;  // few micro-batches: the transfers are on the critical path
+  ask.simulateAll = true;
   const auto result = autoConfigure(profile, ask);
   REQUIRE(result.ranked.size() == 2);  // D = 1 or 2
   for (const auto& c : result.ranked) {
@@ -105,13 +110,15 @@ TEST_CASE("autoconfig: each candidate is simulated on the planner's placement", 
 
 TEST_CASE("autoconfig: the memory limit excludes exactly the plans over it", "[autoconfig]") {
   const auto profile = fourPieces();
-  const auto unlimited = autoConfigure(profile, request(twoByTwo(), 16));
+  auto everything = request(twoByTwo(), 16);
+  everything.simulateAll = true;
+  const auto unlimited = autoConfigure(profile, everything);
   std::vector<int64_t> memory;
   for (const auto& c : unlimited.ranked) memory.push_back(c.simulation.maxStageMemoryBytes());
   std::sort(memory.begin(), memory.end());
   const int64_t limit = memory[memory.size() / 2];  // about half fit
 
-  auto ask = request(twoByTwo(), 16);
+  auto ask = everything;
   ask.memoryPerDeviceBytes = limit;
   const auto limited = autoConfigure(profile, ask);
   REQUIRE(limited.ranked.size() == unlimited.ranked.size());
@@ -181,6 +188,84 @@ TEST_CASE("autoconfig: ties are broken deterministically", "[autoconfig]") {
       CHECK(a.ranked[i].simulation.stepSeconds == b.ranked[i].simulation.stepSeconds);
     }
   }
+}
+
+TEST_CASE("autoconfig: skipping plans by their lower bound chooses what simulating all of them chooses",
+          "[autoconfig]") {
+  // Pseudo-random profiles and clusters (fixed seed): unequal pieces, real
+  // transfers, all-reduce and optimizer costs, sometimes a memory limit.
+  std::mt19937 rng(7);
+  auto uniform = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
+  int skippedSomewhere = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<PieceSpec> pieces;
+    const int n = 2 + trial % 6;
+    for (int k = 0; k < n; ++k) {
+      pieces.push_back(PieceSpec{uniform(0.1, 1.0), uniform(0.2, 2.0), uniform(0.1, 1.0),
+                                 static_cast<int64_t>(uniform(10, 400)), static_cast<int64_t>(uniform(100, 2000)),
+                                 static_cast<int64_t>(uniform(100, 5000))});
+    }
+    auto profile = varuna::test::syntheticProfile(pieces, {1, 2, 4, 8});
+    profile.p2p = {{100, uniform(0.001, 0.1), uniform(0.01, 0.5)}, {4000, uniform(0.1, 0.3), uniform(0.3, 1.0)}};
+    profile.allreduce = {{4000, 2, false, uniform(0.01, 0.5)}, {4000, 2, true, uniform(0.1, 2.0)}};
+    profile.optimizerSecondsPerParam = uniform(0, 1e-4);
+    std::vector<Machine> machines;
+    for (int h = 0; h < 1 + trial % 4; ++h) machines.push_back({"h" + std::to_string(h), 1 + (trial + h) % 4, h + 1});
+    auto ask = request(machines, trial % 3 == 0 ? 24 : 32);
+    ask.schedules = {ScheduleKind::kVaruna, ScheduleKind::k1F1B, ScheduleKind::kGPipe};
+    ask.threads = 1 + trial % 4;
+    if (trial % 5 == 4) ask.memoryPerDeviceBytes = 40000 + 2000 * trial;
+    auto all = ask;
+    all.simulateAll = true;
+    INFO("trial " << trial);
+    AutoConfigResult exhaustive, pruned;
+    try {
+      exhaustive = autoConfigure(profile, all);
+    } catch (const ConfigError&) {
+      CHECK_THROWS_AS(autoConfigure(profile, ask), ConfigError);  // nothing fits either way
+      continue;
+    }
+    pruned = autoConfigure(profile, ask);
+    CHECK(pruned.best.shortName() == exhaustive.best.shortName());
+    CHECK(pruned.best.simulation.stepSeconds == exhaustive.best.simulation.stepSeconds);
+    REQUIRE(pruned.ranked.size() == exhaustive.ranked.size());
+    const double best = pruned.best.simulation.stepSeconds;
+    for (const auto& c : pruned.ranked) {
+      INFO(c.shortName());
+      if (c.simulated) {
+        CHECK(c.lowerBoundSeconds <= c.simulation.stepSeconds + 1e-12);
+        CHECK(c.lowerBoundSeconds <= best + 1e-9);  // exactly the plans that could have won
+      } else {
+        CHECK(c.lowerBoundSeconds > best);
+        CHECK_FALSE(c.feasible);
+      }
+    }
+    // The same every run, whatever the number of threads.
+    auto oneThread = ask;
+    oneThread.threads = 1;
+    const auto again = autoConfigure(profile, oneThread);
+    REQUIRE(again.ranked.size() == pruned.ranked.size());
+    for (size_t i = 0; i < again.ranked.size(); ++i) {
+      CHECK(again.ranked[i].shortName() == pruned.ranked[i].shortName());
+      CHECK(again.ranked[i].simulated == pruned.ranked[i].simulated);
+    }
+    CHECK(pruned.simulatedCount <= exhaustive.simulatedCount);
+    skippedSomewhere += pruned.simulatedCount < static_cast<int>(pruned.ranked.size());
+  }
+  CHECK(skippedSomewhere >= 10);  // the bound does prune
+}
+
+TEST_CASE("autoconfig: skipped plans are listed with their bound", "[autoconfig]") {
+  // Many micro-batch sizes and stages on 8 slots: deep pipelines of tiny
+  // micro-batches are hopeless next to 1 x 8.
+  const auto profile = uniformProfile(8, {1, 2, 4, 8}, PieceSpec{1.0, 2.0, 1.0, 100, 1000, 1000});
+  const auto result = autoConfigure(profile, request({{"a", 8, 1}}, 64));
+  REQUIRE(result.simulatedCount < static_cast<int>(result.ranked.size()));
+  const auto& last = result.ranked.back();
+  CHECK_FALSE(last.simulated);
+  CHECK_THAT(result.explain(), Catch::Contains("skipped (their lower bound is slower than the chosen plan)") &&
+                                   Catch::Contains("planned in"));
+  CHECK_THAT(result.table(1000), Catch::Contains("skipped: slower than the chosen") && Catch::Contains(">="));
 }
 
 TEST_CASE("autoconfig: pinned stages or micro-batch, several schedules, excluded hosts", "[autoconfig]") {

@@ -253,6 +253,42 @@ TEST_CASE("simulator: impossible inputs are refused with what is wrong", "[simul
   CHECK_THROWS_AS(simulate(profile, input(0, 1, 1, 1, ScheduleKind::kVaruna)), ConfigError);
 }
 
+TEST_CASE("simulator: stepLowerBound never exceeds the simulated step, and is exact for one stage", "[simulator]") {
+  // Unequal pieces, real transfers and all-reduce, an optimizer: the bound
+  // must stay below the replay for every plan shape and schedule.
+  std::vector<PieceSpec> pieces;
+  for (int k = 0; k < 5; ++k) pieces.push_back(PieceSpec{0.5 + 0.3 * k, 1.0 + 0.1 * k, 0.4, 64, 500, 1000 + 700 * k});
+  auto profile = syntheticProfile(pieces, {1, 2, 4});
+  profile.p2p = {{64, 0.05, 0.2}, {256, 0.1, 0.5}};
+  profile.allreduce = {{4000, 2, false, 0.3}, {4000, 2, true, 0.9}};
+  profile.optimizerSecondsPerParam = 1e-4;
+  int checked = 0;
+  for (int P = 1; P <= 5; ++P) {
+    for (int D : {1, 2}) {
+      for (int64_t m : {1, 2, 4}) {
+        for (int64_t G : {8, 12}) {
+          for (ScheduleKind kind : kAllKinds) {
+            auto in = input(P, D, m, G, kind);
+            in.bucketBytes = 3000;
+            for (int r = 0; r < P * D; ++r) in.hostOfRank.push_back(r % 3 == 0 ? "a" : "b");
+            INFO("P " << P << " D " << D << " m " << m << " G " << G << " " << toString(kind));
+            const double bound = stepLowerBound(profile, in);
+            CHECK(bound > 0);
+            CHECK(bound <= simulate(profile, in).stepSeconds + 1e-12);
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  CHECK(checked == 5 * 2 * 3 * 2 * 3);
+  // One stage, one replica, no recompute: no bubble, nothing to overlap: exact.
+  const auto one = input(1, 1, 2, 8, ScheduleKind::k1F1B);
+  CHECK(stepLowerBound(profile, one) == Approx(simulate(profile, one).stepSeconds).epsilon(1e-12));
+  CHECK_THROWS_WITH(stepLowerBound(profile, input(6, 1, 1, 8, ScheduleKind::kVaruna)),
+                    Catch::Contains("the profiled model has 5 pieces"));
+}
+
 TEST_CASE("simulator: describe() sums up the step", "[simulator]") {
   const auto profile = uniformProfile(2, {1}, PieceSpec{1.0, 2.0, 1.0, 10, 100, 10});
   const std::string text = simulate(profile, input(2, 1, 1, 4, ScheduleKind::k1F1B)).describe();

@@ -79,6 +79,13 @@ std::vector<double> pieceCosts(const profile::Profile& profile, int64_t microBat
 Simulation simulate(const profile::Profile& profile, const SimulationInput& input,
                     const Schedule* schedule = nullptr);
 
+// A cheap lower bound of simulate(profile, input).stepSeconds (no schedule is
+// generated or replayed): the busiest stage's forwards and backwards back to
+// back, plus the step's closing exchange and the optimizer. AutoConfig skips
+// the plans whose bound is already slower than a plan it has simulated.
+// Throws as simulate() does.
+double stepLowerBound(const profile::Profile& profile, const SimulationInput& input);
+
 // "1.5 GiB", "320 MiB", "12 KiB", "80 B".
 std::string formatBytes(int64_t bytes);
 

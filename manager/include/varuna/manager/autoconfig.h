@@ -37,15 +37,21 @@ struct AutoConfigRequest {
   int fixedStages = 0;     // > 0: only this P (--nstages given)
   int64_t fixedChunk = 0;  // > 0: only this micro-batch size (--chunk_size given)
   int64_t bucketBytes = 4 << 20;  // the workers' VarunaOptions::bucketBytes
+  bool simulateAll = false;  // true: no plan skipped (bench_autoconfig compares every prediction)
+  int threads = 0;           // simulations at once; 0: one per core (at most 8)
 };
 
 struct Candidate {
   Plan plan;  // its `schedule` and `pieceCosts` are set: hand both to the workers
   ScheduleKind schedule = ScheduleKind::kVaruna;
-  Simulation simulation;
+  Simulation simulation;  // empty when skipped
   double samplesPerSecond = 0;
   bool feasible = false;
   std::string infeasibleBecause;  // e.g. "stage 0 needs 13.1 GiB, devices have 12.0 GiB"
+  // false: skipped, its lower bound already slower than the chosen plan (so
+  // neither its step time nor its memory is known).
+  bool simulated = true;
+  double lowerBoundSeconds = 0;  // stepLowerBound of the plan
 
   // "2x4 m=4 varuna"
   std::string shortName() const;
@@ -55,9 +61,12 @@ struct AutoConfigResult {
   Candidate best;
   // Feasible first, fastest first; ties go to fewer workers, then fewer
   // stages, then the larger micro-batch, then the schedule listed first.
-  // Infeasible ones follow, the smallest memory first, each with its reason.
+  // Skipped ones follow, by their lower bound; then the infeasible ones, the
+  // smallest memory first, each with its reason.
   std::vector<Candidate> ranked;
   int slots = 0;  // usable worker slots
+  int simulatedCount = 0;  // the others were skipped
+  double planningSeconds = 0;  // wall time autoConfigure took
 
   // One paragraph: the choice, its predicted step, where the time goes, and
   // what it beat.
