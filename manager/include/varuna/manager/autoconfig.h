@@ -1,6 +1,6 @@
 // AutoConfig: chooses the job's shape (stages P, replicas D, micro-batch size,
-// schedule) for the machines at hand by simulating every feasible plan on the
-// model's profile and taking the fastest. Pure function of its inputs (no I/O),
+// schedule) for the machines at hand by simulating the plans on the model's
+// profile (all but those a lower bound rules out) and taking the fastest. Pure function of its inputs (no I/O),
 // so run_varuna can call it at launch and at every morph, from the
 // controller's thread (MorphController's `planner`, see autoConfigPlanner).
 //
