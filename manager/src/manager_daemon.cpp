@@ -216,9 +216,10 @@ void ManagerDaemon::start() {
     options.chunkSize = config_.chunkSize;
     options.planner = autoConfigPlanner(std::move(profile), autoConfigSettings(config_),
                                         [this](const AutoConfigResult& result) {
-                                          log::info("AutoConfig: ", result.explain());
+                                          const std::string why = result.explain();
+                                          log::info("AutoConfig: ", why);
                                           events_->write("autoconfig", {{"chosen", result.best.shortName()},
-                                                                        {"explain", result.explain()},
+                                                                        {"explain", why},
                                                                         {"table", result.table()},
                                                                         {"considered", result.ranked.size()},
                                                                         {"simulated", result.simulatedCount},

@@ -262,7 +262,7 @@ TEST_CASE("simulator: stepLowerBound never exceeds the simulated step, and is ex
   profile.p2p = {{64, 0.05, 0.2}, {256, 0.1, 0.5}};
   profile.allreduce = {{4000, 2, false, 0.3}, {4000, 2, true, 0.9}};
   profile.optimizerSecondsPerParam = 1e-4;
-  int checked = 0;
+  int strictlyBelow = 0;  // the bound is not the simulation itself: bubbles, transfers, recompute are left out
   for (int P = 1; P <= 5; ++P) {
     for (int D : {1, 2}) {
       for (int64_t m : {1, 2, 4}) {
@@ -274,14 +274,15 @@ TEST_CASE("simulator: stepLowerBound never exceeds the simulated step, and is ex
             INFO("P " << P << " D " << D << " m " << m << " G " << G << " " << toString(kind));
             const double bound = stepLowerBound(profile, in);
             CHECK(bound > 0);
-            CHECK(bound <= simulate(profile, in).stepSeconds + 1e-12);
-            ++checked;
+            const double step = simulate(profile, in).stepSeconds;
+            CHECK(bound <= step + 1e-12);
+            if (P > 1) strictlyBelow += bound < step - 1e-9;
           }
         }
       }
     }
   }
-  CHECK(checked == 5 * 2 * 3 * 2 * 3);
+  CHECK(strictlyBelow == 4 * 2 * 3 * 2 * 3);  // every multi-stage plan has a bubble
   // One stage, one replica, no recompute: no bubble, nothing to overlap: exact.
   const auto one = input(1, 1, 2, 8, ScheduleKind::k1F1B);
   CHECK(stepLowerBound(profile, one) == Approx(simulate(profile, one).stepSeconds).epsilon(1e-12));

@@ -1,8 +1,9 @@
 // AutoConfig: chooses the job's shape (stages P, replicas D, micro-batch size,
 // schedule) for the machines at hand by simulating the plans on the model's
-// profile (all but those a lower bound rules out) and taking the fastest. Pure function of its inputs (no I/O),
-// so run_varuna can call it at launch and at every morph, from the
-// controller's thread (MorphController's `planner`, see autoConfigPlanner).
+// profile (all but those a lower bound rules out) and taking the fastest. No
+// I/O, and the result depends on the inputs only (apart from the measured
+// planning time), so run_varuna can call it at launch and at every morph, from
+// the controller's thread (MorphController's `planner`, see autoConfigPlanner).
 //
 // Enumerated (docs/profile.md, "AutoConfig"): every P from 1 to min(pieces,
 // slots); every D with P*D <= slots that divides the global batch; every
