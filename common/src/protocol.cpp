@@ -1,5 +1,6 @@
 #include "varuna/common/protocol.h"
 
+#include <algorithm>
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -24,6 +25,9 @@ json toJson(const StepReport& m) {
 json toJson(const WorkerExited& m) {
   return {{"type", "worker_exited"}, {"host", m.host}, {"rank", m.rank}, {"exit_code", m.exitCode}, {"signal", m.signal},
           {"generation", m.generation}, {"log_tail", m.logTail}};
+}
+json toJson(const CheckpointFailed& m) {
+  return {{"type", "checkpoint_failed"}, {"rank", m.rank}, {"step", m.step}, {"error", boundedText(m.error)}};
 }
 json toJson(const PreemptNotice& m) { return {{"type", "preempt"}, {"host", m.host}, {"deadline_unix_ms", m.deadlineUnixMs}}; }
 json toJson(const LaunchWorkers& m) {
@@ -55,6 +59,9 @@ Message fromJson(const json& j) {
   }
   if (type == "worker_exited") return WorkerExited{j.at("host"), j.at("rank"), j.at("exit_code"), j.at("signal"), j.at("generation"),
                         j.at("log_tail")};
+  if (type == "checkpoint_failed") {
+    return CheckpointFailed{j.at("rank"), j.at("step"), boundedText(j.at("error").get<std::string>())};
+  }
   if (type == "preempt") return PreemptNotice{j.at("host"), j.at("deadline_unix_ms")};
   if (type == "launch_workers") {
     LaunchWorkers m;
@@ -118,7 +125,51 @@ std::optional<Heartbeat> canonicalHeartbeat(std::string_view body) {
   return Heartbeat{static_cast<int>(rank), step};
 }
 
+// Length of the valid UTF-8 sequence at the start of `s`, 0 if it is not one.
+size_t utf8SequenceLength(std::string_view s) {
+  const auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char lead = byte(0);
+  size_t n = 0;
+  if (lead < 0x80) return 1;
+  if (lead >= 0xc2 && lead <= 0xdf) n = 2;
+  else if (lead >= 0xe0 && lead <= 0xef) n = 3;
+  else if (lead >= 0xf0 && lead <= 0xf4) n = 4;
+  else return 0;
+  if (s.size() < n) return 0;
+  for (size_t i = 1; i < n; ++i) {
+    if ((byte(i) & 0xc0) != 0x80) return 0;
+  }
+  // Overlong forms, surrogates and code points past U+10FFFF.
+  if (lead == 0xe0 && byte(1) < 0xa0) return 0;
+  if (lead == 0xed && byte(1) > 0x9f) return 0;
+  if (lead == 0xf0 && byte(1) < 0x90) return 0;
+  if (lead == 0xf4 && byte(1) > 0x8f) return 0;
+  return n;
+}
+
 }  // namespace
+
+std::string boundedText(std::string_view text, size_t maxBytes) {
+  std::string out;
+  size_t i = 0;
+  while (i < text.size() && out.size() <= maxBytes) {  // never more of a long text than needed
+    const size_t n = utf8SequenceLength(text.substr(i));
+    if (n == 0) {
+      out.push_back('?');
+      ++i;
+    } else {
+      out.append(text.substr(i, n));
+      i += n;
+    }
+  }
+  if (i == text.size() && out.size() <= maxBytes) return out;
+  constexpr std::string_view kEllipsis = "...";
+  size_t keep = maxBytes >= kEllipsis.size() ? maxBytes - kEllipsis.size() : 0;
+  while (keep > 0 && (static_cast<unsigned char>(out[keep]) & 0xc0) == 0x80) --keep;  // a character's start
+  out.resize(keep);
+  out.append(kEllipsis.substr(0, std::min(kEllipsis.size(), maxBytes)));
+  return out;
+}
 
 std::string typeName(const Message& message) {
   return std::visit([](const auto& m) { return toJson(m).at("type").template get<std::string>(); }, message);

@@ -1,6 +1,7 @@
 #include "gpt_model.h"
 
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -55,9 +56,14 @@ class BlockPiece : public Piece {
         fc2_(register_module("fc2", torch::nn::Linear(4 * c.dModel, c.dModel))),
         residDropout_(register_module("dropout", torch::nn::Dropout(c.dropout))) {
     for (auto* layer : {&qkv_, &proj_, &fc_, &fc2_}) initLinear(*layer);
+    // Registered last and only when asked for, so the other parameters keep
+    // their names and initial values (the seeded draws above come first).
+    if (c.batchNorm) bn_ = register_module("bn", torch::nn::BatchNorm1d(c.dModel));
   }
-  torch::Tensor forward(const torch::Tensor& x, const Batch&) override {
-    const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads_;
+  torch::Tensor forward(const torch::Tensor& input, const Batch&) override {
+    const int64_t b = input.size(0), t = input.size(1), d = input.size(2), hd = d / heads_;
+    // BatchNorm1d over (N, C): every position of every sample is one row.
+    const torch::Tensor x = bn_ ? bn_(input.reshape({b * t, d})).view({b, t, d}) : input;
     auto qkv = qkv_(ln1_(x)).split(d, 2);
     auto heads = [&](const torch::Tensor& y) { return y.view({b, t, heads_, hd}).transpose(1, 2); };
     auto attn = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {},
@@ -74,6 +80,7 @@ class BlockPiece : public Piece {
   torch::nn::LayerNorm ln2_;
   torch::nn::Linear fc_, fc2_;
   torch::nn::Dropout residDropout_;
+  torch::nn::BatchNorm1d bn_{nullptr};
 };
 
 class HeadPiece : public Piece {
@@ -105,7 +112,10 @@ varuna::ModelSpec makeGptModel(const GptConfig& c) {
   varuna::ModelSpec spec;
   spec.seed = c.seed;
   spec.pieces.push_back({"embed", [c] { return std::make_shared<EmbeddingPiece>(c); }, (c.vocabSize + c.seqLen) * d});
-  const int64_t blockParams = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
+  // Two LayerNorms, qkv, proj, fc, fc2 (+ the BatchNorm's weight and bias;
+  // its running statistics are buffers, not parameters).
+  const int64_t blockParams = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) +
+                              (c.batchNorm ? 2 * d : 0);
   for (int64_t i = 0; i < c.layers; ++i) {
     spec.pieces.push_back({"block" + std::to_string(i), [c] { return std::make_shared<BlockPiece>(c); }, blockParams});
   }

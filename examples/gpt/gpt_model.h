@@ -2,6 +2,12 @@
 // embeddings), "block0".."blockN-1" (pre-norm transformer blocks) and "head"
 // (final norm, LM head tied to the token embedding, cross-entropy loss).
 // Inputs: "tokens" and "targets", both int64 (b, seq_len).
+//
+// With batchNorm, each block first normalises its input with a BatchNorm1d
+// over the (b * seq_len, d_model) view ("block<i>.bn"): a piece with running
+// statistics (running_mean, running_var, num_batches_tracked buffers), for
+// testing that buffers are model state. In training mode it normalises with
+// the micro-batch's own statistics, so results depend on the micro-batch size.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +25,7 @@ struct GptConfig {
   double dropout = 0.0;
   uint64_t seed = 1234;
   bool tieEmbeddings = true;
+  bool batchNorm = false;  // a BatchNorm1d at the start of every block
 };
 
 // Pieces, parameter counts and (if tieEmbeddings) the shared-weight pair

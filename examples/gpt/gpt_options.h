@@ -18,6 +18,9 @@ inline void addModelOptions(CLI::App& app, GptConfig& model) {
   app.add_flag_function(
       "--untied", [&model](int64_t) { model.tieEmbeddings = false; },
       "do not tie the LM head to the token embedding");
+  app.add_flag_function(
+      "--batchnorm", [&model](int64_t) { model.batchNorm = true; },
+      "start every block with a BatchNorm1d over (batch x seq_len, d_model): running-statistics buffers");
 }
 
 }  // namespace gpt

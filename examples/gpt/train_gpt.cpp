@@ -17,6 +17,7 @@
 #include "char_dataset.h"
 #include "gpt_model.h"
 #include "gpt_options.h"
+#include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 #include "varuna/worker/tensor_file.h"
 #include "varuna/worker/varuna.h"
@@ -42,6 +43,7 @@ struct TrainOptions {
   int64_t checkpointEvery = 0;   // 0: only on demand (SIGUSR1) and at the end
   std::string checkpointTempdir;
   bool checkpointShard = false;
+  int keepCheckpoints = -1;      // -1: run_varuna's value, or the runtime's default
   std::string pieceCosts;  // comma-separated; empty: balance by parameter count
   int threads = 1;
   double peerTimeoutSeconds = 60;
@@ -73,12 +75,16 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--data_seed", o.dataSeed, "seed of the data order");
   app.add_option("--log_every", o.logEvery, "print every N steps");
   app.add_option("--dump_dir", o.dumpDir,
-                 "write per-step results (rank<r>_steps.jsonl) and the initial and final parameters "
-                 "(rank<r>_initial.pt, rank<r>_params.pt, loadable with torch.load) here");
+                 "write per-step results (rank<r>_steps.jsonl), the initial and final parameters "
+                 "(rank<r>_initial.pt, rank<r>_params.pt) and final buffers (rank<r>_buffers.pt), "
+                 "loadable with torch.load, here");
   app.add_option("--checkpoint_dir", o.checkpointDir, "global store for checkpoints (varuna_ckpt_<step>/)");
   app.add_option("--checkpoint_every", o.checkpointEvery, "checkpoint every N steps (0: on SIGUSR1 and at the end)");
   app.add_option("--ckpt_tempdir", o.checkpointTempdir, "write checkpoints here first, copy in the background");
   app.add_flag("--ckpt_shard", o.checkpointShard, "spread checkpoint writes over the data-parallel replicas");
+  app.add_option("--keep_checkpoints", o.keepCheckpoints,
+                 "keep the newest N complete checkpoints (0: all; default: run_varuna's, else the runtime's)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--device", o.device, "cpu, or cuda (one GPU per worker: cuda:<local_rank>)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--piece_costs", o.pieceCosts, "comma-separated per-piece costs for partitioning");
@@ -97,12 +103,13 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   }
 }
 
-// Writes this rank's parameters (torch.load-able) and a plain-JSON summary of
-// each (shape, sum, first values) that other tools can check them against.
-void writeParameters(const varuna::Varuna& model, const std::filesystem::path& path) {
+// Writes named tensors of this rank (torch.load-able) and a plain-JSON summary
+// of each (shape, sum, first values) that other tools can check them against.
+void writeTensors(const std::vector<std::pair<std::string, torch::Tensor>>& named,
+                  const std::filesystem::path& path) {
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
-  nlohmann::json summary;
-  for (const auto& [name, tensor] : model.namedParameters()) {
+  nlohmann::json summary = nlohmann::json::object();
+  for (const auto& [name, tensor] : named) {
     auto t = tensor.detach().cpu().contiguous();
     tensors.push_back({name, t});
     auto flat = t.flatten().to(torch::kDouble);
@@ -112,6 +119,22 @@ void writeParameters(const varuna::Varuna& model, const std::filesystem::path& p
   }
   varuna::saveTensorFile(path.string(), tensors);
   std::ofstream(path.string() + ".summary.json") << summary.dump(1);
+}
+
+// Why nothing at or below `atMost` loads, for the error message: what the
+// newest checkpoint directory there fails (the runtime logged every one it
+// passed over).
+std::string explainUnloadable(const std::string& store, int64_t atMost) {
+  for (const int64_t step : varuna::ckpt::listCheckpoints(store)) {
+    if (step > atMost) continue;
+    try {
+      varuna::ckpt::verify(varuna::ckpt::checkpointDir(store, step));
+    } catch (const std::exception& e) {
+      return varuna::strCat(": the newest, step ", step, ", is unusable: ", e.what());
+    }
+    return "";
+  }
+  return ": there is none";
 }
 
 int run(int argc, char** argv) {
@@ -140,6 +163,12 @@ int run(int argc, char** argv) {
   options.device = o.device == "cuda" ? torch::Device(torch::kCUDA, static_cast<int8_t>(launch.localRank))
                                       : torch::Device(torch::kCPU);
   options.peerTimeout = std::chrono::milliseconds(static_cast<int64_t>(o.peerTimeoutSeconds * 1000));
+  // The runtime writes the on-demand checkpoint (exitIfCheckpointRequested) and
+  // applies retention with these; periodic ones go through checkpoint(step).
+  options.checkpointing.globalStore = o.checkpointDir;
+  options.checkpointing.tempdir = o.checkpointTempdir;
+  options.checkpointing.shard = o.checkpointShard;
+  if (o.keepCheckpoints >= 0) options.checkpointing.keepCheckpoints = o.keepCheckpoints;
   const uint64_t dataSeed = o.dataSeed;
   const int64_t seqLen = o.model.seqLen;
   options.getBatch = [&data, seqLen, dataSeed](int64_t size, torch::Device device) {
@@ -162,13 +191,25 @@ int run(int argc, char** argv) {
   varuna::installCheckpointSignalHandler();
   if (launch.resumeStep >= 0) {
     if (o.checkpointDir.empty()) throw varuna::ConfigError("--resume_step needs --checkpoint_dir");
-    model.loadCheckpoint(o.checkpointDir, launch.resumeStep);
+    // The newest checkpoint at or below the requested step that every rank
+    // verifies: a damaged one (checksum, size) is passed over, not fatal.
+    const auto loaded = model.loadLatestCheckpoint(o.checkpointDir, launch.resumeStep);
+    if (!loaded) {
+      throw varuna::ckpt::CheckpointError(varuna::strCat("no checkpoint at or below step ", launch.resumeStep, " in '",
+                                                         o.checkpointDir, "' could be loaded",
+                                                         explainUnloadable(o.checkpointDir, launch.resumeStep)));
+    }
+    if (*loaded < launch.resumeStep && launch.rank == 0) {
+      varuna::log::warn("the checkpoint of step ", launch.resumeStep, " could not be loaded; fell back to step ",
+                        *loaded);
+    }
   }
 
   std::ofstream stepLog;
   if (!o.dumpDir.empty()) {
     std::filesystem::create_directories(o.dumpDir);
-    writeParameters(model, std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_initial.pt"));
+    writeTensors(model.namedParameters(),
+                 std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_initial.pt"));
     // A resumed run (e.g. after a morph) continues the log of the run before.
     stepLog.open(std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_steps.jsonl"),
                  launch.resumeStep >= 0 ? std::ios::app : std::ios::trunc);
@@ -196,19 +237,16 @@ int run(int argc, char** argv) {
               << "\n";
       stepLog.flush();
     }
-    if (result.checkpointRequested) {
-      // SIGUSR1 (a preemption notice): checkpoint this step and leave.
-      if (o.checkpointDir.empty()) {
-        varuna::log::warn("checkpoint requested but no --checkpoint_dir: exiting without one");
-        varuna::exitWorker(varuna::kExitCheckpointed);
-      }
-      model.checkpoint(o.checkpointDir, step + 1, o.checkpointTempdir, o.checkpointShard, /*onDemand=*/true);
-      if (reporter) std::cout << "checkpointed step " << step + 1 << " on demand; exiting" << std::endl;
-      varuna::exitWorker(varuna::kExitCheckpointed);
+    if (result.checkpointRequested && reporter) {
+      std::cout << "checkpoint requested: writing step " << step + 1 << " on demand, then exiting" << std::endl;
     }
+    // SIGUSR1 (a preemption notice) on any rank: the runtime checkpoints this
+    // step and exits with kExitCheckpointed; otherwise it returns at once.
+    model.exitIfCheckpointRequested(result);
     if (!o.checkpointDir.empty() && o.checkpointEvery > 0 && (step + 1) % o.checkpointEvery == 0 &&
         step + 1 < o.steps) {
-      model.checkpoint(o.checkpointDir, step + 1, o.checkpointTempdir, o.checkpointShard);
+      // A storage failure is logged and reported by the runtime; training goes on.
+      model.checkpoint(step + 1);
     }
     if (reporter && (step % o.logEvery == 0 || step + 1 == o.steps)) {
       std::cout << "step " << step << " loss " << result.loss << " grad_norm " << result.gradNorm
@@ -225,7 +263,10 @@ int run(int argc, char** argv) {
       model.evaluate(data.replicaBatch(o.steps, globalBatch, model.replica(), model.numReplicas(), seqLen, dataSeed));
   if (reporter) std::cout << "eval loss " << evalLoss << std::endl;
   if (!o.dumpDir.empty()) {
-    writeParameters(model, std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_params.pt"));
+    const std::filesystem::path dump(o.dumpDir);
+    writeTensors(model.namedParameters(), dump / ("rank" + std::to_string(launch.rank) + "_params.pt"));
+    // Buffers (BatchNorm running statistics); an empty dict when the stage has none.
+    writeTensors(model.namedBuffers(), dump / ("rank" + std::to_string(launch.rank) + "_buffers.pt"));
     std::ofstream(std::filesystem::path(o.dumpDir) / ("rank" + std::to_string(launch.rank) + "_eval.json"))
         << nlohmann::json{{"eval_loss", evalLoss}}.dump();
   }

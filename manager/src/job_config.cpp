@@ -49,6 +49,9 @@ const std::vector<Field>& fields() {
       {"port", &JobConfig::port, "control port (default 0: any free port)"},
       {"master_port", &JobConfig::masterPort, "workers' rendezvous port on rank 0's host, + generation offset (default 29500)"},
       {"global_store", &JobConfig::globalStore, "checkpoint folder every worker can reach"},
+      {"keep_checkpoints", &JobConfig::keepCheckpoints,
+       "complete checkpoints kept in --global_store; older ones and the remains of interrupted ones are removed "
+       "(default 3; 0: keep every checkpoint)"},
       {"state_dir", &JobConfig::stateDir, "state.json, events.jsonl, slow_machines.out, token"},
       {"heartbeat_timeout_s", &JobConfig::heartbeatTimeoutS, "a worker silent this long is hung (default 10)"},
       {"startup_timeout_s", &JobConfig::startupTimeoutS, "launch to a worker's first hello (default 120)"},
@@ -210,6 +213,9 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
   if (config.maxFailures < 0) throw ConfigError("--max_failures must be >= 0");
   if (!(config.slowThreshold > 0)) throw ConfigError("--slow_threshold must be > 0 (e.g. 0.15 for 15 %)");
   if (config.slowWindow < 1) throw ConfigError("--slow_window must be >= 1 step");
+  if (config.keepCheckpoints < 0) {
+    throw ConfigError(strCat("--keep_checkpoints must be >= 0 (0 keeps every checkpoint), got ", config.keepCheckpoints));
+  }
   if (config.program.empty()) {
     throw ConfigError("no training program: put it and its arguments after `--` (e.g. run_varuna ... -- ./train_gpt "
                       "--steps 100) or as \"program\" in the job config");
@@ -316,6 +322,14 @@ std::vector<ScheduleKind> parseScheduleList(const std::string& text) {
     start = end + 1;
   }
   return kinds;
+}
+
+std::vector<std::pair<std::string, std::string>> jobEnvironment(
+    const JobConfig& config, std::vector<std::pair<std::string, std::string>> envFile) {
+  auto env = std::move(envFile);
+  env.emplace_back("VARUNA_GLOBAL_STORE", config.globalStore);
+  env.emplace_back("VARUNA_KEEP_CHECKPOINTS", std::to_string(config.keepCheckpoints));
+  return env;
 }
 
 std::vector<std::pair<std::string, std::string>> parseEnvFile(std::string_view text, const std::string& source) {

@@ -67,8 +67,7 @@ json readJsonFile(const fs::path& path) {
 // others are refused. (A store without the file, e.g. filled by
 // scripts/varuna_launch.py, is adopted.)
 void claimGlobalStore(const fs::path& store, const std::string& job) {
-  constexpr const char* kOwnerFile = "varuna_job.json";
-  const json owner = readJsonFile(store / kOwnerFile);
+  const json owner = readJsonFile(store / ckpt::kJobFile);
   if (owner.is_object() && owner.contains("job") && owner["job"].is_string()) {
     const std::string holder = owner["job"].get<std::string>();
     if (holder == job) return;
@@ -76,7 +75,9 @@ void claimGlobalStore(const fs::path& store, const std::string& job) {
                              "', not of job '", job, "': give this job its own --global_store, or run it as --job ",
                              holder, " to continue that job"));
   }
-  ckpt::writeFileAtomic(store, kOwnerFile, json{{"job", job}}.dump() + "\n");
+  json claimed = owner.is_object() ? owner : json::object();  // keeps a generation record already there
+  claimed["job"] = job;
+  ckpt::writeFileAtomic(store, ckpt::kJobFile, claimed.dump() + "\n");
 }
 
 json planJson(const Plan& plan) {
@@ -142,7 +143,7 @@ void ManagerDaemon::start() {
   token_ = loadOrCreateToken(stateDir);
   events_ = std::make_unique<EventLog>((stateDir / "events.jsonl").string());
   if (!config_.envFile.empty()) env_ = parseEnvFile(ckpt::readFile(config_.envFile), config_.envFile);
-  env_.emplace_back("VARUNA_GLOBAL_STORE", config_.globalStore);
+  env_ = jobEnvironment(config_, std::move(env_));
   fs::create_directories(config_.globalStore, ec);
   if (ec) throw ConfigError(strCat("cannot create --global_store ", config_.globalStore, ": ", ec.message()));
 
@@ -159,6 +160,20 @@ void ManagerDaemon::start() {
     log::warn("state of an earlier manager of job '", config_.job, "' found (phase ", phase, ", generation ",
               firstGeneration - 1, "): continuing from the last complete checkpoint");
     events_->write("manager_restarted", {{"previous_phase", phase}, {"previous_generation", firstGeneration - 1}});
+  }
+  // The store's generation record (fencing) is the other memory of earlier
+  // launches: without state.json (a new --state_dir) the numbering must still
+  // go past it, or this manager's workers would count as superseded.
+  std::optional<int64_t> recorded;
+  try {
+    recorded = ckpt::recordedGeneration(config_.globalStore);
+  } catch (const std::exception& e) {
+    log::warn("cannot read the generation record in ", config_.globalStore, ": ", e.what());
+  }
+  if (recorded && *recorded >= firstGeneration) {
+    log::warn("the store records generation ", *recorded, " of job '", config_.job, "': continuing with generation ",
+              *recorded + 1);
+    firstGeneration = static_cast<int>(*recorded + 1);
   }
 
   // Listen.
@@ -226,10 +241,9 @@ void ManagerDaemon::start() {
                                                                         {"planning_s", result.planningSeconds}});
                                         });
   }
-  const std::string store = config_.globalStore;
   controller_ = std::make_unique<MorphController>(options, std::vector<Machine>{},
-                                                  [store] { return ckpt::latestComplete(store); });
-  lastCheckpoint_ = ckpt::latestComplete(store);
+                                                  [this] { return findLatestCheckpoint(); });
+  lastCheckpoint_ = findLatestCheckpoint();
 
   log::info("job '", config_.job, "': manager listening on ", advertisedAddress_, "; state in ", config_.stateDir);
   log::info("starting agents on ", listed_.size(), " host(s) from ", config_.machineList);
@@ -405,6 +419,8 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   it->second.lastSeen = Clock::now();
   if (const auto* report = std::get_if<proto::StepReport>(&message)) {
     onStepReport(*report);
+  } else if (const auto* failed = std::get_if<proto::CheckpointFailed>(&message)) {
+    onCheckpointFailed(rank, *failed);
   } else if (const auto* ping = std::get_if<proto::Ping>(&message)) {
     if (it->second.connection) it->second.connection->send(proto::Pong{ping->sequence, ping->sentNs});
   }
@@ -564,6 +580,25 @@ void ManagerDaemon::sendToAgentsOfPlan(const proto::Message& message) {
 void ManagerDaemon::doLaunch(const action::Launch& launch) {
   const Plan& plan = launch.plan;
   const auto now = Clock::now();
+  // Fencing: the store records the generation before any of its workers
+  // exists, so the workers of every earlier generation that are still alive
+  // are refused when they try to complete a checkpoint. Without the record
+  // the launch does not happen (a full or failing store): it is a failure,
+  // retried after the backoff like any other.
+  try {
+    ckpt::recordGeneration(config_.globalStore, launch.generation);
+  } catch (const std::exception& e) {
+    // Valid UTF-8 (a path may not be): the reason goes into the event log's JSON.
+    const std::string reason = proto::boundedText(
+        strCat("cannot record generation ", launch.generation, " in ",
+               (fs::path(config_.globalStore) / ckpt::kJobFile).string(), ": ", e.what()),
+        2 * proto::kMaxErrorTextBytes);
+    log::error(reason, "; the launch is retried after the backoff");
+    events_->write("launch_failed", {{"generation", launch.generation}, {"reason", reason}});
+    workers_.clear();
+    apply(controller_->launchFailed(reason, now));
+    return;
+  }
   launchedAt_ = now;
   workers_.clear();
   steps_.clear();
@@ -774,12 +809,42 @@ void ManagerDaemon::watchMachineList() {
 }
 
 void ManagerDaemon::watchCheckpoints(TimePoint now) {
-  const auto latest = ckpt::latestComplete(config_.globalStore);
-  if (latest && latest != lastCheckpoint_) {
+  const auto latest = findLatestCheckpoint();
+  if (!latest || latest == lastCheckpoint_) return;
+  if (lastCheckpoint_ && *latest < *lastCheckpoint_) {
+    // The newer one was found damaged (checkpoint_skipped says which): not a new checkpoint.
     lastCheckpoint_ = latest;
-    lastCheckpointSeen_ = now;
-    events_->write("checkpoint_complete", {{"step", *latest}});
+    return;
   }
+  lastCheckpoint_ = latest;
+  lastCheckpointSeen_ = now;
+  events_->write("checkpoint_complete", {{"step", *latest}});
+}
+
+std::optional<int64_t> ManagerDaemon::findLatestCheckpoint() {
+  std::vector<ckpt::SkippedCheckpoint> skipped;
+  std::optional<int64_t> latest;
+  try {
+    latest = ckpt::latestComplete(config_.globalStore, &skipped);
+    storeReadError_.clear();
+  } catch (const std::exception& e) {
+    // Never an exception out of a handler; never a fresh start either (that
+    // would throw the job's progress away): keep resuming from the last known.
+    if (storeReadError_ != e.what()) {
+      storeReadError_ = e.what();
+      log::error("cannot look for checkpoints in ", config_.globalStore, ": ", e.what(),
+                 lastCheckpoint_ ? strCat("; using the last one seen, step ", *lastCheckpoint_) : std::string());
+      events_->write("store_error", {{"error", proto::boundedText(e.what())}});
+    }
+    return lastCheckpoint_;
+  }
+  for (const auto& skip : skipped) {
+    if (!skippedCheckpoints_.insert(skip.step).second) continue;  // reported already
+    log::warn("skipping the checkpoint of step ", skip.step, ": ", skip.reason,
+              latest ? strCat("; the latest usable one is step ", *latest) : std::string("; no usable one is left"));
+    events_->write("checkpoint_skipped", {{"step", skip.step}, {"reason", proto::boundedText(skip.reason)}});
+  }
+  return latest;
 }
 
 // --- reporting ---------------------------------------------------------------------
@@ -836,6 +901,17 @@ void ManagerDaemon::onStepReport(const proto::StepReport& report) {
   }
 }
 
+void ManagerDaemon::onCheckpointFailed(int rank, const proto::CheckpointFailed& failure) {
+  const auto& placement = controller_->plan().placement;
+  const std::string host = rank >= 0 && rank < static_cast<int>(placement.size()) ? placement[rank].host : "?";
+  const std::string error = proto::boundedText(failure.error);
+  ++checkpointFailures_;
+  log::warn("rank ", rank, " on ", host, ": the checkpoint of step ", failure.step, " failed (", error,
+            "); training goes on, the next checkpoint tries again");
+  lastCheckpointFailure_ = {{"host", host}, {"rank", rank}, {"step", failure.step}, {"error", error}};
+  events_->write("checkpoint_failed", lastCheckpointFailure_);
+}
+
 void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
   std::vector<std::string> hosts;
   for (const auto& s : slow) hosts.push_back(s.host);
@@ -887,6 +963,9 @@ void ManagerDaemon::writeState() {
       {"plan", cachedPlanJson()},
       {"hosts", hosts},
       {"last_checkpoint_step", lastCheckpoint_ ? json(*lastCheckpoint_) : json()},
+      {"checkpoint_failures", checkpointFailures_},
+      {"last_checkpoint_failure", lastCheckpointFailure_},
+      {"skipped_checkpoints", skippedCheckpoints_},
       {"progress", {{"step", lastStep_}, {"loss", lastLoss_}, {"samples_per_s", lastSamplesPerSecond_}}},
       {"morphs", morphs_},
       {"slow_machines", slowHosts_},

@@ -21,6 +21,20 @@ const char* toString(Phase phase) {
   return "?";
 }
 
+std::string describeExit(int exitCode) {
+  if (exitCode < 0) return "a signal";
+  const char* meaning = nullptr;
+  switch (exitCode) {
+    case kExitConfigError: meaning = "configuration error"; break;
+    case kExitPeerLost: meaning = "lost a peer"; break;
+    case kExitStorageError: meaning = "checkpoint storage failed"; break;
+    case kExitCheckpointed: meaning = "checkpointed"; break;
+    case kExitSuperseded: meaning = "superseded by a newer generation"; break;
+    default: break;
+  }
+  return meaning ? strCat("code ", exitCode, " (", meaning, ")") : strCat("code ", exitCode);
+}
+
 MorphController::MorphController(ControllerOptions options, std::vector<Machine> machines,
                                  std::function<std::optional<int64_t>()> latestCheckpoint)
     : options_(options),
@@ -124,7 +138,8 @@ std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePo
   if (exitCode == kExitConfigError && phase_ != Phase::kStopping && phase_ != Phase::kBackoff) {
     // Bad arguments or model: every relaunch would fail the same way.
     phase_ = Phase::kFailed;
-    const std::string reason = strCat("rank ", rank, " exited with a configuration error (code 2); see its message");
+    const std::string reason = strCat("rank ", rank, " exited with a configuration error (code ", kExitConfigError,
+                                      "); see its message");
     return {action::KillAll{reason}, action::Stop{reason, kExitConfigError}};
   }
   if (phase_ == Phase::kRunning) {
@@ -133,7 +148,9 @@ std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePo
       phase_ = Phase::kCheckpointing;
       deadline_ = now + options_.checkpointTimeout;
     } else if (exitCode != 0) {
-      return failure(strCat("rank ", rank, " exited with ", exitCode < 0 ? "a signal" : strCat("code ", exitCode)), now);
+      // Storage faults (74) and a superseded generation (76) land here too: a
+      // relaunch from the latest complete checkpoint can succeed.
+      return failure(strCat("rank ", rank, " exited with ", describeExit(exitCode)), now);
     } else if (running_.empty()) {
       phase_ = Phase::kFinished;
       return {action::Stop{"training finished", 0}};
@@ -142,10 +159,16 @@ std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePo
     }
   }
   if (phase_ == Phase::kCheckpointing && exitCode != kExitCheckpointed && exitCode != 0) {
-    return failure(strCat("rank ", rank, " exited with ", exitCode, " during the on-demand checkpoint"), now);
+    return failure(strCat("rank ", rank, " exited with ", describeExit(exitCode), " during the on-demand checkpoint"), now);
   }
   if (running_.empty()) return allExited(now);
   return {};
+}
+
+std::vector<Action> MorphController::launchFailed(const std::string& reason, TimePoint now) {
+  if (phase_ != Phase::kRunning) return {};
+  running_.clear();  // nothing was started
+  return failure(reason, now);
 }
 
 std::vector<Action> MorphController::hostLost(const std::string& host, TimePoint now) {

@@ -75,6 +75,18 @@ int printStatus(int argc, char** argv) {
   std::cout << "checkpoint     "
             << (state["last_checkpoint_step"].is_number() ? "step " + state["last_checkpoint_step"].dump() : "none")
             << " in " << state.value("global_store", "?") << "\n";
+  if (state.value("checkpoint_failures", 0) > 0) {
+    const auto& last = state["last_checkpoint_failure"];
+    std::cout << "ckpt failures  " << state.value("checkpoint_failures", 0);
+    if (last.is_object()) {
+      std::cout << ", the last: step " << last.value("step", int64_t{-1}) << " on " << last.value("host", "?") << ": "
+                << last.value("error", "");
+    }
+    std::cout << "\n";
+  }
+  if (state.contains("skipped_checkpoints") && !state["skipped_checkpoints"].empty()) {
+    std::cout << "skipped ckpts  " << state["skipped_checkpoints"].dump() << " (damaged or incomplete)\n";
+  }
   for (const auto& [host, info] : state["hosts"].items()) {
     std::cout << "host           " << host << ": " << info.value("slots", 0) << " slot(s), agent "
               << info.value("agent", "?") << (info.value("preempted", false) ? ", preempted" : "") << "\n";
@@ -129,9 +141,10 @@ int main(int argc, char** argv) {
   };
   try {
     daemon.start();
-  } catch (const ConfigError& e) {
+  } catch (const Error& e) {  // a ConfigError (2), or the store failing (74): the code says which
     log::error(e.what());
-    return kExitConfigError;
+    log::flush();
+    return e.exitCode();
   }
   waitForSignal();
   io.run();  // until the daemon stops the loop

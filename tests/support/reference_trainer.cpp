@@ -3,6 +3,7 @@
 #include <torch/autograd.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -24,14 +25,26 @@ ReferenceRun trainReference(const ModelSpec& spec, const gpt::CharDataset& data,
     for (const auto& [a, b] : spec.sharedWeights) named.at(b).copy_(named.at(a));
   }
   torch::optim::SGD optimizer(all, torch::optim::SGDOptions(config.lr).momentum(config.momentum));
+  const int64_t B = config.globalBatch;
+  const int64_t chunk = config.chunkSize > 0 ? std::min(config.chunkSize, B) : B;
   ReferenceRun run;
   for (int64_t step = 0; step < config.steps; ++step) {
     optimizer.zero_grad();
-    const Batch batch = data.samples(step * config.globalBatch, config.globalBatch, config.seqLen, config.dataSeed);
-    torch::Tensor x;
-    for (auto& piece : pieces) x = piece->forward(x, batch);
-    x.backward();
-    run.losses.push_back(x.item<double>());
+    const Batch batch = data.samples(step * B, B, config.seqLen, config.dataSeed);
+    // Gradients accumulate over the micro-batches: sum_i (b_i / B) grad(loss_i)
+    // is the gradient of the mean loss over the global batch.
+    double loss = 0;
+    for (int64_t first = 0; first < B; first += chunk) {
+      const int64_t size = std::min(chunk, B - first);
+      Batch micro;
+      for (const auto& [key, t] : batch) micro[key] = t.narrow(0, first, size);
+      torch::Tensor x;
+      for (auto& piece : pieces) x = piece->forward(x, micro);
+      const double weight = static_cast<double>(size) / static_cast<double>(B);
+      (size == B ? x : x * weight).backward();
+      loss += weight * x.item<double>();
+    }
+    run.losses.push_back(loss);
     std::set<std::string> duplicates;
     for (const auto& [a, b] : spec.sharedWeights) {
       auto sum = named.at(a).grad() + named.at(b).grad();
@@ -54,6 +67,9 @@ ReferenceRun trainReference(const ModelSpec& spec, const gpt::CharDataset& data,
     optimizer.step();
   }
   for (const auto& [name, p] : named) run.params[name] = p.detach().clone();
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    for (const auto& b : pieces[i]->named_buffers()) run.buffers[spec.pieces[i].name + "." + b.key()] = b.value().clone();
+  }
   torch::NoGradGuard noGrad;
   const Batch held = data.samples(config.steps * config.globalBatch, config.globalBatch, config.seqLen, config.dataSeed);
   torch::Tensor x;

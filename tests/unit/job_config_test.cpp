@@ -144,3 +144,37 @@ TEST_CASE("env file: KEY=VALUE lines, comments, export and quotes; bad lines nam
   CHECK_THROWS_WITH(parseEnvFile("1A=2\n", "my.env"), Catch::Contains("my.env:1"));
   CHECK_THROWS_WITH(parseEnvFile("A-B=2\n", "my.env"), Catch::Contains("KEY=VALUE"));
 }
+
+TEST_CASE("--keep_checkpoints: default 3, CLI and JSON, >= 0, handed to every worker", "[config]") {
+  CHECK(JobConfig{}.keepCheckpoints == 3);
+  CHECK(toJson(JobConfig{}).at("keep_checkpoints") == 3);
+  auto given = parseArgs({"--keep_checkpoints", "5"});
+  REQUIRE(given);
+  CHECK(given->keepCheckpoints == 5);
+  CHECK(parseJobConfigText(R"({"keep_checkpoints": 0})", "job.json").keepCheckpoints == 0);  // 0: keep all
+
+  CHECK_THROWS_WITH(parseArgs({"--keep_checkpoints", "two"}), Catch::Contains("--keep_checkpoints must be an integer"));
+  CHECK_THROWS_WITH(parseArgs({"--keep_checkpoints", "2.5"}), Catch::Contains("--keep_checkpoints must be an integer"));
+  CHECK_THROWS_WITH(parseJobConfigText(R"({"keep_checkpoints": "all"})", "job.json"),
+                    Catch::Contains("'keep_checkpoints' must be an integer") && Catch::Contains("job.json"));
+
+  const auto dir = varuna::test::scratchDir("job_config_keep");
+  std::ofstream(dir / "machines.txt") << "127.0.0.1 slots=2\n";
+  auto negative = parseArgs({"--machine_list", (dir / "machines.txt").string(), "--nstages", "2", "--batch_size", "8",
+                             "--chunk_size", "2", "--global_store", (dir / "store").string(), "--state_dir",
+                             (dir / "state").string(), "--keep_checkpoints", "-1", "--", "./train_gpt"});
+  REQUIRE(negative);
+  CHECK_THROWS_WITH(validateJobConfig(*negative, "/x/run_varuna"),
+                    Catch::Contains("--keep_checkpoints must be >= 0") && Catch::Contains("got -1"));
+
+  // The job's own variables come after the env file's, so they win in the
+  // agent (which applies LaunchWorkers' env in order).
+  JobConfig config;
+  config.globalStore = "/mnt/store";
+  config.keepCheckpoints = 7;
+  const auto env = jobEnvironment(config, {{"OMP_NUM_THREADS", "1"}, {"VARUNA_KEEP_CHECKPOINTS", "99"}});
+  REQUIRE(env.size() == 4);
+  CHECK(env[0].first == "OMP_NUM_THREADS");
+  CHECK(env[2] == std::pair<std::string, std::string>{"VARUNA_GLOBAL_STORE", "/mnt/store"});
+  CHECK(env[3] == std::pair<std::string, std::string>{"VARUNA_KEEP_CHECKPOINTS", "7"});
+}

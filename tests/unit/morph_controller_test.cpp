@@ -327,3 +327,70 @@ TEST_CASE("an injected planner chooses the shape at every (re)launch", "[morph]"
   CHECK(h.allExit(kExitCheckpointed).empty());
   CHECK(h.controller.phase() == Phase::kWaitingForMachines);
 }
+
+TEST_CASE("storage faults (74) and a superseded generation (76) relaunch from the latest checkpoint; code 2 stops",
+          "[morph]") {
+  struct Case {
+    int code;
+    const char* meaning;
+  };
+  for (const Case c : {Case{kExitStorageError, "checkpoint storage failed"}, Case{kExitSuperseded, "superseded"}}) {
+    INFO("exit code " << c.code);
+    Harness h(twoHosts());
+    only<action::Launch>(h.controller.start(h.now));
+    h.latest = 40;  // the newest complete checkpoint that still verifies
+    const auto kill = only<action::KillAll>(h.controller.workerExited(1, c.code, h.now));
+    CHECK_THAT(kill.reason, Catch::Contains("rank 1 exited with code " + std::to_string(c.code)) &&
+                                Catch::Contains(c.meaning));
+    CHECK(h.controller.phase() == Phase::kStopping);  // not kFailed: retrying can help
+    CHECK(h.allExit(-1).empty());
+    CHECK(h.controller.phase() == Phase::kBackoff);
+    const auto relaunch = only<action::Launch>(h.controller.tick(h.now + 1s));
+    CHECK(relaunch.resumeStep == 40);
+    CHECK(relaunch.generation == 2);
+    CHECK(relaunch.plan.replicas == 2);
+  }
+  // The same code during an on-demand checkpoint is a failure too, named the same way.
+  Harness h(twoHosts());
+  only<action::Launch>(h.controller.start(h.now));
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now));
+  CHECK_THAT(only<action::KillAll>(h.controller.workerExited(0, kExitStorageError, h.now)).reason,
+             Catch::Contains("checkpoint storage failed") && Catch::Contains("during the on-demand checkpoint"));
+  // Code 2 still stops the job.
+  Harness config(twoHosts());
+  only<action::Launch>(config.controller.start(config.now));
+  const auto stop = config.controller.workerExited(2, kExitConfigError, config.now);
+  REQUIRE(stop.size() == 2);
+  CHECK(std::get<action::Stop>(stop[1]).exitCode == kExitConfigError);
+  CHECK_THAT(std::get<action::Stop>(stop[1]).reason, Catch::Contains("configuration error (code 2)"));
+}
+
+TEST_CASE("exit codes are named in messages", "[morph]") {
+  CHECK(describeExit(-1) == "a signal");
+  CHECK(describeExit(1) == "code 1");
+  CHECK(describeExit(kExitStorageError) == "code 74 (checkpoint storage failed)");
+  CHECK(describeExit(kExitSuperseded) == "code 76 (superseded by a newer generation)");
+}
+
+TEST_CASE("a launch that cannot be carried out backs off and retries; repeated ones stop", "[morph]") {
+  Harness h(twoHosts());
+  h.latest = 30;
+  CHECK(only<action::Launch>(h.controller.start(h.now)).generation == 1);
+  // Nothing was started: no kill, straight to the backoff.
+  CHECK(h.controller.launchFailed("cannot record the generation: No space left on device", h.now).empty());
+  CHECK(h.controller.phase() == Phase::kBackoff);
+  CHECK(h.controller.runningRanks().empty());
+  CHECK(h.controller.tick(h.now + 500ms).empty());
+  auto retry = only<action::Launch>(h.controller.tick(h.now + 1s));
+  CHECK(retry.generation == 2);
+  CHECK(retry.resumeStep == 30);
+  CHECK(h.controller.phase() == Phase::kRunning);
+  CHECK(h.controller.launchFailed("again", h.now + 1s).empty());  // 2nd failure: backoff 2 s
+  CHECK(h.controller.phase() == Phase::kBackoff);
+  only<action::Launch>(h.controller.tick(h.now + 3s));
+  const auto last = h.controller.launchFailed("still full", h.now + 3s);  // 3rd > maxFailures (2)
+  REQUIRE(last.size() == 2);
+  CHECK_THAT(std::get<action::Stop>(last[1]).reason, Catch::Contains("still full"));
+  CHECK(std::get<action::Stop>(last[1]).exitCode == 1);
+  CHECK(h.controller.launchFailed("after the end", h.now + 4s).empty());  // not running: nothing to do
+}

@@ -30,7 +30,8 @@ std::vector<Message> samples() {
           Shutdown{"host preempted"},
           Ping{7, 123456789},
           Pong{7, 123456789},
-          Ack{false, "no such host"}};
+          Ack{false, "no such host"},
+          CheckpointFailed{2, 40, "writing varuna_ckpt_40/piece_3_head.params.pt: No space left on device"}};
 }
 
 }  // namespace
@@ -114,4 +115,45 @@ TEST_CASE("heartbeats decode the same through the fast path and the JSON parser"
     CHECK(decode(body) == decode(body + " "));
   }
   CHECK(decode(encode(Heartbeat{12, 34}).substr(4)) == Message(Heartbeat{12, 34}));
+}
+
+TEST_CASE("checkpoint_failed: malformed bodies are refused, long or invalid error texts are bounded", "[protocol]") {
+  CHECK_THROWS_WITH(decodeBody(R"({"type":"checkpoint_failed","rank":1,"step":2})"), Catch::Contains("malformed message"));
+  CHECK_THROWS_WITH(decodeBody(R"({"type":"checkpoint_failed","rank":1,"step":"x","error":""})"),
+                    Catch::Contains("malformed message"));
+  CHECK_THROWS_WITH(decodeBody(R"({"type":"checkpoint_failed","rank":1,"step":2,"error":7})"),
+                    Catch::Contains("malformed message"));
+
+  // The sender's codec cuts a long text; a peer that sends one anyway is cut on decoding.
+  const CheckpointFailed longError{0, 9, std::string(5000, 'e')};
+  const std::string frame = encode(longError);
+  CHECK(frame.size() < 4 + kMaxErrorTextBytes + 100);
+  const auto sent = std::get<CheckpointFailed>(decodeBody(frame.substr(4)));
+  CHECK(sent.error.size() == kMaxErrorTextBytes);
+  CHECK(sent.error.substr(sent.error.size() - 3) == "...");
+  const std::string raw = R"({"type":"checkpoint_failed","rank":0,"step":9,"error":")" + std::string(100000, 'e') + "\"}";
+  CHECK(std::get<CheckpointFailed>(decodeBody(raw)).error.size() == kMaxErrorTextBytes);
+
+  // An error text with bytes that are not UTF-8 (a path, a strerror of another
+  // locale) still encodes: the JSON encoder would refuse it as it is.
+  const auto odd = std::get<CheckpointFailed>(decodeBody(encode(CheckpointFailed{1, 2, "bad \xff\xfe name"}).substr(4)));
+  CHECK(odd.error == "bad ?? name");
+}
+
+TEST_CASE("boundedText: valid UTF-8, cut at a character boundary, marked when cut", "[protocol]") {
+  CHECK(boundedText("") == "");
+  CHECK(boundedText("disk full", 9) == "disk full");  // exactly the limit: as it is
+  CHECK(boundedText("disk full!", 9) == "disk f...");
+  CHECK(boundedText("abcdef", 2) == "..");
+  // "é" is two bytes: never cut in half.
+  CHECK(boundedText("\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9", 7) == "\xc3\xa9\xc3\xa9...");
+  CHECK(boundedText("\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9", 8) == "\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9");
+  CHECK(boundedText("ab\xc3\xa9\xc3\xa9\xc3\xa9", 6) == "ab...");
+  // Invalid sequences: a lone continuation byte, a truncated sequence, an
+  // overlong form, a surrogate; a 4-byte character stays.
+  CHECK(boundedText("a\x80" "b") == "a?b");
+  CHECK(boundedText("a\xe2\x82") == "a??");
+  CHECK(boundedText("\xc0\xaf") == "??");
+  CHECK(boundedText("\xed\xa0\x80") == "???");
+  CHECK(boundedText("\xf0\x9f\x92\xbe") == "\xf0\x9f\x92\xbe");
 }

@@ -1,14 +1,19 @@
 // Checkpoints through real multi-process jobs: exact resume under other
-// layouts, fp16 resume, crash safety under kill -9, corruption, SIGUSR1.
+// layouts, fp16 resume, crash safety under kill -9, corruption, SIGUSR1; and
+// in one process, a damaged checkpoint leaving the live model untouched.
 
 #include <signal.h>
+#include <torch/optim/sgd.h>
 
 #include <fstream>
 #include <random>
 
+#include "char_dataset.h"
+#include "gpt_model.h"
 #include "test_env.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/errors.h"
+#include "varuna/worker/varuna.h"
 #include "worker_job.h"
 // Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
 #include <catch2/catch.hpp>
@@ -154,6 +159,19 @@ TEST_CASE("kill -9 during checkpoints never yields an accepted partial checkpoin
         CHECK_THROWS_AS(ckpt::verify(dir), ckpt::CheckpointError);
       }
     }
+    // An interrupted checkpoint stays in its run's partial folder
+    // (varuna_ckpt_<step>.<run>.partial), which no loader reads: its step
+    // never appears as a checkpoint of its own.
+    for (const auto& entry : fs::directory_iterator(store)) {
+      const std::string name = entry.path().filename().string();
+      constexpr std::string_view prefix = "varuna_ckpt_", suffix = ".partial";
+      if (name.rfind(prefix, 0) != 0 || !name.ends_with(suffix)) continue;
+      const int64_t step = std::stoll(name.substr(prefix.size()));
+      INFO("trial " << trial << " partial folder " << name);
+      ++interruptedSeen;
+      CHECK(step > *latest);
+      CHECK_FALSE(fs::exists(ckpt::checkpointDir(store, step)));
+    }
     fs::remove_all(store);  // keep the disk footprint of 20 trials small
   }
   // The random kills did land inside checkpoints (else the test proves nothing).
@@ -228,4 +246,97 @@ TEST_CASE("SIGUSR1 makes every rank checkpoint the finished step and exit", "[in
       for (int64_t step : ckpt::listCheckpoints(store)) CHECK_NOTHROW(ckpt::verify(ckpt::checkpointDir(store, step)));
     }
   }
+}
+
+namespace {
+
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// Deep copies: the live tensors keep changing.
+std::map<std::string, torch::Tensor> snapshot(const NamedTensors& named) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& [name, t] : named) out[name] = t.detach().clone();
+  return out;
+}
+
+void checkUnchanged(const NamedTensors& live, const std::map<std::string, torch::Tensor>& before) {
+  REQUIRE(live.size() == before.size());
+  for (const auto& [name, t] : live) {
+    INFO(name);
+    CHECK(torch::equal(t, before.at(name)));
+  }
+}
+
+}  // namespace
+
+// In-process (world size 1, the store on a kernel-chosen port) so the test
+// can look at the model's own tensors after the failed load.
+TEST_CASE("a flipped byte in the last piece's file leaves the model untouched; the latest falls back",
+          "[integration][checkpoint][fault]") {
+  const auto root = scratchDir("untouched");
+  const auto store = (root / "store").string();
+  const auto data = gpt::CharDataset::fromPath("/usr/share/common-licenses");
+  gpt::GptConfig config;
+  config.vocabSize = data.vocabSize();
+  config.dModel = 16;
+  config.heads = 2;
+  config.layers = 2;
+  config.seqLen = 8;
+  config.batchNorm = true;  // buffers too must stay untouched
+  VarunaOptions options;
+  options.model = gpt::makeGptModel(config);
+  options.stageToRankMap = "0;";
+  options.rendezvous.masterPort = 0;  // rank 0 hosts the store on a free port
+  options.batchSize = 4;
+  options.chunkSize = 2;
+  options.getBatch = [&](int64_t n, torch::Device) { return data.samples(0, n, config.seqLen, 7); };
+  options.checkpointing.keepCheckpoints = 0;  // both checkpoints stay
+  Varuna model(options);
+  model.setOptimizer(std::make_shared<torch::optim::SGD>(model.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
+  REQUIRE_FALSE(model.namedBuffers().empty());
+  auto train = [&](int64_t step) { model.step(data.samples(step * 4, 4, config.seqLen, 7), 1.0); };
+
+  train(0);
+  train(1);
+  model.checkpoint(store, 2);
+  const auto paramsAt2 = snapshot(model.namedParameters());
+  const auto buffersAt2 = snapshot(model.namedBuffers());
+  train(2);
+  model.checkpoint(store, 3);
+  REQUIRE(ckpt::latestComplete(store) == 3);
+
+  // The last piece's file is the last the loader would read.
+  const auto lastPiece = static_cast<int>(options.model.pieces.size()) - 1;
+  const std::string file = "piece_" + std::to_string(lastPiece) + "_head.params.pt";
+  const auto dir = ckpt::checkpointDir(store, 3);
+  const auto size = fs::file_size(dir / file);
+  std::string bytes = ckpt::readFile(dir / file);
+  bytes[bytes.size() / 2] ^= 0x01;
+  std::ofstream(dir / file, std::ios::binary | std::ios::trunc) << bytes;
+  REQUIRE(fs::file_size(dir / file) == size);
+
+  // Move every tensor away from both checkpoints, so a load that changed
+  // anything would show.
+  {
+    torch::NoGradGuard noGrad;
+    for (auto& [name, t] : model.namedParameters()) t.add_(0.5);
+    for (auto& [name, t] : model.namedBuffers()) t.add_(1);
+  }
+  const auto paramsBefore = snapshot(model.namedParameters());
+  const auto buffersBefore = snapshot(model.namedBuffers());
+  const auto stepsBefore = model.stepsDone();
+
+  CHECK_THROWS_WITH(model.loadCheckpoint(store, 3), Catch::Contains(file) && Catch::Contains("checksum"));
+  checkUnchanged(model.namedParameters(), paramsBefore);
+  checkUnchanged(model.namedBuffers(), buffersBefore);
+  CHECK(model.stepsDone() == stepsBefore);
+
+  // The newest loadable one is step 2: the damaged step 3 is passed over and
+  // marked, so no later choice (the manager's included) picks it again.
+  REQUIRE(model.loadLatestCheckpoint(store) == std::optional<int64_t>(2));
+  CHECK(fs::exists(dir / ckpt::kDamaged));
+  CHECK(ckpt::latestComplete(store) == 2);
+  CHECK(model.stepsDone() == 2);
+  checkUnchanged(model.namedParameters(), paramsAt2);
+  checkUnchanged(model.namedBuffers(), buffersAt2);
 }

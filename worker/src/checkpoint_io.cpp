@@ -32,14 +32,28 @@ void writeTensorArchive(const NamedTensors& tensors, const std::function<void(co
   // The zip's own CRC32 is left out (as torch.serialization.config.save.
   // compute_crc32 = False does; PyTorch's reader does not check it): the
   // manifest already holds a checksum of every file.
-  caffe2::serialize::PyTorchStreamWriter writer(
-      [&sink](const void* data, size_t size) {
-        sink(data, size);
-        return size;
-      },
-      /*compute_crc32=*/false);
-  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
-  writer.writeEndOfFile();
+  //
+  // The sink's failure (a full disk) must not unwind through the zip writer:
+  // its destructor would write the end of the archive and throw a second time,
+  // which terminates the process. The first failure is kept, later writes are
+  // dropped, and it is rethrown once the writer is done.
+  std::exception_ptr failure;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer(
+        [&sink, &failure](const void* data, size_t size) {
+          if (failure) return size;
+          try {
+            sink(data, size);
+          } catch (...) {
+            failure = std::current_exception();
+          }
+          return size;
+        },
+        /*compute_crc32=*/false);
+    torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
+    writer.writeEndOfFile();
+  }
+  if (failure) std::rethrow_exception(failure);
 }
 
 std::map<std::string, torch::Tensor> unpickleTensors(const std::string& bytes, const std::string& source) {
@@ -48,7 +62,7 @@ std::map<std::string, torch::Tensor> unpickleTensors(const std::string& bytes, c
     const auto value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
     for (const auto& entry : value.toGenericDict()) out[entry.key().toStringRef()] = entry.value().toTensor();
   } catch (const std::exception& e) {
-    throw ckpt::CheckpointError(strCat("'", source, "' is not a tensor dictionary: ", e.what()));
+    throw ckpt::DamagedError(strCat("'", source, "' is not a tensor dictionary: ", e.what()));
   }
   return out;
 }
@@ -114,12 +128,17 @@ NamedTensors optimizerState(torch::optim::Optimizer& optimizer, const NamedTenso
   return out;
 }
 
-void restoreOptimizerState(torch::optim::Optimizer& optimizer, const NamedTensors& params,
-                           const std::map<std::string, torch::Tensor>& saved, const std::string& source) {
+DecodedOptimizerState decodeOptimizerState(torch::optim::Optimizer& optimizer, const NamedTensors& params,
+                                           const std::map<std::string, torch::Tensor>& saved,
+                                           const std::string& source) {
   const Kind kind = kindOf(optimizer);
+  DecodedOptimizerState decoded;
   for (const auto& [name, p] : params) {
     const std::string probe = kind == Kind::kSgd ? name + "/momentum_buffer" : name + "/step";
-    if (!saved.count(probe)) continue;  // the parameter had no state yet
+    if (!saved.count(probe)) {  // the parameter had no state yet
+      decoded.withoutState.push_back(p);
+      continue;
+    }
     try {
       std::unique_ptr<torch::optim::OptimizerParamState> state;
       if (kind == Kind::kAdamW) state = loadAdam<torch::optim::AdamWParamState>(name, p, saved);
@@ -129,12 +148,18 @@ void restoreOptimizerState(torch::optim::Optimizer& optimizer, const NamedTensor
         s->momentum_buffer(saved.at(probe).to(p.device()));
         state = std::move(s);
       }
-      optimizer.state()[p.unsafeGetTensorImpl()] = std::move(state);
+      decoded.states.emplace_back(p, std::move(state));
     } catch (const std::out_of_range&) {
-      throw ckpt::CheckpointError(strCat("'", source, "' lacks part of the optimizer state of '", name,
-                                         "' (was it written with another optimizer?)"));
+      throw ConfigError(strCat("'", source, "' lacks part of the optimizer state of '", name,
+                               "' (was it written with another optimizer?)"));
     }
   }
+  return decoded;
+}
+
+void applyOptimizerState(torch::optim::Optimizer& optimizer, DecodedOptimizerState decoded) {
+  for (const auto& p : decoded.withoutState) optimizer.state().erase(p.unsafeGetTensorImpl());
+  for (auto& [p, state] : decoded.states) optimizer.state()[p.unsafeGetTensorImpl()] = std::move(state);
 }
 
 nlohmann::json optimizerSettings(torch::optim::Optimizer& optimizer) {
@@ -163,14 +188,18 @@ nlohmann::json optimizerSettings(torch::optim::Optimizer& optimizer) {
   return j;
 }
 
-void applyOptimizerSettings(torch::optim::Optimizer& optimizer, const nlohmann::json& j) {
+void checkOptimizerSettings(torch::optim::Optimizer& optimizer, const nlohmann::json& j) {
   const Kind kind = kindOf(optimizer);
-  const std::string type = j.value("type", "");
+  const std::string type = j.is_object() ? j.value("type", "") : "";
   const std::string expected = kind == Kind::kAdamW ? "adamw" : kind == Kind::kAdam ? "adam" : "sgd";
   if (type != expected) {
-    throw ckpt::CheckpointError(strCat("the checkpoint was written with optimizer '", type, "' but this job uses '",
-                                       expected, "'"));
+    throw ConfigError(strCat("the checkpoint was written with optimizer '", type, "' but this job uses '", expected,
+                             "'"));
   }
+  if (!j.contains("lr") || !j["lr"].is_number()) throw ConfigError("the checkpoint's optimizer settings have no lr");
+}
+
+void applyOptimizerSettings(torch::optim::Optimizer& optimizer, const nlohmann::json& j) {
   // The learning rate may have been scheduled: it is the one value to carry over.
   for (auto& group : optimizer.param_groups()) group.options().set_lr(j.at("lr").get<double>());
 }

@@ -8,8 +8,8 @@
 
 namespace varuna {
 
-CheckpointWriter::CheckpointWriter(int rank, int worldSize)
-    : rank_(rank), worldSize_(worldSize), thread_([this] { loop(); }) {}
+CheckpointWriter::CheckpointWriter(CheckpointWriterOptions options)
+    : options_(std::move(options)), thread_([this] { loop(); }) {}
 
 CheckpointWriter::~CheckpointWriter() {
   {
@@ -22,7 +22,7 @@ CheckpointWriter::~CheckpointWriter() {
 
 void CheckpointWriter::execute(const CheckpointJob& job, const std::function<void()>& onCaptured) {
   namespace fs = std::filesystem;
-  const fs::path dir = ckpt::checkpointDir(job.globalStore, job.step);
+  const fs::path dir = ckpt::partialDir(job.globalStore, job.step, options_.writer.run);
   const fs::path local = job.tempdir.empty() ? fs::path() : ckpt::checkpointDir(job.tempdir, job.step);
   std::vector<CheckpointFile> snapshot;
   const std::vector<CheckpointFile>* files = &job.files;
@@ -60,9 +60,25 @@ void CheckpointWriter::execute(const CheckpointJob& job, const std::function<voi
     std::error_code ec;
     fs::remove(local, ec);  // only if empty: another rank on this host may share it
   }
-  ckpt::writePart(dir, rank_, entries);
-  if (ckpt::finalize(job.globalStore, job.step, worldSize_)) {
-    log::info("checkpoint ", dir.string(), " complete");
+  ckpt::writePart(job.globalStore, job.step, options_.writer, entries);
+  if (ckpt::finalize(job.globalStore, job.step, options_.writer) == ckpt::Finalized::kCompleted) {
+    log::info("checkpoint ", ckpt::checkpointDir(job.globalStore, job.step).string(), " complete");
+    applyRetention(job);
+  }
+}
+
+void CheckpointWriter::applyRetention(const CheckpointJob& job) {
+  // Checked again: a generation superseded since the rename must not delete
+  // what the new one may be loading.
+  ckpt::checkNotSuperseded(job.globalStore, options_.writer.generation);
+  try {
+    const auto removed = ckpt::applyRetention(job.globalStore, options_.keepCheckpoints, options_.writer.generation);
+    if (!removed.empty()) {
+      log::info("retention (keep ", options_.keepCheckpoints, "): removed ", removed.size(), " old or unfinished ",
+                "checkpoint folder(s), e.g. ", removed.front().filename().string());
+    }
+  } catch (const std::exception& e) {
+    log::warn("retention after checkpoint ", job.step, " failed (the next checkpoint tries again): ", e.what());
   }
 }
 
@@ -108,11 +124,14 @@ void CheckpointWriter::loop() {
         captured = true;
         markCaptured();
       });
-    } catch (const std::exception& e) {
-      log::error("background checkpoint of step ", job.step, " failed: ", e.what());
+    } catch (const ckpt::SupersededError& e) {
+      log::error("background checkpoint of step ", job.step, " refused: ", e.what());
       lock.lock();
       if (!failure_) failure_ = std::current_exception();
       lock.unlock();
+    } catch (const std::exception& e) {
+      // Storage (full disk, I/O error): reported, and training goes on.
+      if (options_.onFailure) options_.onFailure(job.step, e.what());
     }
     if (!captured) markCaptured();  // failed before: the tensors are free anyway
     lock.lock();

@@ -5,9 +5,13 @@
 // Owned by Varuna::Impl. Jobs run in submission order, so a later checkpoint
 // never overtakes (or overwrites) an earlier one still being copied. A job:
 // serialise each file, write it (to `tempdir` first when given, then copy to
-// the global store), write this rank's part list, then try to finalise (the
-// rank whose part completes the set writes manifest, marker and pointer; a
-// second finaliser rewrites identical files, harmlessly).
+// the run's partial folder in the global store), write this rank's part list,
+// then try to finalise (ckpt::finalize: the rank whose part completes the set
+// of its run renames the folder into place), then apply retention.
+// A background job that fails on storage is reported through `onFailure`
+// (called on the writer thread) and dropped: training goes on and the next
+// checkpoint tries again. A superseded generation is fatal: it is rethrown to
+// the training thread by the next enqueue() or drain().
 #pragma once
 
 #include <condition_variable>
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "checkpoint_io.h"
+#include "varuna/common/checkpoint_files.h"
 
 namespace varuna {
 
@@ -38,12 +43,18 @@ struct CheckpointJob {
   std::vector<CheckpointFile> files;
 };
 
+struct CheckpointWriterOptions {
+  ckpt::WriterIdentity writer;
+  int keepCheckpoints = 0;  // retention after each completed checkpoint; 0: keep all
+  std::function<void(int64_t step, const std::string& error)> onFailure;
+};
+
 class CheckpointWriter {
  public:
-  CheckpointWriter(int rank, int worldSize);
+  explicit CheckpointWriter(CheckpointWriterOptions options);
   ~CheckpointWriter();
 
-  void run(const CheckpointJob& job);  // on the calling thread
+  void run(const CheckpointJob& job);  // on the calling thread; throws its failure
   // On the background thread. The job holds the live tensors: the writer first
   // copies them in memory (its snapshot), then writes from the copy. The
   // caller must not change them until waitUntilCaptured() returns; Varuna
@@ -52,7 +63,8 @@ class CheckpointWriter {
   void enqueue(CheckpointJob job);
   // Blocks until every queued job has taken its snapshot.
   void waitUntilCaptured();
-  // Waits until every queued job has finished; rethrows the first failure.
+  // Waits until every queued job has finished; rethrows a superseded
+  // generation (storage failures were reported through onFailure).
   void drain();
 
  private:
@@ -60,15 +72,16 @@ class CheckpointWriter {
   void markCaptured();
   void loop();
 
-  int rank_;
-  int worldSize_;
+  void applyRetention(const CheckpointJob& job);
+
+  CheckpointWriterOptions options_;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<CheckpointJob> queue_;
   bool busy_ = false;
   int uncaptured_ = 0;  // queued or running jobs still reading their tensors
   bool stop_ = false;
-  std::exception_ptr failure_;
+  std::exception_ptr failure_;  // a SupersededError from the writer thread
   std::thread thread_;
 };
 

@@ -50,6 +50,11 @@ LaunchArgs parseLaunchArgs(int argc, const char* const* argv, const std::map<std
   args.generation = envNumber<int>(env, "VARUNA_GENERATION", -1);
   args.hostAddr = envText("VARUNA_HOST");
   args.globalStore = envText("VARUNA_GLOBAL_STORE");
+  args.keepCheckpoints = envNumber<int>(env, "VARUNA_KEEP_CHECKPOINTS", -1);
+  if (env.count("VARUNA_KEEP_CHECKPOINTS") && args.keepCheckpoints < 0) {
+    throw ConfigError(strCat("VARUNA_KEEP_CHECKPOINTS='", envText("VARUNA_KEEP_CHECKPOINTS"),
+                             "' must be >= 0 (0 keeps every checkpoint)"));
+  }
   args.schedule = envText("VARUNA_SCHEDULE");
   if (!args.schedule.empty()) parseScheduleKind(args.schedule);  // fails early, naming the value
   const std::string costs = envText("VARUNA_PIECE_COSTS");

@@ -26,6 +26,17 @@ void ManagerLink::reportStep(const proto::StepReport& report) {
   wake_.notify_all();
 }
 
+void ManagerLink::reportCheckpointFailure(int64_t step, const std::string& error) {
+  proto::CheckpointFailed failure{rank_, step, proto::boundedText(error)};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // Bounded if the manager is away: one per failed checkpoint, the newest kept.
+    if (failures_.size() >= 16) failures_.pop_front();
+    failures_.push_back(std::move(failure));
+  }
+  wake_.notify_all();
+}
+
 void ManagerLink::setStep(int64_t step) {
   std::lock_guard<std::mutex> lock(mutex_);
   step_ = step;
@@ -36,9 +47,12 @@ void ManagerLink::run() {
   bool warned = false;
   auto retryAt = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
-  while (!stop_) {
+  while (true) {
+    // Once stopping, one last round sends what is queued over a connection
+    // that is up; no new connection is made for it.
+    const bool stopping = stop_;
     const auto now = std::chrono::steady_clock::now();
-    if (!client && now >= retryAt) {
+    if (!client && !stopping && now >= retryAt) {
       lock.unlock();
       try {
         client.emplace(proto::ControlClient::connect(options_.address, std::chrono::seconds(2)));
@@ -53,14 +67,19 @@ void ManagerLink::run() {
       lock.lock();
       continue;
     }
+    // Step reports are dropped while there is no connection (they are stale
+    // by the time it is back); failures stay queued (bounded) until it is.
     std::deque<proto::StepReport> reports;
     reports.swap(queue_);
+    std::deque<proto::CheckpointFailed> failures;
+    if (client) failures.swap(failures_);
     const int64_t step = step_;
     lock.unlock();
     if (client) {
       try {
-        if (reports.empty()) client->send(proto::Heartbeat{rank_, step});
+        if (reports.empty() && failures.empty() && !stopping) client->send(proto::Heartbeat{rank_, step});
         for (const auto& r : reports) client->send(r);
+        for (const auto& f : failures) client->send(f);
       } catch (const std::exception& e) {
         log::warn("lost the manager connection: ", e.what());
         client.reset();
@@ -68,7 +87,9 @@ void ManagerLink::run() {
       }
     }
     lock.lock();
-    wake_.wait_for(lock, options_.heartbeatInterval, [this] { return stop_ || !queue_.empty(); });
+    if (stopping) break;
+    wake_.wait_for(lock, options_.heartbeatInterval,
+                   [&] { return stop_ || !queue_.empty() || (client && !failures_.empty()); });
   }
 }
 

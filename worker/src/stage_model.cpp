@@ -34,6 +34,12 @@ StageModel::StageModel(const ModelSpec& model, int begin, int end, torch::Device
       params_[full] = p.value();
       localPieceOfParam_[full] = local;
     }
+    for (const auto& b : piece->named_buffers(/*recurse=*/true)) {
+      const std::string full = name + "." + b.key();
+      buffers_[full] = b.value();
+      localPieceOfBuffer_[full] = local;
+      if (!piece->isPersistentBuffer(b.key())) nonPersistent_.insert(full);
+    }
     pieces_.push_back(std::move(piece));
     names_.push_back(name);
   }
@@ -43,6 +49,38 @@ std::vector<torch::Tensor> StageModel::pieceParams(int local) const {
   std::vector<torch::Tensor> out;
   for (const auto& p : pieces_[local]->parameters(/*recurse=*/true)) out.push_back(p);
   return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> StageModel::piecePersistentBuffers(int local) const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& [name, t] : buffers_) {
+    if (localPieceOfBuffer_.at(name) == local && !nonPersistent_.count(name)) out.push_back({name, t});
+  }
+  return out;
+}
+
+void StageModel::learnChangingBuffers(const std::function<void()>& forward) {
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& [name, t] : buffers_) before[name] = t.detach().clone();
+  forward();
+  changing_.clear();
+  torch::NoGradGuard noGrad;
+  for (const auto& [name, t] : buffers_) {
+    if (!torch::equal(t, before.at(name))) changing_.push_back(name);
+    t.variable_data().copy_(before.at(name));
+  }
+}
+
+std::vector<torch::Tensor> StageModel::copyChangingBuffers() const {
+  std::vector<torch::Tensor> copies;
+  for (const auto& name : changing_) copies.push_back(buffers_.at(name).detach().clone());
+  return copies;
+}
+
+void StageModel::restoreChangingBuffers(const std::vector<torch::Tensor>& values) {
+  VARUNA_CHECK_EQ(values.size(), changing_.size());
+  torch::NoGradGuard noGrad;
+  for (size_t i = 0; i < values.size(); ++i) buffers_.at(changing_[i]).variable_data().copy_(values[i]);
 }
 
 int StageModel::localPieceOf(const std::string& fullName) const {
@@ -102,6 +140,7 @@ torch::Tensor StageModel::forward(MicrobatchState& state, const torch::Tensor& i
     std::lock_guard<std::mutex> lock(gen.mutex());
     state.rngState = gen.get_state();
   }
+  state.buffersBefore = copyChangingBuffers();
   torch::NoGradGuard noGrad;
   return runPieces(nullptr, input, batch, microbatch, isLastStage);
 }
@@ -115,7 +154,13 @@ void StageModel::recompute(MicrobatchState& state, const Batch& batch, int64_t m
     current = gen.get_state();
     gen.set_state(state.rngState);  // same dropout masks as the original forward
   }
+  // The buffers as the original forward saw them, and back to where the
+  // forwards since have left them afterwards.
+  const auto buffersNow = copyChangingBuffers();
+  restoreChangingBuffers(state.buffersBefore);
   runPieces(&state, state.stageInput, batch, microbatch, isLastStage);
+  restoreChangingBuffers(buffersNow);
+  state.buffersBefore.clear();
   {
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(current);

@@ -12,6 +12,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@ struct MicrobatchState {
   std::vector<torch::Tensor> inputs;   // per piece, the leaf fed to it
   std::vector<torch::Tensor> outputs;  // per piece, its output (graph attached)
   torch::Tensor rngState;              // generator state before an activation-free forward
+  std::vector<torch::Tensor> buffersBefore;  // the changing buffers before that forward
   bool hasGraph = false;
 };
 
@@ -40,6 +42,23 @@ class StageModel : public torch::nn::Module {
 
   // Full parameter name -> tensor, for this stage's pieces.
   const std::map<std::string, torch::Tensor>& namedParams() const { return params_; }
+  // Full buffer name -> tensor, and those a training forward changes (learned
+  // by learnChangingBuffers; running statistics). Non-persistent buffers
+  // (Piece::registerNonPersistentBuffer) are buffers too, but not saved.
+  const std::map<std::string, torch::Tensor>& namedBuffers() const { return buffers_; }
+  const std::vector<std::string>& changingBuffers() const { return changing_; }
+  // Persistent buffers of local piece k, by full name: what a checkpoint holds.
+  std::vector<std::pair<std::string, torch::Tensor>> piecePersistentBuffers(int local) const;
+
+  // Runs `forward` (one training forward of a sample), then puts every buffer
+  // back as it was and remembers those the forward changed: they are the ones
+  // recompute() must leave untouched and replicas must keep in step.
+  void learnChangingBuffers(const std::function<void()>& forward);
+  // Copies of the changing buffers, and writing such copies back. The writes
+  // bypass autograd's version counters: a graph may hold the buffer (e.g.
+  // batch norm saves its running statistics) without reading its values.
+  std::vector<torch::Tensor> copyChangingBuffers() const;
+  void restoreChangingBuffers(const std::vector<torch::Tensor>& values);
   // Parameters of local piece k in registration order.
   std::vector<torch::Tensor> pieceParams(int local) const;
   int localPieceOf(const std::string& fullName) const;
@@ -50,7 +69,9 @@ class StageModel : public torch::nn::Module {
   // expected leading dimension, checked at every cut.
   torch::Tensor forward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch,
                         int64_t microbatch, bool keepGraph, bool isLastStage);
-  // Re-runs an activation-free forward with the generator state it used.
+  // Re-runs an activation-free forward with the generator state and changing
+  // buffers it used, then puts the buffers back: buffers end as one forward
+  // leaves them (the recompute does not update running statistics twice).
   void recompute(MicrobatchState& state, const Batch& batch, int64_t microbatch, bool isLastStage);
   // Backpropagates `gradOutput` piece by piece (last first), calling
   // `onPieceDone(local)` after each; returns the gradient of the stage input.
@@ -68,6 +89,10 @@ class StageModel : public torch::nn::Module {
   std::vector<std::string> names_;
   std::map<std::string, torch::Tensor> params_;
   std::map<std::string, int> localPieceOfParam_;
+  std::map<std::string, torch::Tensor> buffers_;
+  std::map<std::string, int> localPieceOfBuffer_;
+  std::set<std::string> nonPersistent_;
+  std::vector<std::string> changing_;
 };
 
 }  // namespace varuna

@@ -21,6 +21,8 @@
 #include <signal.h>
 
 #include <atomic>
+#include <limits>
+#include <random>
 #include <thread>
 
 namespace varuna {
@@ -69,6 +71,8 @@ void VarunaOptions::applyLaunchArgs(const LaunchArgs& args) {
   manager.address = args.managerAddr;
   manager.token = args.jobToken;
   manager.generation = args.generation;
+  if (checkpointing.globalStore.empty()) checkpointing.globalStore = args.globalStore;
+  if (args.keepCheckpoints >= 0) checkpointing.keepCheckpoints = args.keepCheckpoints;
   manager.host = args.hostAddr;
   if (!args.schedule.empty()) launcherSchedule = parseScheduleKind(args.schedule);
   launcherPieceCosts = args.pieceCosts;
@@ -125,9 +129,11 @@ class Varuna::Impl {
   StepResult step(const Batch& inputs, std::optional<double> clip);
   double evaluate(const Batch& inputs);
   void setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale);
-  void checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
+  bool checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
                   bool shard, bool onDemand);
   int64_t loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete);
+  std::optional<int64_t> loadLatestCheckpoint(const std::string& globalStore, std::optional<int64_t> atMost);
+  void synchroniseReplicaBuffers();
 
   // Runs `body`; a local failure is recorded for the peers before it propagates.
   template <typename F>
@@ -155,6 +161,7 @@ class Varuna::Impl {
   CutShape inShape_, outShape_;
   std::map<int, Schedule> schedules_;
   std::unique_ptr<CheckpointWriter> writer_;
+  std::string runTag_;  // names this run's partial checkpoint folders (ckpt::runTag)
   int64_t stepsDone_ = 0;
 
  private:
@@ -174,9 +181,18 @@ class Varuna::Impl {
   torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
   void checkOutgoing(const torch::Tensor& out, int64_t b) const;
   NamedTensors pieceParams(int local) const;
+  NamedTensors pieceState(int local) const;  // parameters and persistent buffers
   std::string checkAgainstProfile() const;
   std::string pieceFile(int local, const char* kind) const;
   nlohmann::json checkpointMeta(int64_t step);
+  std::string agreeOnRunTag();
+  ckpt::WriterIdentity writerIdentity() const;
+  void reportCheckpointFailure(int64_t step, const std::string& error);
+  void waitUntilComplete(const std::filesystem::path& dir);
+  struct LoadedCheckpoint;
+  LoadedCheckpoint readCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete);
+  void applyCheckpoint(LoadedCheckpoint loaded, int64_t iteration);
+  int64_t allReduceMax(int64_t value, const char* during);
 
   // Tied pairs whose two parameters live on different stages, and this
   // rank's role: the stage holding the first name counts it in the norm.
@@ -246,6 +262,7 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   setUpGradients();
   synchroniseTiedWeights();
   guarded([this] { learnCutShapes(); });
+  runTag_ = agreeOnRunTag();
 }
 
 std::vector<double> Varuna::Impl::pieceCosts() const {
@@ -395,7 +412,10 @@ void Varuna::Impl::learnCutShapes() {
     comm_->waitFor(comm_->recv(input, prevRank(), tagFor(kShapeTag, 1)), "learning activation shapes");
   }
   MicrobatchState state;
-  torch::Tensor out = runForward(state, input, micro[0], /*keep=*/true);
+  torch::Tensor out;
+  // The sample forward must not count as training: every buffer is put back,
+  // and those it changed (running statistics) are remembered.
+  model_->learnChangingBuffers([&] { out = runForward(state, input, micro[0], /*keep=*/true); });
   if (!last()) {
     out = out.contiguous();
     auto header = encodeShape(out);
@@ -566,7 +586,37 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
     log::warn("non-finite gradients in ", toString(opt_.precision), " training: step skipped");
   }
   scaler_.update(result.overflow);
+  synchroniseReplicaBuffers();
   return result;
+}
+
+// DDP's rule: replica 0's buffers win. Only buffers a forward changes can
+// differ (the rest are built identically), so only they travel, one flat
+// tensor per dtype, once per step.
+void Varuna::Impl::synchroniseReplicaBuffers() {
+  const auto& names = model_->changingBuffers();
+  if (D_ == 1 || names.empty()) return;
+  const auto ranks = map_.ranksOfStage(stage_);
+  c10d::BroadcastOptions options;
+  options.rootRank = std::find(ranks.begin(), ranks.end(), map_.rankOf(stage_, 0)) - ranks.begin();
+  const auto& group = comm_->group(strCat("dp", stage_), ranks);
+  std::map<at::ScalarType, std::vector<torch::Tensor>> byType;
+  for (const auto& name : names) {
+    const auto& t = model_->namedBuffers().at(name);
+    byType[t.scalar_type()].push_back(t);
+  }
+  torch::NoGradGuard noGrad;
+  for (auto& [type, buffers] : byType) {
+    std::vector<torch::Tensor> flat;
+    for (const auto& b : buffers) flat.push_back(b.detach().reshape({-1}));
+    std::vector<at::Tensor> tensors{torch::cat(flat)};
+    comm_->waitFor(group->broadcast(tensors, options), "broadcasting replica 0's buffers");
+    int64_t offset = 0;
+    for (auto& b : buffers) {
+      b.variable_data().copy_(tensors[0].slice(0, offset, offset + b.numel()).view_as(b));
+      offset += b.numel();
+    }
+  }
 }
 
 double Varuna::Impl::evaluate(const Batch& inputs) {
@@ -647,6 +697,12 @@ NamedTensors Varuna::Impl::pieceParams(int local) const {
   return out;
 }
 
+NamedTensors Varuna::Impl::pieceState(int local) const {
+  NamedTensors out = pieceParams(local);
+  for (auto& buffer : model_->piecePersistentBuffers(local)) out.push_back(std::move(buffer));
+  return out;
+}
+
 std::string Varuna::Impl::pieceFile(int local, const char* kind) const {
   const int global = model_->firstPiece() + local;
   return strCat("piece_", global, "_", opt_.model.pieces[global].name, ".", kind, ".pt");
@@ -655,32 +711,83 @@ std::string Varuna::Impl::pieceFile(int local, const char* kind) const {
 nlohmann::json Varuna::Impl::checkpointMeta(int64_t step) {
   nlohmann::json pieces = nlohmann::json::array();
   for (const auto& p : opt_.model.pieces) pieces.push_back(p.name);
-  return {{"format", 1},
+  return {{"format", 2},  // 2: piece files hold persistent buffers too
           {"step", step},
           {"samples_seen", step * opt_.batchSize},
           {"global_batch", opt_.batchSize},
           {"pieces", pieces},
           {"model_seed", opt_.model.seed},
           {"stage_to_rank_map", map_.toString()},
+          {"generation", opt_.manager.generation},
           {"precision", toString(opt_.precision)},
           {"loss_scale", {{"scale", scaler_.scale()}, {"clean_steps", scaler_.cleanSteps()}}},
           {"optimizer", optimizerSettings(*optimizer_)}};
 }
 
-void Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int64_t> stepArg,
+// Under run_varuna the generation names the run. Without it, rank 0 draws a
+// random tag and shares it through the rendezvous store, so two runs of one
+// world size that reach the same step never combine their parts.
+std::string Varuna::Impl::agreeOnRunTag() {
+  if (opt_.manager.generation >= 0) return ckpt::runTag(opt_.manager.generation, "");
+  const std::string key = "varuna/checkpoint_run_tag";
+  std::string tag;
+  if (opt_.rank == 0) {
+    std::random_device random;
+    tag = strCat(std::hex, random(), random());
+    comm_->store()->set(key, std::vector<uint8_t>(tag.begin(), tag.end()));
+  } else {
+    const auto bytes = comm_->store()->get(key);
+    tag.assign(bytes.begin(), bytes.end());
+  }
+  return ckpt::runTag(-1, tag);
+}
+
+ckpt::WriterIdentity Varuna::Impl::writerIdentity() const {
+  return {opt_.manager.generation, runTag_, opt_.rank, map_.worldSize()};
+}
+
+void Varuna::Impl::reportCheckpointFailure(int64_t step, const std::string& error) {
+  log::error("checkpoint of step ", step, " failed (training goes on; the next checkpoint tries again): ", error);
+  if (managerLink_) managerLink_->reportCheckpointFailure(step, error);
+}
+
+void Varuna::Impl::waitUntilComplete(const std::filesystem::path& dir) {
+  // Exit code kExitCheckpointed promises a complete checkpoint: wait for the
+  // other ranks' parts (the last one to land completes it).
+  const auto deadline = std::chrono::steady_clock::now() + opt_.peerTimeout;
+  while (!ckpt::isIntact(dir)) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw ckpt::CheckpointError(strCat("on-demand checkpoint '", dir.string(), "' did not complete within ",
+                                         opt_.peerTimeout.count(), " ms: some rank did not write its part"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  log::info("on-demand checkpoint ", dir.string(), " complete");
+}
+
+bool Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int64_t> stepArg,
                               const std::string& tempdir, bool shard, bool onDemand) {
   if (!optimizer_) throw ConfigError("call setOptimizer() before checkpoint()");
   if (globalStore.empty()) throw ConfigError("checkpoint(): global_store is empty");
-  if (!writer_) writer_ = std::make_unique<CheckpointWriter>(opt_.rank, map_.worldSize());
+  if (!writer_) {
+    CheckpointWriterOptions options;
+    options.writer = writerIdentity();
+    options.keepCheckpoints = opt_.checkpointing.keepCheckpoints;
+    options.onFailure = [this](int64_t step, const std::string& error) { reportCheckpointFailure(step, error); };
+    writer_ = std::make_unique<CheckpointWriter>(std::move(options));
+  }
   const int64_t step = stepArg.value_or(stepsDone_);
-  if (ckpt::isComplete(ckpt::checkpointDir(globalStore, step))) {
+  if (onDemand) writer_->drain();  // earlier checkpoints land first
+  // A superseded generation never writes: its successor may be loading.
+  ckpt::checkNotSuperseded(globalStore, opt_.manager.generation);
+  const auto dir = ckpt::checkpointDir(globalStore, step);
+  if (ckpt::isIntact(dir)) {
     // Never rewrite a complete checkpoint (e.g. resuming at the final step):
     // a reader could see new files under the old marker.
     log::info("checkpoint of step ", step, " already complete in ", globalStore);
-    return;
+    return true;
   }
   const bool background = !tempdir.empty() && !onDemand;
-  if (onDemand) writer_->drain();  // earlier checkpoints land first
 
   // Jobs hold the live tensors. A background job snapshots them on the writer
   // thread while training computes; step() waits for that snapshot before the
@@ -692,86 +799,115 @@ void Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
   for (int k = 0; k < model_->numPieces(); ++k) {
     const int writerReplica = shard ? k % D_ : 0;  // sharding spreads a stage's pieces over its replicas
     if (writerReplica != replica_) continue;
-    job.files.push_back({pieceFile(k, "params"), pieceParams(k), std::nullopt});
+    job.files.push_back({pieceFile(k, "params"), pieceState(k), std::nullopt});
     job.files.push_back({pieceFile(k, "optim"), optimizerState(*optimizer_, pieceParams(k)), std::nullopt});
   }
   job.files.push_back({strCat("rank_", opt_.rank, ".rng.pt"), generatorStates(opt_.device), std::nullopt});
   if (opt_.rank == 0) job.files.push_back({ckpt::kMeta, {}, checkpointMeta(step).dump(1)});
   if (background) {
     writer_->enqueue(std::move(job));
-    return;
+    return true;
   }
-  writer_->run(job);
-  if (onDemand) {
-    // Exit code kExitCheckpointed promises a complete checkpoint: wait for the
-    // other ranks' parts (the last one to land writes the marker).
-    const auto dir = ckpt::checkpointDir(globalStore, step);
-    const auto deadline = std::chrono::steady_clock::now() + opt_.peerTimeout;
-    while (!ckpt::isComplete(dir)) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw ckpt::CheckpointError(strCat("on-demand checkpoint '", dir.string(), "' did not complete within ",
-                                           opt_.peerTimeout.count(), " ms: some rank did not write its part"));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    log::info("on-demand checkpoint ", dir.string(), " complete");
+  try {
+    writer_->run(job);
+  } catch (const ckpt::SupersededError&) {
+    throw;
+  } catch (const ckpt::CheckpointError& e) {
+    if (onDemand) throw;
+    reportCheckpointFailure(step, e.what());
+    return false;
   }
+  if (onDemand) waitUntilComplete(dir);
+  return true;
 }
 
-int64_t Varuna::Impl::loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete) {
-  if (!optimizer_) throw ConfigError("call setOptimizer() before loadCheckpoint(): its state is restored too");
-  if (writer_) writer_->drain();
-  const auto dir = ckpt::checkpointDir(globalStore, iteration);
-  if (checkComplete) ckpt::verify(dir, {}, /*checksums=*/false);
-  auto read = [&](const std::string& name) {
-    if (checkComplete) ckpt::verify(dir, {name});
-    return ckpt::readFile(dir / name);
-  };
+// --- loading ------------------------------------------------------------------
+
+// Everything a load changes, read, verified and matched against the model
+// first: applying it cannot fail half-way.
+struct Varuna::Impl::LoadedCheckpoint {
   nlohmann::json meta;
-  try {
-    meta = nlohmann::json::parse(read(ckpt::kMeta));
-  } catch (const nlohmann::json::exception& e) {
-    throw ckpt::CheckpointError(strCat("checkpoint '", dir.string(), "': meta.json is unreadable: ", e.what()));
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;  // live tensor <- saved value
+  std::vector<DecodedOptimizerState> optimizer;
+  std::optional<std::map<std::string, torch::Tensor>> generators;
+};
+
+Varuna::Impl::LoadedCheckpoint Varuna::Impl::readCheckpoint(const std::string& globalStore, int64_t iteration,
+                                                            bool checkComplete) {
+  const auto dir = ckpt::checkpointDir(globalStore, iteration);
+  std::vector<ckpt::FileEntry> manifest;
+  if (checkComplete) {
+    ckpt::verify(dir, {}, /*checksums=*/false);  // marker, and every file's size
+    manifest = ckpt::readManifest(dir);
   }
+  auto read = [&](const std::string& name) {
+    return checkComplete ? ckpt::readVerified(dir, manifest, name) : ckpt::readFile(dir / name);
+  };
+  LoadedCheckpoint loaded;
+  try {
+    loaded.meta = nlohmann::json::parse(read(ckpt::kMeta));
+    (void)loaded.meta.at("step").get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    throw ckpt::DamagedError(strCat("checkpoint '", dir.string(), "': meta.json is unreadable: ", e.what()));
+  }
+  const auto& meta = loaded.meta;
   std::vector<std::string> names;
   for (const auto& p : opt_.model.pieces) names.push_back(p.name);
-  if (meta.at("pieces").get<std::vector<std::string>>() != names) {
-    throw ckpt::CheckpointError(strCat("checkpoint '", dir.string(), "' was written by a different model: pieces ",
-                                       meta.at("pieces").dump(), " vs this model's ", nlohmann::json(names).dump()));
+  if (meta.value("pieces", nlohmann::json()) != nlohmann::json(names)) {
+    throw ConfigError(strCat("checkpoint '", dir.string(), "' was written by a different model: pieces ",
+                             meta.value("pieces", nlohmann::json()).dump(), " vs this model's ",
+                             nlohmann::json(names).dump()));
   }
-  if (meta.at("global_batch").get<int64_t>() != opt_.batchSize) {
-    log::warn("checkpoint global batch ", meta.at("global_batch").get<int64_t>(), " differs from this job's ",
+  if (meta.value("global_batch", opt_.batchSize) != opt_.batchSize) {
+    log::warn("checkpoint global batch ", meta.value("global_batch", opt_.batchSize), " differs from this job's ",
               opt_.batchSize, ": the data position is kept in samples");
   }
-  torch::NoGradGuard noGrad;
+  checkOptimizerSettings(*optimizer_, meta.value("optimizer", nlohmann::json()));
+  const bool withBuffers = meta.value("format", 1) >= 2;
   for (int k = 0; k < model_->numPieces(); ++k) {
     const std::string paramsName = pieceFile(k, "params");
     const auto saved = unpickleTensors(read(paramsName), (dir / paramsName).string());
-    const auto params = pieceParams(k);
-    for (const auto& [name, tensor] : params) {
+    const NamedTensors expected = withBuffers ? pieceState(k) : pieceParams(k);
+    for (const auto& [name, tensor] : expected) {
       auto it = saved.find(name);
       if (it == saved.end() || !it->second.sizes().equals(tensor.sizes())) {
-        throw ckpt::CheckpointError(strCat("checkpoint '", dir.string(), "': '", paramsName, "' ",
-                                           it == saved.end() ? "has no parameter '" + name + "'"
-                                                             : "has a different shape for '" + name + "'",
-                                           ": it was written by a different model"));
+        throw ConfigError(strCat("checkpoint '", dir.string(), "': '", paramsName, "' ",
+                                 it == saved.end() ? "has no tensor '" + name + "'"
+                                                   : "has a different shape for '" + name + "'",
+                                 ": it was written by a different model"));
       }
-      tensor.copy_(it->second);
+      loaded.copies.emplace_back(tensor, it->second);
     }
-    if (saved.size() != params.size()) {
-      throw ckpt::CheckpointError(strCat("checkpoint '", dir.string(), "': '", paramsName, "' has ", saved.size(),
-                                         " parameters, this model's piece has ", params.size()));
+    if (saved.size() != expected.size()) {
+      throw ConfigError(strCat("checkpoint '", dir.string(), "': '", paramsName, "' has ", saved.size(),
+                               " tensors, this model's piece has ", expected.size(), " parameters and buffers"));
     }
     const std::string optimName = pieceFile(k, "optim");
-    restoreOptimizerState(*optimizer_, params, unpickleTensors(read(optimName), (dir / optimName).string()),
-                          (dir / optimName).string());
+    loaded.optimizer.push_back(decodeOptimizerState(
+        *optimizer_, pieceParams(k), unpickleTensors(read(optimName), (dir / optimName).string()),
+        (dir / optimName).string()));
   }
+  if (!withBuffers && !model_->namedBuffers().empty()) {
+    log::warn("checkpoint '", dir.string(), "' predates buffers in checkpoints: buffers keep their initial values");
+  }
+  if (meta.value("stage_to_rank_map", "") == map_.toString()) {
+    const std::string rngName = strCat("rank_", opt_.rank, ".rng.pt");
+    loaded.generators = unpickleTensors(read(rngName), (dir / rngName).string());
+  }
+  return loaded;
+}
+
+void Varuna::Impl::applyCheckpoint(LoadedCheckpoint loaded, int64_t iteration) {
+  torch::NoGradGuard noGrad;
+  // variable_data(): a load is not an in-place step autograd should see.
+  for (auto& [live, saved] : loaded.copies) live.variable_data().copy_(saved);
+  for (auto& decoded : loaded.optimizer) applyOptimizerState(*optimizer_, std::move(decoded));
+  const auto& meta = loaded.meta;
   applyOptimizerSettings(*optimizer_, meta.at("optimizer"));
   const auto& scale = meta.at("loss_scale");
   if (opt_.precision == Precision::kFp16) scaler_.restore(scale.at("scale"), scale.at("clean_steps"));
-  const std::string rngName = strCat("rank_", opt_.rank, ".rng.pt");
-  if (meta.at("stage_to_rank_map").get<std::string>() == map_.toString()) {
-    restoreGeneratorStates(opt_.device, unpickleTensors(read(rngName), (dir / rngName).string()));
+  if (loaded.generators) {
+    restoreGeneratorStates(opt_.device, *loaded.generators);
   } else {
     // Another layout: no rank's stream maps onto ours; start a fresh one that
     // still depends only on (seed, step, rank).
@@ -779,8 +915,74 @@ int64_t Varuna::Impl::loadCheckpoint(const std::string& globalStore, int64_t ite
                        static_cast<uint64_t>(opt_.rank));
   }
   stepsDone_ = meta.at("step").get<int64_t>();
-  if (opt_.rank == 0) log::info("resumed from ", dir.string(), " (step ", stepsDone_, ")");
+  if (opt_.rank == 0) log::info("resumed from the checkpoint of step ", iteration);
+}
+
+int64_t Varuna::Impl::loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete) {
+  if (!optimizer_) throw ConfigError("call setOptimizer() before loadCheckpoint(): its state is restored too");
+  if (writer_) writer_->drain();
+  applyCheckpoint(readCheckpoint(globalStore, iteration, checkComplete), iteration);
   return stepsDone_;
+}
+
+int64_t Varuna::Impl::allReduceMax(int64_t value, const char* during) {
+  if (map_.worldSize() == 1) return value;
+  auto t = torch::tensor({value}, torch::TensorOptions().dtype(torch::kLong)).to(opt_.device);
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  comm_->waitFor(comm_->world()->allreduce(tensors, options), during);
+  return tensors[0].cpu().item<int64_t>();
+}
+
+std::optional<int64_t> Varuna::Impl::loadLatestCheckpoint(const std::string& globalStore,
+                                                          std::optional<int64_t> atMost) {
+  if (!optimizer_) throw ConfigError("call setOptimizer() before loadLatestCheckpoint(): its state is restored too");
+  if (writer_) writer_->drain();
+  // Verdicts of one attempt, agreed as their maximum over the ranks.
+  enum Verdict : int64_t { kLoaded = 0, kDamaged = 1, kUnreadable = 2, kRefused = 3 };
+  int64_t bound = atMost.value_or(std::numeric_limits<int64_t>::max());
+  while (true) {
+    // The newest candidate every rank can see: ranks may list a checkpoint
+    // completed a moment ago differently, so they agree on the oldest view.
+    std::optional<int64_t> mine;
+    for (int64_t step : ckpt::completeCheckpoints(globalStore)) {
+      if (step <= bound) {
+        mine = step;
+        break;
+      }
+    }
+    const int64_t candidate = -allReduceMax(mine ? -*mine : 1, "agreeing on the checkpoint to load");
+    if (candidate < 0) return std::nullopt;
+    std::optional<LoadedCheckpoint> loaded;
+    Verdict verdict = kLoaded;
+    std::string why;
+    try {
+      loaded = readCheckpoint(globalStore, candidate, /*checkComplete=*/true);
+    } catch (const ckpt::DamagedError& e) {
+      verdict = kDamaged;
+      why = e.what();
+      ckpt::markDamaged(ckpt::checkpointDir(globalStore, candidate), why);
+    } catch (const ckpt::CheckpointError& e) {
+      verdict = kUnreadable;
+      why = e.what();
+    } catch (const ConfigError& e) {
+      verdict = kRefused;
+      why = e.what();
+    }
+    const int64_t agreed = allReduceMax(verdict, "agreeing whether the checkpoint loads");
+    if (agreed == kLoaded) {
+      applyCheckpoint(std::move(*loaded), candidate);
+      return candidate;
+    }
+    if (agreed == kRefused) {
+      if (verdict == kRefused) throw ConfigError(why);
+      throw ConfigError(strCat("checkpoint ", candidate, " is of another model or optimizer (see the log of the ",
+                               "rank that refused it)"));
+    }
+    if (!why.empty()) log::error("cannot load checkpoint ", candidate, ", falling back to an older one: ", why);
+    bound = candidate - 1;
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -792,6 +994,10 @@ std::vector<torch::Tensor> Varuna::parameters() const { return impl_->model_->pa
 
 std::vector<std::pair<std::string, torch::Tensor>> Varuna::namedParameters() const {
   return {impl_->model_->namedParams().begin(), impl_->model_->namedParams().end()};
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> Varuna::namedBuffers() const {
+  return {impl_->model_->namedBuffers().begin(), impl_->model_->namedBuffers().end()};
 }
 
 void Varuna::setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale) {
@@ -814,13 +1020,38 @@ double Varuna::evaluate(const Batch& inputs) {
   return impl_->guarded([&] { return impl_->evaluate(inputs); });
 }
 
-void Varuna::checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
+bool Varuna::checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
                         bool shard, bool onDemand) {
-  impl_->guarded([&] { impl_->checkpoint(globalStore, step, tempdir, shard, onDemand); });
+  return impl_->guarded([&] { return impl_->checkpoint(globalStore, step, tempdir, shard, onDemand); });
+}
+
+bool Varuna::checkpoint(std::optional<int64_t> step) {
+  const auto& c = impl_->opt_.checkpointing;
+  if (c.globalStore.empty()) {
+    throw ConfigError("checkpoint(): VarunaOptions::checkpointing.globalStore is empty (or pass the store)");
+  }
+  return checkpoint(c.globalStore, step, c.tempdir, c.shard);
+}
+
+void Varuna::exitIfCheckpointRequested(const StepResult& result) {
+  if (!result.checkpointRequested) return;
+  const auto& c = impl_->opt_.checkpointing;
+  if (c.globalStore.empty()) {
+    log::warn("checkpoint requested (SIGUSR1) but no checkpoint store is configured: exiting without one");
+    exitWorker(kExitCheckpointed);
+  }
+  const int64_t step = impl_->stepsDone_;
+  checkpoint(c.globalStore, step, c.tempdir, c.shard, /*onDemand=*/true);
+  if (impl_->opt_.rank == 0) log::info("checkpointed step ", step, " on demand; exiting with ", kExitCheckpointed);
+  exitWorker(kExitCheckpointed);
 }
 
 int64_t Varuna::loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete) {
   return impl_->guarded([&] { return impl_->loadCheckpoint(globalStore, iteration, checkComplete); });
+}
+
+std::optional<int64_t> Varuna::loadLatestCheckpoint(const std::string& globalStore, std::optional<int64_t> atMost) {
+  return impl_->guarded([&] { return impl_->loadLatestCheckpoint(globalStore, atMost); });
 }
 
 void Varuna::waitForCheckpoints() {

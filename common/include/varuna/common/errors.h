@@ -17,6 +17,13 @@ namespace varuna {
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitConfigError = 2;       // bad arguments or model spec
 inline constexpr int kExitPeerLost = 3;          // another rank died or hung
+// Checkpoint storage failed (full disk, I/O error, a checkpoint that fails its
+// checksum): retrying, or falling back to an older checkpoint, can help. The
+// value is sysexits' EX_IOERR.
+inline constexpr int kExitStorageError = 74;
+// This worker's generation was superseded by a newer launch of the same job
+// (the manager recorded it in the store): it must not touch the store again.
+inline constexpr int kExitSuperseded = 76;
 inline constexpr int kExitCheckpointed = 75;     // on-demand checkpoint written (P2)
 
 // Base of every expected failure. `exitCode()` is what a worker should exit with.

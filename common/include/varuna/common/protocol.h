@@ -21,6 +21,10 @@ namespace varuna::proto {
 
 inline constexpr uint32_t kVersion = 1;
 inline constexpr uint32_t kMaxFrameBytes = 1u << 20;  // 1 MiB: control messages are small
+// Free-form error texts a worker reports (CheckpointFailed::error) are cut to
+// this many bytes by the codec, on both sides: they end up in the manager's
+// log and event log.
+inline constexpr size_t kMaxErrorTextBytes = 500;
 
 // --- to the manager -----------------------------------------------------------
 struct Hello {  // first frame of every connection
@@ -51,6 +55,12 @@ struct WorkerExited {  // from the agent, the moment it reaps a worker
   int generation = 0;
   std::string logTail;  // the last lines the worker printed, for the manager's message
   bool operator==(const WorkerExited&) const = default;
+};
+struct CheckpointFailed {  // from a worker: a periodic checkpoint failed (ENOSPC, EIO); training goes on
+  int rank = 0;
+  int64_t step = 0;    // the step the checkpoint was for
+  std::string error;   // what failed, at most kMaxErrorTextBytes (longer texts are cut by the codec)
+  bool operator==(const CheckpointFailed&) const = default;
 };
 struct PreemptNotice {  // from notify_manager_preempt
   std::string host;
@@ -104,7 +114,7 @@ struct Ack {
 };
 
 using Message = std::variant<Hello, Heartbeat, StepReport, WorkerExited, PreemptNotice, LaunchWorkers,
-                             CheckpointAndExit, KillWorkers, Shutdown, Ping, Pong, Ack>;
+                             CheckpointAndExit, KillWorkers, Shutdown, Ping, Pong, Ack, CheckpointFailed>;
 
 // A malformed frame or message; the connection that sent it must be closed.
 class ProtocolError : public Error {
@@ -113,6 +123,10 @@ class ProtocolError : public Error {
 };
 
 std::string typeName(const Message& message);
+// `text` as valid UTF-8 (each invalid byte becomes '?': the JSON encoder
+// refuses invalid UTF-8) of at most `maxBytes` bytes, cut at a character
+// boundary and ending in "..." when it was longer.
+std::string boundedText(std::string_view text, size_t maxBytes = kMaxErrorTextBytes);
 // The frame: length prefix + JSON body.
 std::string encode(const Message& message);
 // Parses one frame body (without the length prefix).

@@ -26,21 +26,13 @@ struct JobConfig {
   int64_t chunkSize = 0;            // micro-batch size; 0: AutoConfig chooses
   int64_t batchSize = 0;            // global batch, constant across morphs
   std::string codeDir;              // where workers start (default: the current folder)
-  std::string envFile;              // run_varuna's command line: `--config FILE` (JSON) first, then every option
-// given on the command line on top of it; the program after `--`. Throws
-// ConfigError naming the option. Help and usage errors are CLI11's to print:
-// returns nullopt and sets `exitCode` when the caller should exit at once.
-std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int& exitCode);
-
-// "varuna,1f1b" or "all" -> schedule kinds; ConfigError naming --schedules.
-std::vector<ScheduleKind> parseScheduleList(const std::string& text);
-
-// KEY=VALUE lines for agents and workers
+  std::string envFile;              // KEY=VALUE lines for agents and workers
   bool noMorphing = false;
   std::string managerIp;            // address agents and workers dial (default: guessed)
   int port = 0;                     // manager's control port (0: any free port)
   int masterPort = 29500;           // workers' rendezvous port on rank 0's host (+ generation offset)
   std::string globalStore;          // checkpoint root shared by the workers
+  int keepCheckpoints = 3;          // complete checkpoints the workers keep (0: all); VARUNA_KEEP_CHECKPOINTS
   std::string stateDir;             // state.json, events.jsonl, slow_machines.out, token
   double heartbeatTimeoutS = 10;    // a worker silent this long is hung
   double startupTimeoutS = 120;     // launch -> first heartbeat of a worker
@@ -86,6 +78,13 @@ std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int
 
 // "varuna,1f1b" or "all" -> schedule kinds; ConfigError naming --schedules.
 std::vector<ScheduleKind> parseScheduleList(const std::string& text);
+
+// The variables run_varuna hands every agent and (through LaunchWorkers)
+// every worker: the env file's `envFile` first, then the job's own
+// (VARUNA_GLOBAL_STORE, VARUNA_KEEP_CHECKPOINTS), which win over the file's
+// because the agent applies them in order.
+std::vector<std::pair<std::string, std::string>> jobEnvironment(
+    const JobConfig& config, std::vector<std::pair<std::string, std::string>> envFile);
 
 // KEY=VALUE lines (optional `export `, optional quotes, # comments). Errors
 // name source:line.

@@ -109,9 +109,15 @@ class ManagerDaemon {
   void checkHeartbeats(TimePoint now);
   void watchMachineList();
   void watchCheckpoints(TimePoint now);
+  // The newest complete checkpoint that is not marked damaged and has the
+  // sizes of its manifest; writes a `checkpoint_skipped` event (once per step)
+  // for each complete-looking one passed over. If the store cannot be read,
+  // logs it and returns the last one known.
+  std::optional<int64_t> findLatestCheckpoint();
 
   // Reporting.
   void onStepReport(const proto::StepReport& report);
+  void onCheckpointFailed(int rank, const proto::CheckpointFailed& failure);
   void onSlowVerdict(const std::vector<SlowMachine>& slow);
   void writeState();
   const nlohmann::json& cachedPlanJson();
@@ -152,6 +158,10 @@ class ManagerDaemon {
   TimePoint lastProgressPrint_{};
   int64_t progressMarkStep_ = -1;  // step of the last progress line
   std::optional<int64_t> lastCheckpoint_;
+  std::set<int64_t> skippedCheckpoints_;   // reported as checkpoint_skipped
+  int checkpointFailures_ = 0;             // CheckpointFailed reports of every generation
+  nlohmann::json lastCheckpointFailure_;   // the newest one, for state.json
+  std::string storeReadError_;             // the last error reading the store (logged once per text)
   TimePoint lastCheckpointSeen_{};
   TimePoint lastCheckpointPoll_{};
   TimePoint lastListPoll_{};

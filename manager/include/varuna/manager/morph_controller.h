@@ -11,6 +11,12 @@
 //   running --preempt / list change--> checkpointing --all exited--> relaunch
 //   running --failure--> stopping (kill all) --all exited--> backoff --> relaunch
 // Events arriving during a morph only change the inputs of the next plan.
+// Worker exit codes: 0 done, 75 checkpointed (a morph), 2 a configuration
+// error (the job stops: a relaunch would fail the same way); anything else is
+// a failure that a relaunch can fix, among them 74 (checkpoint storage failed
+// or a checkpoint was damaged: the relaunch resumes from the latest complete
+// checkpoint that still verifies) and 76 (the worker's generation was
+// superseded in the store).
 #pragma once
 
 #include <chrono>
@@ -47,6 +53,8 @@ using Action = std::variant<action::Launch, action::Checkpoint, action::KillAll,
 
 enum class Phase { kIdle, kRunning, kCheckpointing, kStopping, kBackoff, kWaitingForMachines, kFinished, kFailed };
 const char* toString(Phase phase);
+// "code 74 (checkpoint storage failed)", "a signal", ...: a worker's exit for messages.
+std::string describeExit(int exitCode);
 
 struct ControllerOptions {
   int stages = 1;
@@ -74,6 +82,10 @@ class MorphController {
   std::vector<Action> start(TimePoint now);
   // exitCode: the worker's, or -1 when killed by a signal.
   std::vector<Action> workerExited(int rank, int exitCode, TimePoint now);
+  // The Launch just returned could not be carried out (e.g. the generation
+  // record could not be written to a full store): no worker runs; a failure
+  // like any other (backoff, then relaunch; too many in the window stop).
+  std::vector<Action> launchFailed(const std::string& reason, TimePoint now);
   std::vector<Action> hostLost(const std::string& host, TimePoint now);
   // takenAt: when the cloud takes the host, if the notice said. The
   // on-demand checkpoint is waited for until then at the latest (after that

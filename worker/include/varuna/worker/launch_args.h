@@ -31,6 +31,7 @@ struct LaunchArgs {
   int generation = -1;      // VARUNA_GENERATION
   std::string hostAddr;     // VARUNA_HOST
   std::string globalStore;  // VARUNA_GLOBAL_STORE: the job's checkpoint root
+  int keepCheckpoints = -1; // VARUNA_KEEP_CHECKPOINTS (run_varuna --keep_checkpoints); -1: not given
   // run_varuna's AutoConfig choices (environment only); they win over the
   // program's own settings so the partition that runs is the one simulated.
   std::string schedule;             // VARUNA_SCHEDULE: varuna, 1f1b or gpipe

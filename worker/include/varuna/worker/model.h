@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <utility>
@@ -31,6 +32,21 @@ class Piece : public torch::nn::Module {
   // piece). Must return one tensor of shape (b, ...), or the scalar loss for
   // the last piece.
   virtual torch::Tensor forward(const torch::Tensor& activation, const Batch& batch) = 0;
+
+  // False for buffers registered with registerNonPersistentBuffer (PyTorch's
+  // register_buffer(..., persistent=False)): kept in step across replicas but
+  // not saved in checkpoints. libtorch's own register_buffer has no such flag,
+  // so every other buffer, including those of nested modules, is persistent.
+  bool isPersistentBuffer(const std::string& path) const { return !nonPersistentBuffers_.count(path); }
+
+ protected:
+  torch::Tensor registerNonPersistentBuffer(const std::string& name, torch::Tensor tensor) {
+    nonPersistentBuffers_.insert(name);
+    return register_buffer(name, std::move(tensor));
+  }
+
+ private:
+  std::set<std::string> nonPersistentBuffers_;
 };
 
 using PieceFactory = std::function<std::shared_ptr<Piece>()>;

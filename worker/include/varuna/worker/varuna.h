@@ -49,6 +49,19 @@ struct ManagerLinkOptions {
   std::chrono::milliseconds heartbeatInterval{500};
 };
 
+// Where and how the runtime writes checkpoints it takes on its own: the
+// on-demand checkpoint of exitIfCheckpointRequested() and retention after every
+// completed checkpoint (docs/checkpoints.md).
+struct CheckpointOptions {
+  std::string globalStore;  // empty: no checkpoints (applyLaunchArgs fills run_varuna's)
+  std::string tempdir;      // local folder for background copies; empty: none
+  bool shard = false;       // spread a stage's piece files over its replicas
+  // The newest complete checkpoints kept; older ones, and the remains of
+  // interrupted ones, are removed once a newer checkpoint completes.
+  // 0 keeps everything. run_varuna --keep_checkpoints sets it.
+  int keepCheckpoints = 3;
+};
+
 struct VarunaOptions {
   ModelSpec model;
   std::string stageToRankMap;  // the launcher's string, e.g. "0,2;1,3;"
@@ -67,6 +80,7 @@ struct VarunaOptions {
   // Data-parallel gradient buckets, all-reduced as soon as they are complete.
   int64_t bucketBytes = 4 << 20;
   ManagerLinkOptions manager;
+  CheckpointOptions checkpointing;
   // Set by applyLaunchArgs from run_varuna's AutoConfig; when given they
   // override `schedule` and `model.pieceCosts`.
   std::optional<ScheduleKind> launcherSchedule;
@@ -107,6 +121,12 @@ class Varuna {
   std::vector<torch::Tensor> parameters() const;
   // Full names ("block3.attn.qkv.weight") and tensors of this stage.
   std::vector<std::pair<std::string, torch::Tensor>> namedParameters() const;
+  // This stage's module buffers (BatchNorm running statistics, any
+  // register_buffer), by full name. They are model state: checkpointed with
+  // the parameters, left as one forward leaves them by Varuna's recompute, and
+  // identical on every data-parallel replica after each step (replica 0's are
+  // broadcast, as DDP does).
+  std::vector<std::pair<std::string, torch::Tensor>> namedBuffers() const;
 
   // Registers the optimizer over parameters(). Loss-scale options apply to fp16.
   void setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale = {});
@@ -127,15 +147,39 @@ class Varuna {
   // directory then copied to the global store in the background while training
   // goes on. onDemand: written synchronously (after any background ones) and
   // waited for until the checkpoint is complete, for checkpoint-and-exit.
-  void checkpoint(const std::string& globalStore, std::optional<int64_t> step = std::nullopt,
+  // A storage failure (full disk, I/O error) of a periodic checkpoint is
+  // logged and reported to run_varuna and training goes on (returns false; the
+  // next checkpoint tries again); an on-demand one throws CheckpointError
+  // (exit code kExitStorageError). A worker whose generation was superseded
+  // throws SupersededError and never completes a checkpoint.
+  bool checkpoint(const std::string& globalStore, std::optional<int64_t> step = std::nullopt,
                   const std::string& tempdir = "", bool shard = false, bool onDemand = false);
+  // The same with VarunaOptions::checkpointing's store, tempdir and sharding.
+  bool checkpoint(std::optional<int64_t> step = std::nullopt);
+  // Checkpoint-and-exit, the contract run_varuna's morphing relies on: when
+  // `result` says a checkpoint was requested (SIGUSR1 on any rank), writes the
+  // on-demand checkpoint of the step just taken with VarunaOptions::
+  // checkpointing and exits with kExitCheckpointed (75). Call it after every
+  // step(); it returns only when nothing was requested.
+  void exitIfCheckpointRequested(const StepResult& result);
   // Loads varuna_ckpt_<iteration> under the current partition: parameters,
   // optimizer state and settings, loss scale, generator states (when the
   // layout is unchanged), step and data position. Call after setOptimizer().
   // checkComplete: refuse a checkpoint without its marker, and files whose
   // size or checksum differs from the manifest. Returns the step.
+  // Every file this rank reads is read and verified (size and crc32 against
+  // the manifest) and matched against the model before any tensor changes:
+  // a bad checkpoint leaves the model untouched.
   int64_t loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete = true);
-  // Blocks until background checkpoints have landed; rethrows their failure.
+  // Loads the newest complete checkpoint at or below `atMost` (all when not
+  // given) that every rank can verify, falling back past damaged ones (each is
+  // logged and marked so run_varuna skips it too). A collective: all ranks
+  // agree on the step. Returns it, or nullopt when no checkpoint loads (the
+  // model is then untouched).
+  std::optional<int64_t> loadLatestCheckpoint(const std::string& globalStore,
+                                              std::optional<int64_t> atMost = std::nullopt);
+  // Blocks until background checkpoints have landed (or failed: a failed one
+  // was logged and reported; it does not throw).
   void waitForCheckpoints();
   // Optimizer steps taken (attempted, including fp16-skipped ones), counting
   // those restored from a checkpoint.
