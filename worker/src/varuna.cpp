@@ -152,8 +152,11 @@ class Varuna::Impl {
   StageToRankMap map_;
   int stage_ = 0, replica_ = 0, P_ = 1, D_ = 1;
   Partition partition_;
-  std::unique_ptr<Communicator> comm_;
+  // Declared before comm_ so it is destroyed after it: c10d's teardown can take
+  // seconds, and the link's heartbeats must cover them (a silent exiting rank
+  // would look hung to run_varuna).
   std::unique_ptr<ManagerLink> managerLink_;  // run_varuna reporting (null without a manager)
+  std::unique_ptr<Communicator> comm_;
   std::shared_ptr<StageModel> model_;
   GradBuckets buckets_;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
