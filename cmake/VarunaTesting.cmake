@@ -4,6 +4,11 @@
 # private scratch directory (VARUNA_TEST_TMPDIR) so parallel ctest runs never
 # share files.
 find_package(Catch2 REQUIRED)
+
+# Python tests and the Python benchmarks' smoke runs use the project's virtual
+# environment (scripts/setup.sh creates it with the pinned torch).
+set(VARUNA_PYTHON "${CMAKE_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH "Python with the pinned torch")
+
 function(varuna_add_test)
   cmake_parse_arguments(T "OWN_MAIN" "NAME;TIMEOUT;SKIP_RETURN_CODE" "SOURCES;LIBS;LABELS" ${ARGN})
   if(NOT T_TIMEOUT)

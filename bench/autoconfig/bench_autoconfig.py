@@ -19,6 +19,13 @@
    sweep's own figure is reported too, as sweep_chosen_vs_best).
 
     .venv/bin/python bench/autoconfig/bench_autoconfig.py [--build build] [--rounds 3] [--keep DIR]
+    .venv/bin/python bench/autoconfig/bench_autoconfig.py --smoke   # does it still run? (seconds, not judged)
+
+--smoke: every step above once, small: a tiny GPT (d_model 32, 2 blocks, seq
+16), a profile of micro-batch size 2 with 3 repetitions, its 1f1b plans only
+(3), 1 round of 3 steps (1 warm-up), a final
+of the fastest plan and the chosen one in 1 round. The same table and JSON
+line without "targets": the figures mean nothing. CTest runs it (label bench).
 """
 import argparse
 import json
@@ -33,6 +40,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 MODEL = ["--d_model", "128", "--layers", "4", "--heads", "4", "--seq_len", "64", "--threads", "1"]
+SMOKE_MODEL = ["--d_model", "32", "--layers", "2", "--heads", "2", "--seq_len", "16", "--threads", "1"]
 BATCH = 16
 
 
@@ -55,11 +63,11 @@ def launch(build, stages, replicas, chunk, per_replica_batch, program_args, env=
     return run(cmd, env=env, timeout=timeout)
 
 
-def profile(build, workdir, sizes):
+def profile(build, workdir, sizes, repetitions):
     log("profiling the example with 2 processes, micro-batch sizes", sizes)
     start = time.monotonic()
     launch(build, 2, 1, 1, 1, [os.path.join(build, "examples", "gpt", "profile_gpt"), "--profile_dir", workdir,
-                               "--micro_batch_sizes", sizes, "--repetitions", "60", *MODEL])
+                               "--micro_batch_sizes", sizes, "--repetitions", str(repetitions), *MODEL])
     log("profile written in %.0f s" % (time.monotonic() - start))
     return os.path.join(workdir, "profile.json")
 
@@ -112,13 +120,21 @@ def main():
     parser.add_argument("--final_rounds", type=int, default=5)
     parser.add_argument("--sizes", default="1,2,4,8", help="micro-batch sizes to profile")
     parser.add_argument("--schedules", default="all")
+    parser.add_argument("--repetitions", type=int, default=60, help="profile_gpt's repetitions per size")
     parser.add_argument("--keep", help="keep the work files in this folder")
+    parser.add_argument("--smoke", action="store_true",
+                        help="everything once at the smallest settings (seconds; figures not judged): "
+                             "does the bench still run?")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps, args.warmup, args.finalists, args.final_rounds = 1, 3, 1, 1, 1
+        args.sizes, args.schedules, args.repetitions = "2", "1f1b", 3
+        MODEL[:] = SMOKE_MODEL
     build = os.path.abspath(args.build)
     workdir = args.keep or tempfile.mkdtemp(prefix="bench-autoconfig-")
     os.makedirs(workdir, exist_ok=True)
     try:
-        profile_path = profile(build, workdir, args.sizes)
+        profile_path = profile(build, workdir, args.sizes, args.repetitions)
         predicted = json.loads(run([os.path.join(build, "bench", "predict_plans"), "--profile", profile_path,
                                     "--machines", "127.0.0.1:2", "--batch", str(BATCH),
                                     "--schedules", args.schedules]).stdout)
@@ -163,6 +179,9 @@ def main():
             "round_spread_median": round(statistics.median(r["round_spread"] for r in rows), 4),
             "model": " ".join(MODEL), "global_batch": BATCH, "rounds": args.rounds, "steps": args.steps,
         }
+        if args.smoke:
+            del summary["targets"]
+            summary["smoke"] = True
         print(json.dumps(summary))
     finally:
         if not args.keep:

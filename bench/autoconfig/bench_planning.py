@@ -12,6 +12,7 @@ simulations spread over the cores) and, side by side, simulating every plan on
 one thread (what the planner did before).
 
     .venv/bin/python bench/autoconfig/bench_planning.py [--hosts 2,8,32,64] [--batch 1024]
+    .venv/bin/python bench/autoconfig/bench_planning.py --smoke   # 2 hosts only: does it still run?
 
 Last line JSON: {"slots": [...], "considered": [...], "simulated": [...],
 "planning_s": [...], "every_plan_one_thread_s": [...]}.
@@ -76,10 +77,15 @@ def predict(build, profile, hosts, batch, extra):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hosts", default="2,8,32,64", help="cluster sizes in 8-slot hosts")
+    parser.add_argument("--hosts", default=None, help="cluster sizes in 8-slot hosts (default 2,8,32,64; --smoke: 2)")
     parser.add_argument("--batch", type=int, default=1024, help="global batch (constant, as in a morphing job)")
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="only the smallest cluster (2 hosts; about a second, figures not judged): does the "
+                             "bench still run? (--hosts given explicitly wins)")
     args = parser.parse_args()
+    if args.hosts is None:
+        args.hosts = "2" if args.smoke else "2,8,32,64"
     if not os.path.exists(os.path.join(args.build, "bench", "predict_plans")):
         sys.exit(f"bench_planning: {args.build}/bench/predict_plans not found: build first (scripts/setup.sh)")
 
@@ -104,6 +110,8 @@ def main():
             figures["simulated"].append(fast["simulated"])
             figures["planning_s"].append(round(fast["planning_s"], 4))
             figures["every_plan_one_thread_s"].append(round(slow["planning_s"], 4))
+    if args.smoke:
+        figures["smoke"] = True
     print(json.dumps(figures))
 
 

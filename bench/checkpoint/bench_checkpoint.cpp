@@ -1,13 +1,16 @@
 // bench/checkpoint: how fast Varuna writes a checkpoint, against the disk.
 //
 // A GPT of ~19M parameters (with AdamW state: ~230 MB) in one process:
-//  1. synchronous checkpoint to <dir>: write_mb_s (median of 3);
+//  1. synchronous checkpoint to <dir>: write_mb_s (median of 5);
 //  2. the disk's sequential write speed to the same <dir> with
 //     dd if=/dev/zero bs=4M conv=fsync, of the same size: dd_mb_s;
 //  3. training steps without checkpoints, then with a background checkpoint
 //     (tempdir) every K steps: stall_fraction = extra time of a checkpointing
 //     step over the median step time.
-// Last line: one JSON object. Usage: bench_checkpoint [dir] [K]
+// Last line: one JSON object. Usage: bench_checkpoint [--smoke] [dir] [K]
+// --smoke: does the bench still run? A tiny GPT (~0.4 MB of state), one round
+// of 1 and 2, K = 2 and one checkpointing round of 3; figures meaningless (CTest
+// runs it, label bench). <dir> is emptied first and removed at the end.
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
@@ -17,6 +20,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "char_dataset.h"
 #include "gpt_model.h"
@@ -59,8 +64,30 @@ double ddMegabytesPerSecond(const fs::path& dir, uint64_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const fs::path root = argc > 1 ? fs::path(argv[1]) : fs::temp_directory_path() / "varuna_bench_checkpoint";
-  const int every = argc > 2 ? std::atoi(argv[2]) : 4;
+  bool smoke = false;
+  std::vector<std::string> positional;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--smoke") {
+      smoke = true;
+    } else if (arg.rfind("-", 0) == 0) {
+      std::cerr << "bench_checkpoint: unknown option " << arg << "; usage: bench_checkpoint [--smoke] [dir] [K]"
+                << std::endl;
+      return 2;
+    } else {
+      positional.push_back(arg);
+    }
+  }
+  const fs::path root =
+      positional.size() > 0 ? fs::path(positional[0]) : fs::temp_directory_path() / "varuna_bench_checkpoint";
+  const int every = positional.size() > 1 ? std::atoi(positional[1].c_str()) : smoke ? 2 : 4;
+  if (every < 1) {
+    std::cerr << "bench_checkpoint: K (checkpoint every K steps) must be a positive integer, got " << positional[1]
+              << std::endl;
+    return 2;
+  }
+  const int writeRounds = smoke ? 1 : 5;
+  const int checkpointRounds = smoke ? 1 : 3;
   fs::remove_all(root);
   fs::create_directories(root);
   varuna::log::configure({.component = "bench_checkpoint"}, varuna::log::Level::kWarn);
@@ -68,6 +95,7 @@ int main(int argc, char** argv) {
 
   const auto data = gpt::CharDataset::fromPath("/usr/share/common-licenses");
   gpt::GptConfig config{.vocabSize = data.vocabSize(), .dModel = 512, .heads = 8, .layers = 6, .seqLen = 64};
+  if (smoke) config = {.vocabSize = data.vocabSize(), .dModel = 32, .heads = 2, .layers = 2, .seqLen = 16};
   varuna::VarunaOptions options;
   options.model = gpt::makeGptModel(config);
   options.stageToRankMap = "0;";
@@ -92,7 +120,7 @@ int main(int argc, char** argv) {
   const fs::path store = root / "store";
   std::vector<double> writes, dds;
   uint64_t bytes = 0;
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < writeRounds; ++i) {
     const auto start = Clock::now();
     model.checkpoint(store.string(), 1000 + i);
     writes.push_back(seconds(start));
@@ -112,7 +140,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 2 * every; ++i) plain.push_back(timedStep());
   const double stepTime = median(plain);
   const fs::path tempdir = root / "local";
-  for (int round = 0; round < 3; ++round) {
+  for (int round = 0; round < checkpointRounds; ++round) {
     for (int i = 0; i < every; ++i) {
       const auto start = Clock::now();
       model.step(batch(step++), 1.0);
@@ -138,7 +166,8 @@ int main(int argc, char** argv) {
                         {"step_time_with_bg_ckpt_s", checkpointingStep},
                         {"checkpoint_every", every},
                         {"stall_fraction", stall},
-                        {"background_checkpoints_complete", landed}};
+                        {"background_checkpoints_complete", landed},
+                        {"smoke", smoke}};
   std::cout << out.dump() << std::endl;
   return landed ? 0 : 1;
 }

@@ -32,6 +32,12 @@ torchrun_restart_s, ratio (= morph_s / torchrun_restart_s) and the phase
 medians.
 
     .venv/bin/python bench/morph/bench_morph.py [--rounds 3] [--workdir DIR] [--keep]
+    .venv/bin/python bench/morph/bench_morph.py --smoke   # does it still run? (one round each, not judged)
+
+--smoke: one round of each side, the machine lost after 3 steps instead of
+20; the same table and JSON line without "targets" (one round of a cold start
+says little). CTest runs it (label bench) so that a bench that no longer runs
+fails CI.
 """
 import argparse
 import json
@@ -53,6 +59,10 @@ MODEL = ["--d_model", "64", "--layers", "4", "--heads", "4", "--seq_len", "32"]
 GLOBAL_BATCH, CHUNK = 16, 4
 HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
 LEAVING = "127.0.0.2"
+# The agents' run folders (connection.json): varuna_agent's default
+# <temp dir>/varuna/JOB/HOST, where the temp dir honours TMPDIR as
+# std::filesystem::temp_directory_path does (CTest's smoke run sets it).
+AGENT_RUN_ROOT = Path(tempfile.gettempdir()) / "varuna"
 # Every process the bench starts (and their descendants, which inherit the
 # environment) carries this marker, so leftovers can be found and killed.
 MARKER = "VARUNA_BENCH_MORPH=%s" % uuid.uuid4().hex
@@ -238,7 +248,7 @@ def varuna_round(args, rnd, work):
     try:
         wait_for("step %d of the 2x2 job (%s)" % (args.warm_steps, log_path),
                  lambda: alive() and varuna_step(state_dir) >= args.warm_steps, args.timeout)
-        connection = Path("/tmp/varuna") / job / LEAVING / "connection.json"
+        connection = AGENT_RUN_ROOT / job / LEAVING / "connection.json"
         t_notice = time.time()
         try:
             r = subprocess.run([str(bin_dir / "notify_manager_preempt"), "--connection_file", str(connection)],
@@ -279,7 +289,7 @@ def varuna_round(args, rnd, work):
         return result
     finally:
         kill_leftovers()
-        shutil.rmtree(Path("/tmp/varuna") / job, ignore_errors=True)
+        shutil.rmtree(AGENT_RUN_ROOT / job, ignore_errors=True)
 
 
 # --- peer: torchrun elastic ------------------------------------------------------------
@@ -444,7 +454,11 @@ def main():
     parser.add_argument("--timeout", type=float, default=90, help="deadline of every wait, seconds")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temp folder, removed at the end")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, events)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one round of each side, 3 warm steps (figures not judged): does the bench still run?")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.warm_steps = 1, 3
     for path in (args.build / "bin" / "run_varuna", args.build / "bin" / "notify_manager_preempt",
                  args.build / "examples" / "gpt" / "train_gpt", args.venv / "bin" / "torchrun"):
         if not path.exists():
@@ -534,6 +548,9 @@ def main():
         "varuna_rounds_s": [round(r["notice_to_first_step_s"], 3) for r in ours],
         "torchrun_rounds_s": [round(r["kill_to_first_step_s"], 3) for r in peer],
     }
+    if args.smoke:
+        del result["targets"]
+        result["smoke"] = True
     print(json.dumps(result))
 
 

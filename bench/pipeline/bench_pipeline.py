@@ -17,7 +17,14 @@ every configuration (ours x 3 schedules, single process, peer x 2) runs once
 per round, the rounds interleave them, and each figure is the best of the
 rounds' median step times.
 
-    .venv/bin/python bench/pipeline/bench_pipeline.py [--build build] [--quick]
+    .venv/bin/python bench/pipeline/bench_pipeline.py [--build build] [--sizes small,medium] [--rounds 3]
+    .venv/bin/python bench/pipeline/bench_pipeline.py --smoke   # does it still run? (seconds, not judged)
+
+--smoke runs one round at a tiny size (d_model 32, 2 blocks, seq 16, 1
+warm-up + 2 timed steps) with one schedule per side (ours 1f1b, the peer's
+1F1B) and the single process: the same table and JSON line, figures
+meaningless. CTest runs it (label bench) so that a bench that no longer runs
+fails CI; the peer's interpreters importing torch are most of its time.
 """
 import argparse
 import json
@@ -36,8 +43,12 @@ SIZES = {
     "small": dict(d_model=128, layers=8, heads=4, seq_len=64, chunk=4, warmup=3, steps=12),
     # compute-bound
     "medium": dict(d_model=256, layers=8, heads=4, seq_len=128, chunk=2, warmup=2, steps=6),
+    # --smoke: does the bench still run (figures meaningless)
+    "tiny": dict(d_model=32, layers=2, heads=2, seq_len=16, chunk=1, warmup=1, steps=2),
 }
 P, M = 2, 8
+SCHEDULES = ["varuna", "1f1b", "gpipe"]  # ours; 1f1b must be there: the peer loads its initial weights
+PEER_SCHEDULES = ["1F1B", "GPipe"]
 
 
 def free_port():
@@ -85,7 +96,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small_chunk", type=int, default=None,
                         help="micro-batch size of the small model (default 4; 1 stresses per-micro-batch overhead)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one round at a tiny size (seconds; figures not judged): does the bench still run?")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.rounds = "tiny", 1
+        SCHEDULES[:], PEER_SCHEDULES[:] = ["1f1b"], ["1F1B"]
     if args.small_chunk:
         SIZES["small"].update(chunk=args.small_chunk, warmup=5, steps=30)
     result = {}
@@ -95,12 +111,12 @@ def main():
         ours, peer, single = {}, {}, float("inf")
         for rnd in range(args.rounds):
             with tempfile.TemporaryDirectory() as tmp:
-                for schedule in ("varuna", "1f1b", "gpipe"):
+                for schedule in SCHEDULES:
                     t = run_ours(args.build, size, P, schedule, os.path.join(tmp, schedule))
                     ours[schedule] = min(ours.get(schedule, t), t)
                     print(f"[{size} round {rnd}] ours {schedule:7s} P=2: {t*1e3:8.1f} ms/step", flush=True)
                     if schedule == "1f1b":  # peers next to ours in time
-                        for peer_schedule in ("1F1B", "GPipe"):
+                        for peer_schedule in PEER_SCHEDULES:
                             t = run_peer(size, peer_schedule, os.path.join(tmp, "1f1b"))
                             peer[peer_schedule] = min(peer.get(peer_schedule, t), t)
                             print(f"[{size} round {rnd}] peer {peer_schedule:6s} P=2: {t*1e3:8.1f} ms/step", flush=True)
@@ -127,6 +143,8 @@ def main():
         print(f"[{size}] tokens/s ours {r['tokens_per_s']:.0f} ({best}) vs peer {r['peer_tokens_per_s']:.0f} "
               f"({best_peer}): ratio {r['ratio_vs_peer']:.2f}; efficiency {r['efficiency']:.3f} "
               f"(bubble bound {r['bubble_bound']:.3f})", flush=True)
+    if args.smoke:
+        result["smoke"] = True
     print(json.dumps(result))
 
 

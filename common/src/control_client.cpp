@@ -119,13 +119,30 @@ void ControlClient::close() {
   fd_ = -1;
 }
 
-void ControlClient::send(const Message& message) {
+void ControlClient::send(const Message& message) { sendFrame(encode(message), std::nullopt); }
+
+void ControlClient::send(const Message& message, std::chrono::milliseconds timeout) {
+  sendFrame(encode(message), Clock::now() + timeout);
+}
+
+void ControlClient::sendFrame(const std::string& frame, std::optional<Clock::time_point> deadline) {
   if (fd_ < 0) throw ConnectionError(strCat("the connection to the manager at ", address_, " is closed"));
-  const std::string frame = encode(message);
   size_t sent = 0;
   while (sent < frame.size()) {
-    const ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+    const int flags = MSG_NOSIGNAL | (deadline ? MSG_DONTWAIT : 0);
+    const ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, flags);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && deadline && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd p{fd_, POLLOUT, 0};
+      const int rc = ::poll(&p, 1, remainingMs(*deadline));
+      if (rc < 0 && errno == EINTR) continue;
+      if (rc == 0) {
+        close();
+        throw ConnectionError(strCat("the manager at ", address_, " took no data for ",
+                                     "longer than the send timeout (not reading, or unreachable)"));
+      }
+      continue;  // writable, or an error the next send reports
+    }
     if (n <= 0) {
       const int err = errno;
       close();

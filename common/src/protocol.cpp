@@ -45,6 +45,12 @@ json toJson(const KillWorkers& m) { return {{"type", "kill_workers"}, {"reason",
 json toJson(const Shutdown& m) { return {{"type", "shutdown"}, {"reason", m.reason}}; }
 json toJson(const Ping& m) { return {{"type", "ping"}, {"sequence", m.sequence}, {"sent_ns", m.sentNs}}; }
 json toJson(const Pong& m) { return {{"type", "pong"}, {"sequence", m.sequence}, {"sent_ns", m.sentNs}}; }
+json toJson(const Welcome& m) {
+  return {{"type", "welcome"}, {"generation", m.generation}, {"lost_manager_grace_ms", m.lostManagerGraceMs}};
+}
+json toJson(const ExitNow& m) {
+  return {{"type", "exit_now"}, {"generation", m.generation}, {"reason", boundedText(m.reason)}};
+}
 json toJson(const Ack& m) { return {{"type", "ack"}, {"ok", m.ok}, {"error", m.error}}; }
 
 Message fromJson(const json& j) {
@@ -85,6 +91,8 @@ Message fromJson(const json& j) {
   if (type == "ping") return Ping{j.at("sequence"), j.at("sent_ns")};
   if (type == "pong") return Pong{j.at("sequence"), j.at("sent_ns")};
   if (type == "ack") return Ack{j.at("ok"), j.at("error")};
+  if (type == "welcome") return Welcome{j.at("generation"), j.at("lost_manager_grace_ms")};
+  if (type == "exit_now") return ExitNow{j.at("generation"), boundedText(j.at("reason").get<std::string>())};
   throw ProtocolError("unknown message type '" + type + "'");
 }
 
@@ -213,10 +221,13 @@ const Hello& checkHello(const Message& first, const std::string& expectedToken) 
   const auto* hello = std::get_if<Hello>(&first);
   if (!hello) throw ProtocolError(strCat("the first message must be hello, got ", typeName(first)));
   if (hello->version != kVersion) {
-    throw ProtocolError(strCat("protocol version ", hello->version, " from ", hello->host, " is not ", kVersion,
+    throw ProtocolError(strCat("protocol version ", hello->version, " from ",
+                               boundedText(hello->host, kMaxLoggedPeerTextBytes), " is not ", kVersion,
                                ": run the same varuna build everywhere"));
   }
-  if (hello->token != expectedToken) throw ProtocolError(strCat("wrong job token from '", hello->host, "'"));
+  if (hello->token != expectedToken) {
+    throw ProtocolError(strCat("wrong job token from '", boundedText(hello->host, kMaxLoggedPeerTextBytes), "'"));
+  }
   return *hello;
 }
 

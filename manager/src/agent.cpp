@@ -1,6 +1,7 @@
 #include "varuna/manager/agent.h"
 
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -259,11 +260,19 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
   auto argv = cStrings(argvStrings);
   auto envp = cStrings(envStrings);
   const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  const pid_t agent = ::getpid();
   const pid_t pid = ::fork();
   if (pid != 0) {
     if (logFd >= 0) ::close(logFd);
     return pid;
   }
+  // The worker dies with its agent (an OOM-killed or crashed agent takes its
+  // workers along; the signal survives exec). The agent may have died between
+  // fork and prctl: then the child has been re-parented already and ends
+  // here. (The signal follows the thread that forked; the agent forks from
+  // its only thread, the event loop's.)
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != agent) ::_exit(127);
   ::setpgid(0, 0);  // its own group: a kill reaches whatever it spawned
   sigset_t none;
   sigemptyset(&none);

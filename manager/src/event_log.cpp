@@ -4,6 +4,7 @@
 #include <ctime>
 
 #include "varuna/common/errors.h"
+#include "varuna/common/log.h"
 
 namespace varuna {
 
@@ -27,11 +28,31 @@ EventLog::EventLog(const std::string& path) : path_(path), out_(path, std::ios::
   if (!out_) throw Error(strCat("cannot open the event log ", path, " for appending"), 1);
 }
 
-void EventLog::write(const std::string& event, nlohmann::json fields) {
-  nlohmann::json line = {{"time", isoTimeNow()}, {"unix_ms", unixMillisNow()}, {"event", event}};
-  for (auto& [k, v] : fields.items()) line[k] = v;
-  out_ << line.dump() << '\n';
-  out_.flush();
+void EventLog::write(const std::string& event, nlohmann::json fields) noexcept {
+  try {
+    nlohmann::json line = {{"time", isoTimeNow()}, {"unix_ms", unixMillisNow()}, {"event", event}};
+    for (auto& [k, v] : fields.items()) line[k] = v;
+    // A field may hold bytes that are not UTF-8 (a path, a peer's text):
+    // replaced with U+FFFD rather than a type_error out of a handler.
+    out_ << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+    out_.flush();
+    if (out_) return;
+    out_.clear();  // a full disk: the next line tries again (the stream would stay failed)
+    noteLost("the write failed (full or failing disk?)");
+  } catch (const std::exception& e) {
+    noteLost(e.what());
+  }
+}
+
+void EventLog::noteLost(const char* why) noexcept {
+  ++lost_;
+  try {
+    uint64_t suppressed = 0;
+    if (lostLog_.allow(std::chrono::steady_clock::now(), &suppressed)) {
+      log::error("an event was not recorded in ", path_, ": ", why, " (", lost_, " lost so far)");
+    }
+  } catch (...) {
+  }
 }
 
 }  // namespace varuna

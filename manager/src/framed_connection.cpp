@@ -1,5 +1,8 @@
 #include "varuna/manager/framed_connection.h"
 
+#include "varuna/common/log.h"
+#include "varuna/manager/handler_guard.h"
+
 namespace varuna {
 
 namespace asio = boost::asio;
@@ -19,7 +22,7 @@ void FramedConnection::start(OnMessage onMessage, OnClose onClose) {
 }
 
 void FramedConnection::doRead() {
-  if (reading_) return;
+  if (reading_ || !open_ || closeWhenDrained_) return;
   reading_ = true;
   socket_.async_read_some(asio::buffer(readBuffer_),
                           [self = shared_from_this()](const boost::system::error_code& ec, size_t bytes) {
@@ -28,21 +31,33 @@ void FramedConnection::doRead() {
                           });
 }
 
+bool FramedConnection::checkFirstFrame(const char* data, size_t bytes) {
+  if (firstFrameLimit_ == 0 || firstHeaderBytes_ >= 4) return true;
+  for (size_t i = 0; i < bytes && firstHeaderBytes_ < 4; ++i, ++firstHeaderBytes_) {
+    firstHeader_ = (firstHeader_ << 8) | static_cast<unsigned char>(data[i]);
+  }
+  if (firstHeaderBytes_ < 4 || firstHeader_ <= firstFrameLimit_) return true;
+  close(strCat("a first frame of ", firstHeader_, " bytes (at most ", firstFrameLimit_, " before the hello)"));
+  return false;
+}
+
 void FramedConnection::onRead(const boost::system::error_code& ec, size_t bytes) {
   if (!open_) return;
   if (ec) {
     close(ec == asio::error::eof ? "closed by peer" : ec.message());
     return;
   }
+  if (closeWhenDrained_) return;  // closing: what the peer sends now is not read
+  if (!checkFirstFrame(readBuffer_.data(), bytes)) return;
   // The bytes are in decoder_ before any callback runs: a read that start()
   // issues from a callback may reuse readBuffer_ at once.
   dispatching_ = true;
   try {
     decoder_.feed(std::string_view(readBuffer_.data(), bytes));
-    while (open_) {
-      auto message = decoder_.next();
+    while (open_ && !closeWhenDrained_) {
+      auto message = decoder_.next();  // throws ProtocolError on a bad frame
       if (!message) break;
-      onMessage_(*message);
+      deliver(*message);
     }
   } catch (const std::exception& e) {
     close(e.what());
@@ -50,10 +65,26 @@ void FramedConnection::onRead(const boost::system::error_code& ec, size_t bytes)
   dispatching_ = false;
   replacedOnMessage_ = nullptr;
   if (open_) {
-    doRead();  // a no-op if a callback's start() already did
+    doRead();  // a no-op if a callback's start() already did, or once closing
   } else {
     onMessage_ = nullptr;  // not inside it any more: drop what it captured
   }
+}
+
+void FramedConnection::deliver(const proto::Message& message) {
+  if (!guard_) {
+    onMessage_(message);  // an exception closes the connection (onRead)
+    return;
+  }
+  try {
+    onMessage_(message);
+    return;
+  } catch (const std::exception& e) {
+    guard_->report(strCat("handling a message from ", peer_), e.what());
+  } catch (...) {
+    guard_->report(strCat("handling a message from ", peer_), "an exception that is not a std::exception");
+  }
+  close("its message handler failed");
 }
 
 void FramedConnection::send(const proto::Message& message) {
@@ -98,10 +129,20 @@ void FramedConnection::close(const std::string& reason) {
   boost::system::error_code ignored;
   socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
-  if (onClose_) {
-    auto callback = std::move(onClose_);
-    onClose_ = nullptr;
-    callback(reason);
+  if (!onClose_) return;
+  auto callback = std::move(onClose_);
+  onClose_ = nullptr;
+  // A decoder's message may quote the peer's bytes (a JSON parser's "last
+  // read" token, an unknown type name): bounded, valid UTF-8.
+  const std::string bounded = proto::boundedText(reason);
+  if (guard_) {
+    guard_->run("closing a connection", [&] { callback(bounded); });
+    return;
+  }
+  try {
+    callback(bounded);
+  } catch (const std::exception& e) {
+    log::error("closing the connection to ", peer_, " failed: ", proto::boundedText(e.what()));
   }
 }
 

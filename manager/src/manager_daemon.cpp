@@ -25,7 +25,20 @@ constexpr auto kListPollInterval = std::chrono::milliseconds(500);
 constexpr auto kCheckpointPollInterval = std::chrono::milliseconds(1000);
 constexpr auto kHelloDeadline = std::chrono::seconds(10);
 
+// A failed worker's last lines as its agent sent them: printed, but not
+// megabytes of one runaway line.
+constexpr size_t kMaxLoggedLogTailBytes = 4096;
+
 double secondsBetween(TimePoint a, TimePoint b) { return std::chrono::duration<double>(b - a).count(); }
+
+// The end of `text` (of a log, the end matters), at most about maxBytes, valid UTF-8.
+std::string endOfText(const std::string& text, size_t maxBytes) {
+  if (text.size() <= maxBytes) return proto::boundedText(text, maxBytes);
+  size_t start = text.size() - maxBytes;
+  // Forward to a character's start.
+  while (start < text.size() && (static_cast<unsigned char>(text[start]) & 0xc0) == 0x80) ++start;
+  return "..." + proto::boundedText(std::string_view(text).substr(start), maxBytes);
+}
 
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
@@ -114,16 +127,21 @@ std::string dryRunReport(const JobConfig& config) {
                 "\n", result.explain(), "\nplan: ", result.best.plan.describe(), "\n\n", result.table(), "\n");
 }
 
-ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher)
+ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
+                             PendingLimits pendingLimits)
     : io_(io),
       config_(std::move(config)),
       launcher_(std::move(launcher)),
       acceptor_(io),
       tickTimer_(io),
-      slowDetector_(config_.slowThreshold, config_.slowWindow) {}
+      acceptRetryTimer_(io),
+      slowDetector_(config_.slowThreshold, config_.slowWindow),
+      pending_(pendingLimits) {}
 
 ManagerDaemon::~ManagerDaemon() {
-  for (auto& t : launchThreads_) {
+  // Start-ups still under way (the loop stopped first): their results are
+  // never read, but the threads use this object's launcher.
+  for (auto& [id, t] : launchThreads_) {
     if (t.joinable()) t.join();
   }
 }
@@ -258,27 +276,103 @@ void ManagerDaemon::start() {
 // --- connections ------------------------------------------------------------
 
 void ManagerDaemon::doAccept() {
-  acceptor_.async_accept([this](const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+  acceptor_.async_accept(guard_->wrap("accepting a connection", [this](const boost::system::error_code& ec,
+                                                                      asio::ip::tcp::socket socket) {
     onAccept(ec, std::move(socket));
-  });
+  }));
 }
 
 void ManagerDaemon::onAccept(const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
   if (ec == asio::error::operation_aborted || finished_) return;
-  if (!ec) {
+  if (ec) return onAcceptFailed(ec);
+  acceptBackoff_ = std::chrono::milliseconds(0);
+  // Whatever goes wrong with this one connection, the next accept is armed.
+  guard_->run("admitting a connection", [&] {
     ::fcntl(socket.native_handle(), F_SETFD, FD_CLOEXEC);
     auto connection = std::make_shared<FramedConnection>(std::move(socket));
-    pending_.insert(connection);
+    connection->setGuard(guard_);
+    // At the cap, the peers this manager is waiting for raise it (a launch's
+    // burst of workers); counted only then: it walks every worker.
+    const size_t expected = pending_.size() >= pending_.limits().maxPending ? expectedHellos() : 0;
+    pending_.add(connection, Clock::now(), expected);  // may close the oldest pending one
     std::weak_ptr<FramedConnection> weak = connection;
     connection->start(
         [this, weak](const proto::Message& m) {
           if (auto c = weak.lock()) onFirstMessage(c, m);
         },
         [this, weak](const std::string&) {
-          if (auto c = weak.lock()) pending_.erase(c);
+          // Closed before a hello: by the peer, or for a bad or oversized
+          // first frame (the deadline and the cap are counted by pending_).
+          auto c = weak.lock();
+          if (!c) return;
+          const size_t before = pending_.size();
+          pending_.erase(c);
+          if (pending_.size() < before) ++closedBeforeHello_;
         });
-  }
+  });
   doAccept();
+}
+
+size_t ManagerDaemon::expectedHellos() const {
+  size_t expected = 0;
+  for (const auto& [host, agent] : agents_) expected += agent.status == AgentStatus::kStarting ? 1 : 0;
+  for (const auto& [rank, worker] : workers_) expected += worker.connected ? 0 : 1;
+  return expected;
+}
+
+void ManagerDaemon::onAcceptFailed(const boost::system::error_code& ec) {
+  ++acceptFailures_;
+  const int code = ec.value();
+  // Errors of the one connection being accepted (Linux hands pending network
+  // errors to accept, see accept(2)): the next accept can work at once.
+  const bool thatConnection = ec == asio::error::connection_aborted || code == EPROTO || code == ENETDOWN ||
+                              code == ENOPROTOOPT || code == EHOSTDOWN || code == ENONET || code == EHOSTUNREACH ||
+                              code == EOPNOTSUPP || code == ENETUNREACH || code == EPERM;
+  if (thatConnection) {
+    doAccept();
+    return;
+  }
+  // Out of descriptors (EMFILE, ENFILE) or memory (ENOBUFS, ENOMEM), or
+  // anything else that would fail again at once: re-arming now would spin.
+  // Back off, and free a descriptor from the oldest connection that has not
+  // said hello, so that the next peer (perhaps a notice) gets one.
+  acceptBackoff_ = acceptBackoff_.count() == 0 ? kAcceptBackoffMin : std::min(2 * acceptBackoff_, kAcceptBackoffMax);
+  const bool shed = (code == EMFILE || code == ENFILE) && pending_.shedOldest("out of file descriptors");
+  uint64_t suppressed = 0;
+  if (acceptFailureLog_.allow(Clock::now(), &suppressed)) {
+    log::error("accepting a connection failed: ", ec.message(),
+               shed ? " (closed the oldest connection without a hello)" : "", "; retrying in ", acceptBackoff_.count(),
+               " ms", suppressed ? strCat(" (", suppressed + 1, " failures since the last line)") : std::string(),
+               code == EMFILE ? strCat("; the open-file limit is too low for the ", pending_.size(),
+                                       " pending and the job's connections (docs/run_varuna.md)")
+                              : std::string());
+  }
+  acceptRetryTimer_.expires_after(acceptBackoff_);
+  acceptRetryTimer_.async_wait(guard_->wrap("retrying accept", [this](const boost::system::error_code& timerError) {
+    if (timerError || finished_) return;
+    doAccept();
+  }));
+}
+
+void ManagerDaemon::reportDroppedConnections(TimePoint now) {
+  const DropCounts totals{closedBeforeHello_, pending_.expired(), pending_.evicted()};
+  const auto limits = pending_.limits();
+  if (totals != dropsLogged_ && now - dropsLoggedAt_ >= std::chrono::seconds(10)) {
+    log::warn("connections closed before their hello since the last report: ", totals.expired - dropsLogged_.expired,
+              " sent none within ", limits.helloDeadline.count(), " ms, ", totals.evicted - dropsLogged_.evicted,
+              " were the oldest of more than ", limits.maxPending, " waiting, ", totals.closed - dropsLogged_.closed,
+              " closed by the peer or for a bad first frame (", pending_.size(), " waiting now)");
+    dropsLogged_ = totals;
+    dropsLoggedAt_ = now;
+  }
+  // The event log gets one line a minute at most: a flood must not fill it.
+  if (totals != dropsRecorded_ && now - dropsRecordedAt_ >= std::chrono::seconds(60)) {
+    events_->write("connections_dropped", {{"no_hello_in_time", totals.expired - dropsRecorded_.expired},
+                                           {"over_the_cap", totals.evicted - dropsRecorded_.evicted},
+                                           {"closed_before_hello", totals.closed - dropsRecorded_.closed}});
+    dropsRecorded_ = totals;
+    dropsRecordedAt_ = now;
+  }
 }
 
 void ManagerDaemon::onFirstMessage(const std::shared_ptr<FramedConnection>& connection, const proto::Message& message) {
@@ -290,9 +384,12 @@ void ManagerDaemon::onFirstMessage(const std::shared_ptr<FramedConnection>& conn
     if (hello.role == "notifier") return onNotifierHello(connection, hello);
     throw proto::ProtocolError(strCat("unknown role '", hello.role, "'"));
   } catch (const proto::ProtocolError& e) {
-    log::warn("refused a connection from ", connection->peer(), ": ", e.what());
-    events_->write("connection_refused", {{"peer", connection->peer()}, {"reason", e.what()}});
-    connection->send(proto::Ack{false, e.what()});
+    // What a refused peer sent is its own: bounded and valid UTF-8 before it
+    // reaches the log and the event log (checkHello bounds the host it quotes).
+    const std::string reason = proto::boundedText(e.what(), 2 * proto::kMaxLoggedPeerTextBytes);
+    log::warn("refused a connection from ", connection->peer(), ": ", reason);
+    events_->write("connection_refused", {{"peer", connection->peer()}, {"reason", reason}});
+    connection->send(proto::Ack{false, reason});
     connection->closeAfterSending("refused");
   }
 }
@@ -301,8 +398,9 @@ void ManagerDaemon::onAgentHello(const std::shared_ptr<FramedConnection>& connec
   auto it = agents_.find(hello.host);
   if (it == agents_.end() || it->second.status == AgentStatus::kUp) {
     const std::string why = it == agents_.end() ? "is not in the machine list" : "already has an agent";
-    log::warn("agent from ", connection->peer(), " for host ", hello.host, " refused: the host ", why);
-    connection->send(proto::Ack{false, strCat("host ", hello.host, " ", why)});
+    const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
+    log::warn("agent from ", connection->peer(), " for host ", host, " refused: the host ", why);
+    connection->send(proto::Ack{false, strCat("host ", host, " ", why)});
     connection->closeAfterSending("refused");
     return;
   }
@@ -330,7 +428,18 @@ void ManagerDaemon::onAgentHello(const std::shared_ptr<FramedConnection>& connec
 
 void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
   if (hello.generation != controller_->generation() || !workers_.count(hello.rank)) {
-    connection->send(proto::Ack{false, strCat("generation ", hello.generation, " is over")});
+    // A worker of a generation that is over or that this manager never
+    // launched (one an earlier manager left, or one written off as hung or
+    // lost): ordered out, not merely refused, so it stops training into the
+    // store at once.
+    const std::string reason = strCat("generation ", hello.generation, " is over: this manager expects no rank ",
+                                      hello.rank, " of it (current generation ", controller_->generation(), ")");
+    const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
+    log::warn("ordering rank ", hello.rank, " of generation ", hello.generation, " on ", host, " (",
+              connection->peer(), ") to exit: ", reason);
+    events_->write("stale_worker", {{"generation", hello.generation}, {"rank", hello.rank}, {"host", host},
+                                    {"peer", connection->peer()}});
+    connection->send(proto::ExitNow{hello.generation, reason});
     connection->closeAfterSending("stale worker");
     return;
   }
@@ -341,9 +450,16 @@ void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& conne
   const int rank = hello.rank;
   connection->start([this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
                     [rank](const std::string& reason) {
-                      // Exits are reported by the agents; anything but a clean close is worth a line.
-                      if (reason != "closed by peer") log::warn("connection of rank ", rank, " closed: ", reason);
+                      // Exits are reported by the agents. A worker that exits
+                      // (_Exit) with a pong it has not read yet resets the
+                      // connection instead of closing it: that is an exit too.
+                      const bool exited = reason == "closed by peer" || reason == "Connection reset by peer";
+                      if (!exited) log::warn("connection of rank ", rank, " closed: ", reason);
                     });
+  // How long it may go without hearing from us before it exits on its own:
+  // as long as its agent would wait (a silent agent is lost after the
+  // heartbeat timeout, its workers killed after the agents' grace).
+  connection->send(proto::Welcome{hello.generation, millis(config_.heartbeatTimeoutS + config_.agentGraceS).count()});
   for (const auto& [r, w] : workers_) {
     if (!w.connected) return;
   }
@@ -403,7 +519,7 @@ void ManagerDaemon::onAgentMessage(const std::string& host, const proto::Message
       log::info("rank ", exited->rank, " on ", host, " exited with ", how);
     } else {
       log::error("rank ", exited->rank, " on ", host, " exited with ", how,
-                 exited->logTail.empty() ? std::string() : ":\n" + exited->logTail);
+                 exited->logTail.empty() ? std::string() : ":\n" + endOfText(exited->logTail, kMaxLoggedLogTailBytes));
     }
     events_->write("worker_exited", {{"host", host}, {"rank", exited->rank}, {"exit_code", exited->exitCode},
                                      {"signal", exited->signal}, {"generation", exited->generation}});
@@ -434,10 +550,18 @@ void ManagerDaemon::onAgentLost(const std::string& host, const std::string& reas
   if (expected) return;
   log::error("lost the agent on ", host, " (", reason, ")");
   events_->write("host_lost", {{"host", host}, {"reason", reason}});
+  // Its workers count as gone from here on; those still connected (a frozen
+  // or partitioned agent, not a dead host) are told so.
   for (auto it = workers_.begin(); it != workers_.end();) {
     const auto& placement = controller_->plan().placement;
     const bool onHost = it->first < static_cast<int>(placement.size()) && placement[it->first].host == host;
-    it = onHost ? workers_.erase(it) : std::next(it);
+    if (!onHost) {
+      ++it;
+      continue;
+    }
+    orderWorkerToExit(it->second.connection, controller_->generation(),
+                      strCat("the agent of host ", host, " was lost"));
+    it = workers_.erase(it);
   }
   if (!morph_.active) morph_ = MorphTimes{"loss of host " + host, Clock::now(), {}, {}, true};
   if (!jobStarted_) {
@@ -447,6 +571,30 @@ void ManagerDaemon::onAgentLost(const std::string& host, const std::string& reas
   }
   apply(controller_->hostLost(host, Clock::now()));
   usableMachinesChanged();
+}
+
+void ManagerDaemon::orderWorkersToExit(const std::string& reason) {
+  size_t ordered = 0;
+  for (const auto& [rank, worker] : workers_) {
+    if (!worker.connection || !worker.connection->open() || exitOrdered_.count(worker.connection)) continue;
+    orderWorkerToExit(worker.connection, controller_->generation(), reason);
+    ++ordered;
+  }
+  // The generation is over: a worker of it that says hello again is ordered out too.
+  workers_.clear();
+  if (ordered > 0) log::info("ordered ", ordered, " worker(s) of generation ", controller_->generation(), " to exit");
+}
+
+void ManagerDaemon::orderWorkerToExit(const std::shared_ptr<FramedConnection>& connection, int generation,
+                                      const std::string& reason) {
+  if (!connection || !connection->open() || exitOrdered_.count(connection)) return;
+  connection->send(proto::ExitNow{generation, reason});
+  exitOrdered_.insert(connection);
+  std::weak_ptr<FramedConnection> weak = connection;
+  connection->start([](const proto::Message&) {},
+                    [this, weak](const std::string&) {
+                      if (auto c = weak.lock()) exitOrdered_.erase(c);  // `c` keeps it alive through the erase
+                    });
 }
 
 // --- agents -------------------------------------------------------------------
@@ -471,10 +619,27 @@ void ManagerDaemon::startAgent(const std::string& host) {
   const std::string command = agentCommand(host);
   log::debug("starting the agent on ", host, ": ", config_.agentPath);
   HostLauncher* launcher = launcher_.get();
-  launchThreads_.emplace_back([this, launcher, host, command] {
-    HostCommandResult result = launcher->run(host, command, token_ + "\n");
-    asio::post(io_, [this, host, result] { onAgentCommandDone(host, result); });
-  });
+  const uint64_t id = nextLaunchThread_++;
+  launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input = token_ + "\n"] {
+    HostCommandResult result;
+    try {
+      result = launcher->run(host, command, input);
+    } catch (const std::exception& e) {  // out of a thread it would end the process
+      result.ok = false;
+      result.message = strCat("starting the agent failed: ", e.what());
+    }
+    asio::post(io_, guard_->wrap("an agent start-up's result", [this, id, host, result] {
+      reapLaunchThread(id);
+      onAgentCommandDone(host, result);
+    }));
+  }));
+}
+
+void ManagerDaemon::reapLaunchThread(uint64_t id) {
+  auto it = launchThreads_.find(id);
+  if (it == launchThreads_.end()) return;
+  if (it->second.joinable()) it->second.join();  // it posted its result and is returning: no wait to speak of
+  launchThreads_.erase(it);
 }
 
 void ManagerDaemon::onAgentCommandDone(const std::string& host, const HostCommandResult& result) {
@@ -495,12 +660,13 @@ void ManagerDaemon::onAgentCommandDone(const std::string& host, const HostComman
   // The agent reported success after saying hello; the hello may still be in
   // flight on its socket. Give it a moment.
   auto timer = std::make_shared<asio::steady_timer>(io_, kHelloDeadline);
-  timer->async_wait([this, timer, host](const boost::system::error_code& ec) {
+  timer->async_wait(guard_->wrap("waiting for an agent's hello", [this, timer,
+                                                                  host](const boost::system::error_code& ec) {
     auto a = agents_.find(host);
     if (!ec && a != agents_.end() && a->second.status == AgentStatus::kStarting) {
       agentFailed(host, "the agent started but never reached the manager at " + advertisedAddress_);
     }
-  });
+  }));
 }
 
 void ManagerDaemon::agentFailed(const std::string& host, const std::string& message) {
@@ -563,6 +729,7 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
       log::warn("stopping every worker: ", kill->reason);
       events_->write("kill_all", {{"reason", kill->reason}});
       sendToAgentsOfPlan(proto::KillWorkers{kill->reason});
+      orderWorkersToExit(kill->reason);  // also those whose agent cannot act
     } else if (const auto* stop = std::get_if<action::Stop>(&a)) {
       doStop(*stop);
     }
@@ -665,6 +832,7 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
   }
   watchCheckpoints(Clock::now());  // the one the workers just wrote, if any
   events_->write("stop", {{"reason", stop.reason}, {"exit_code", stop.exitCode}});
+  orderWorkersToExit("the job stopped: " + stop.reason);  // any still running (a job that finished has none)
   for (auto& [host, agent] : agents_) {
     if (agent.connection && agent.connection->open()) {
       agent.released = true;
@@ -675,20 +843,26 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
   printSummary();
   // Let the shutdowns go out, then leave the event loop.
   auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(300));
-  timer->async_wait([this, timer](const boost::system::error_code&) { finishShutdown(); });
+  timer->async_wait(
+      guard_->wrap("shutting down", [this, timer](const boost::system::error_code&) { finishShutdown(); }));
 }
 
 void ManagerDaemon::finishShutdown() {
   boost::system::error_code ignored;
   acceptor_.close(ignored);
   tickTimer_.cancel();
+  acceptRetryTimer_.cancel();
   for (auto& [host, agent] : agents_) {
     if (agent.connection) agent.connection->closeAfterSending("manager exiting");
   }
   for (auto& [rank, worker] : workers_) {
     if (worker.connection) worker.connection->close("manager exiting");
   }
-  for (const auto& c : std::set<std::shared_ptr<FramedConnection>>(pending_)) c->close("manager exiting");
+  // Their exit orders go out first (a worker that misses one exits after its grace).
+  for (const auto& c : std::set<std::shared_ptr<FramedConnection>>(exitOrdered_)) {
+    c->closeAfterSending("manager exiting");
+  }
+  pending_.closeAll("manager exiting");
   io_.stop();  // pending timers and the signal set would keep the loop alive
 }
 
@@ -710,17 +884,15 @@ void ManagerDaemon::scheduleTick() {
   tickTimer_.expires_after(kTickInterval);
   tickTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || finished_) return;
-    try {
-      onTick();
-    } catch (const std::exception& e) {
-      log::error("manager tick failed: ", e.what());
-    }
-    scheduleTick();
+    guard_->run("the manager's tick", [this] { onTick(); });
+    if (!finished_) scheduleTick();
   });
 }
 
 void ManagerDaemon::onTick() {
   const auto now = Clock::now();
+  pending_.expire(now);
+  reportDroppedConnections(now);
   checkHeartbeats(now);
   if (finished_) return;
   if (jobStarted_) apply(controller_->tick(now));
@@ -732,7 +904,7 @@ void ManagerDaemon::onTick() {
     lastCheckpointPoll_ = now;
     watchCheckpoints(now);
   }
-  if (now - lastStateWrite_ >= std::chrono::seconds(1)) writeState();
+  if (stateWriteFailing_ || now - lastStateWrite_ >= std::chrono::seconds(1)) writeState();
 }
 
 void ManagerDaemon::checkHeartbeats(TimePoint now) {
@@ -762,6 +934,8 @@ void ManagerDaemon::checkHeartbeats(TimePoint now) {
                                         : strCat("never connected within ", config_.startupTimeoutS, " s of the launch");
     log::error("rank ", rank, " on ", host, " is hung: ", why);
     events_->write("worker_hung", {{"rank", rank}, {"host", host}, {"reason", why}});
+    // Read when it runs again (a stopped process): it must not train on.
+    orderWorkerToExit(it->second.connection, controller_->generation(), strCat("rank ", rank, " is hung: ", why));
     workers_.erase(it);
     if (!morph_.active) morph_ = MorphTimes{strCat("rank ", rank, " hung"), now, {}, {}, true};
     apply(controller_->workerHung(rank, now));
@@ -916,8 +1090,13 @@ void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
   std::vector<std::string> hosts;
   for (const auto& s : slow) hosts.push_back(s.host);
   if (hosts == slowHosts_) return;
-  slowHosts_ = hosts;
-  ckpt::writeFileAtomic(config_.stateDir, "slow_machines.out", formatSlowMachines(slow));
+  try {
+    ckpt::writeFileAtomic(config_.stateDir, "slow_machines.out", formatSlowMachines(slow));
+    slowHosts_ = hosts;
+  } catch (const std::exception& e) {  // a full disk: the next verdict (a window later) tries again
+    log::error("cannot write ", config_.stateDir, "/slow_machines.out: ", proto::boundedText(e.what()));
+    return;
+  }
   json list = json::array();
   for (const auto& s : slow) {
     log::warn("slow machine: ", s.host, " (rank ", s.rank, ", stage ", s.stage, ") takes ", s.ratio(),
@@ -939,7 +1118,25 @@ const json& ManagerDaemon::cachedPlanJson() {
 
 void ManagerDaemon::writeState() {
   if (!controller_ || !events_) return;
-  lastStateWrite_ = Clock::now();
+  // Called from every handler that changes the job: a failure (full disk)
+  // must not end the handler, let alone the manager. The tick tries again
+  // until it works; the state is rebuilt from scratch each time.
+  try {
+    writeStateFile();
+    lastStateWrite_ = Clock::now();
+    if (stateWriteFailing_) log::info("state.json written again");
+    stateWriteFailing_ = false;
+  } catch (const std::exception& e) {
+    stateWriteFailing_ = true;
+    uint64_t suppressed = 0;
+    if (stateWriteLog_.allow(Clock::now(), &suppressed)) {
+      log::error("cannot write ", config_.stateDir, "/state.json: ", proto::boundedText(e.what()),
+                 "; retrying at every tick", suppressed ? strCat(" (", suppressed, " more failures)") : std::string());
+    }
+  }
+}
+
+void ManagerDaemon::writeStateFile() {
   json hosts = json::object();
   for (const auto& m : listed_) {
     auto it = agents_.find(m.host);
@@ -972,9 +1169,16 @@ void ManagerDaemon::writeState() {
       {"uptime_s", secondsBetween(startedAt_, Clock::now())},
       {"updated", isoTimeNow()},
       {"stop_reason", stopReason_},
+      {"connections", {{"pending", pending_.size()},
+                       {"closed_before_hello", closedBeforeHello_},
+                       {"no_hello_in_time", pending_.expired()},
+                       {"over_the_cap", pending_.evicted()},
+                       {"accept_failures", acceptFailures_},
+                       {"handler_failures", guard_->failures()}}},
       {"global_store", config_.globalStore},
       {"events", events_->path()}};
-  ckpt::writeFileAtomic(config_.stateDir, "state.json", state.dump(2) + "\n");
+  ckpt::writeFileAtomic(config_.stateDir, "state.json",
+                        state.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
 }
 
 void ManagerDaemon::printSummary() {

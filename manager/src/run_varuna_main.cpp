@@ -1,15 +1,19 @@
 // run_varuna: the manager daemon (see manager_daemon.h) and its `status`
 // subcommand, which prints the live state of a job from its state folder.
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "varuna/common/log.h"
+#include "varuna/manager/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
 #include "varuna/manager/job_config.h"
 #include "varuna/manager/manager_daemon.h"
@@ -97,6 +101,32 @@ int printStatus(int argc, char** argv) {
   return 0;
 }
 
+// Every agent and worker holds a connection, and connections that have not
+// said hello yet hold one each until their deadline: the usual soft limit of
+// 1024 is low for a large job. The hard limit is what the administrator (or
+// systemd's LimitNOFILE=) allows; children inherit the raised limit.
+void raiseOpenFileLimit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    log::warn("cannot read the open-file limit: ", std::strerror(errno));
+    return;
+  }
+  const auto text = [](rlim_t value) {
+    return value == RLIM_INFINITY ? std::string("unlimited") : std::to_string(value);
+  };
+  const rlim_t before = limit.rlim_cur;
+  if (limit.rlim_cur != limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) {
+      log::warn("cannot raise the open-file limit from ", text(before), " to ", text(limit.rlim_max), ": ",
+                std::strerror(errno));
+      return;
+    }
+  }
+  log::info("open-file limit: ", text(limit.rlim_cur), " (soft limit was ", text(before), ", hard limit ",
+            text(limit.rlim_max), ")");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -123,6 +153,7 @@ int main(int argc, char** argv) {
     }
   }
   ::signal(SIGPIPE, SIG_IGN);
+  raiseOpenFileLimit();
   boost::asio::io_context io;
   SshOptions ssh;
   ssh.user = config.sshUser;
@@ -132,10 +163,11 @@ int main(int argc, char** argv) {
   ssh.connectTimeout = std::chrono::milliseconds(static_cast<int64_t>(config.sshConnectTimeoutS * 1000));
   ManagerDaemon daemon(io, config, std::make_unique<ShellHostLauncher>(ssh));
   boost::asio::signal_set signals(io, SIGTERM, SIGINT);
+  HandlerGuard guard;
   std::function<void()> waitForSignal = [&] {
     signals.async_wait([&](const boost::system::error_code& ec, int signal) {
       if (ec) return;
-      daemon.requestStop(strCat("stopped by ", ::strsignal(signal)));
+      guard.run("stopping on a signal", [&] { daemon.requestStop(strCat("stopped by ", ::strsignal(signal))); });
       waitForSignal();
     });
   };
@@ -147,7 +179,19 @@ int main(int argc, char** argv) {
     return e.exitCode();
   }
   waitForSignal();
-  io.run();  // until the daemon stops the loop
+  // Until the daemon stops the loop. Every handler of the daemon runs under
+  // its HandlerGuard; this is the last line should one slip through: the
+  // loop goes on (run() may be called again after a handler threw).
+  for (;;) {
+    try {
+      io.run();
+      break;
+    } catch (const std::exception& e) {
+      guard.report("an event-loop handler", e.what());
+    } catch (...) {
+      guard.report("an event-loop handler", "an exception that is not a std::exception");
+    }
+  }
   log::flush();
   return daemon.exitCode();
 }

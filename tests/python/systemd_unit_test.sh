@@ -53,6 +53,8 @@ for want in "ExecStart=/usr/local/bin/run_varuna --config /etc/varuna/%i.json --
   grep -qxF "$want" "$manager" || fail "varuna-manager@.service lacks '$want'"
 done
 grep -q "^StateDirectory=varuna" "$manager" || fail "varuna-manager@.service lacks StateDirectory=varuna..."
+# Connections (agents, workers, connections before their hello) each hold a descriptor.
+grep -Eq "^LimitNOFILE=[0-9]{4,}$" "$manager" || fail "varuna-manager@.service lacks LimitNOFILE= (at least 1000)"
 grep -q "^ExecStart=/usr/local/lib/varuna/pollers/%i" "$poller" || fail "poller unit ExecStart"
 for unit in "$manager" "$poller"; do
   # SSH and the control connections need the host's network; the poller needs the real /tmp.

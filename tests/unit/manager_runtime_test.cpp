@@ -1,6 +1,8 @@
 // The manager's I/O building blocks, each on its own: framed connections over
-// loopback (Asio), the blocking client, local commands, shell quoting, the
-// event log and the agent's helpers.
+// loopback (Asio) and what an unauthenticated peer can make them cost, the
+// handler guard, the registry of connections before their hello, the
+// blocking client, local commands, shell quoting, the event log and the
+// agent's helpers.
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
@@ -12,7 +14,9 @@
 #include "varuna/manager/agent.h"
 #include "varuna/manager/event_log.h"
 #include "varuna/manager/framed_connection.h"
+#include "varuna/manager/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
+#include "varuna/manager/pending_connections.h"
 
 using namespace varuna;
 namespace asio = boost::asio;
@@ -237,4 +241,269 @@ TEST_CASE("agent helpers: program resolution, log tails, connection file", "[run
   CHECK(connection["manager"] == "10.0.0.1:29400");
   CHECK(connection["token"] == "secret");
   CHECK(connection["host"] == "10.0.0.5");
+}
+
+// --- what an unauthenticated peer can cost, and handler failures ------------
+
+namespace {
+
+// Writes raw bytes on a connected client socket (no framing).
+void writeRaw(int fd, const std::string& bytes) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    REQUIRE(n > 0);
+    done += static_cast<size_t>(n);
+  }
+}
+
+std::string header(uint32_t n) {
+  return std::string{static_cast<char>(n >> 24), static_cast<char>(n >> 16), static_cast<char>(n >> 8),
+                     static_cast<char>(n)};
+}
+
+// True if valid UTF-8 (what boundedText promises).
+bool validUtf8(const std::string& text) { return proto::boundedText(text, text.size() + 8) == text; }
+
+}  // namespace
+
+TEST_CASE("framed connection: a frame over the limit is refused from its header alone", "[runtime]") {
+  LoopbackServer server;
+  server.acceptOne();
+  auto client = proto::ControlClient::connect(server.address(), std::chrono::seconds(5));
+  const int fd = client.release();
+  writeRaw(fd, header(proto::kMaxFrameBytes + 1));  // the header only: nothing to buffer
+  REQUIRE(server.runUntil([&] { return !server.closeReason.empty(); }));
+  CHECK_THAT(server.closeReason, Catch::Contains("exceeds the limit"));
+  ::close(fd);
+}
+
+TEST_CASE("framed connection: the first frame is held to limitFirstFrame, later ones are not", "[runtime]") {
+  for (const bool tooBig : {true, false}) {
+    DYNAMIC_SECTION("first frame " << (tooBig ? "over" : "within") << " the limit") {
+      LoopbackServer server;
+      server.acceptor.async_accept([&](const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+        REQUIRE_FALSE(ec);
+        server.connection = std::make_shared<FramedConnection>(std::move(socket));
+        server.connection->limitFirstFrame(1024);
+        server.connection->start([&](const proto::Message& m) { server.received.push_back(m); },
+                                 [&](const std::string& reason) { server.closeReason = reason; });
+      });
+      auto client = proto::ControlClient::connect(server.address(), std::chrono::seconds(5));
+      if (tooBig) {
+        const int fd = client.release();
+        writeRaw(fd, header(1025) + "{");  // a trickle after an announcement of 1025 bytes
+        REQUIRE(server.runUntil([&] { return !server.closeReason.empty(); }));
+        CHECK_THAT(server.closeReason, Catch::Contains("first frame of 1025 bytes"));
+        CHECK(server.received.empty());
+        ::close(fd);
+      } else {
+        client.send(proto::Hello{proto::kVersion, "t", "worker", "h", 0, 1});
+        client.send(proto::CheckpointFailed{0, 5, std::string(400, 'e')});  // ~0.5 KiB, then bigger:
+        proto::WorkerExited exited;
+        exited.host = "h";
+        exited.logTail = std::string(8000, 'x');
+        client.send(exited);
+        REQUIRE(server.runUntil([&] { return server.received.size() == 3; }));
+        CHECK(server.closeReason.empty());
+        CHECK(std::get<proto::WorkerExited>(server.received[2]).logTail.size() == 8000);
+      }
+    }
+  }
+}
+
+TEST_CASE("framed connection: a close reason quoting the peer is bounded, valid UTF-8", "[runtime]") {
+  LoopbackServer server;
+  server.acceptOne();
+  auto client = proto::ControlClient::connect(server.address(), std::chrono::seconds(5));
+  const int fd = client.release();
+  // An unknown type whose name is 100 kB, with bytes that are not UTF-8.
+  const std::string body = "{\"type\":\"" + std::string(100000, 'A') + "\\u00ff\xff\xfe\"}";
+  writeRaw(fd, header(static_cast<uint32_t>(body.size())) + body);
+  REQUIRE(server.runUntil([&] { return !server.closeReason.empty(); }));
+  CHECK(server.closeReason.size() <= proto::kMaxErrorTextBytes);
+  CHECK(validUtf8(server.closeReason));
+  ::close(fd);
+}
+
+TEST_CASE("framed connection: nothing is read or dispatched after closeAfterSending", "[runtime]") {
+  LoopbackServer server;
+  int dispatched = 0;
+  server.acceptor.async_accept([&](const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+    REQUIRE_FALSE(ec);
+    server.connection = std::make_shared<FramedConnection>(std::move(socket));
+    server.connection->start(
+        [&](const proto::Message&) {
+          ++dispatched;
+          server.connection->send(proto::Ack{false, "refused"});
+          server.connection->closeAfterSending("refused");
+        },
+        [&](const std::string& reason) { server.closeReason = reason; });
+  });
+  auto client = proto::ControlClient::connect(server.address(), std::chrono::seconds(5));
+  // 200 frames in one write: the refusal must not be repeated for each.
+  std::string burst;
+  for (int i = 0; i < 200; ++i) burst += proto::encode(proto::Heartbeat{0, i});
+  const int fd = client.release();
+  writeRaw(fd, burst);
+  REQUIRE(server.runUntil([&] { return server.closeReason == "refused"; }));
+  CHECK(dispatched == 1);
+  ::close(fd);
+}
+
+TEST_CASE("framed connection: failing callbacks never escape the event loop", "[runtime]") {
+  SECTION("without a guard: onMessage's exception closes, onClose's is logged") {
+    LoopbackServer server;
+    server.acceptor.async_accept([&](const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+      REQUIRE_FALSE(ec);
+      server.connection = std::make_shared<FramedConnection>(std::move(socket));
+      server.connection->start([](const proto::Message&) { throw std::runtime_error("disk full"); },
+                               [&](const std::string& reason) {
+                                 server.closeReason = reason;
+                                 throw std::runtime_error("state write failed");
+                               });
+    });
+    auto client = proto::ControlClient::connect(server.address(), std::chrono::seconds(5));
+    client.send(proto::Heartbeat{1, 1});
+    REQUIRE_NOTHROW(server.runUntil([&] { return !server.closeReason.empty(); }));
+    CHECK(server.closeReason == "disk full");
+  }
+  SECTION("with a guard: both are reported through it, the connection closed") {
+    auto guard = std::make_shared<HandlerGuard>();
+    LoopbackServer server;
+    int closes = 0;
+    server.acceptor.async_accept([&](const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+      REQUIRE_FALSE(ec);
+      server.connection = std::make_shared<FramedConnection>(std::move(socket));
+      server.connection->setGuard(guard);
+      server.connection->start([](const proto::Message&) { throw std::runtime_error("disk full"); },
+                               [&](const std::string& reason) {
+                                 ++closes;
+                                 server.closeReason = reason;
+                                 throw 42;  // not even a std::exception
+                               });
+    });
+    auto client = proto::ControlClient::connect(server.address(), std::chrono::seconds(5));
+    client.send(proto::Heartbeat{1, 1});
+    client.send(proto::Heartbeat{1, 2});
+    REQUIRE_NOTHROW(server.runUntil([&] { return !server.closeReason.empty(); }));
+    CHECK(server.closeReason == "its message handler failed");
+    CHECK(closes == 1);
+    CHECK(guard->failures() == 2);  // the message handler, then onClose
+  }
+  SECTION("the peer closing while onClose throws") {
+    LoopbackServer server;
+    server.acceptor.async_accept([&](const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+      REQUIRE_FALSE(ec);
+      server.connection = std::make_shared<FramedConnection>(std::move(socket));
+      server.connection->start([](const proto::Message&) {}, [&](const std::string& reason) {
+        server.closeReason = reason;
+        throw std::runtime_error("No space left on device");  // what onClose -> writeState did
+      });
+    });
+    { auto client = proto::ControlClient::connect(server.address(), std::chrono::seconds(5)); }
+    REQUIRE_NOTHROW(server.runUntil([&] { return !server.closeReason.empty(); }));
+    CHECK(server.closeReason == "closed by peer");
+  }
+}
+
+TEST_CASE("handler guard: catches, counts, forwards arguments; rate limiter", "[runtime]") {
+  HandlerGuard guard;
+  CHECK(guard.run("fine", [] {}));
+  CHECK_FALSE(guard.run("throws", [] { throw std::runtime_error("boom"); }));
+  CHECK_FALSE(guard.run("throws anything", [] { throw 7; }));
+  CHECK(guard.failures() == 2);
+  int sum = 0;
+  auto handler = guard.wrap("adding", [&](int a, const std::string& b) {
+    sum += a + static_cast<int>(b.size());
+    if (a < 0) throw std::invalid_argument("negative");
+  });
+  handler(2, std::string("abc"));
+  handler(-10, std::string(""));
+  CHECK(sum == -5);
+  CHECK(guard.failures() == 3);
+  for (int i = 0; i < 1000; ++i) guard.run("flood", [] { throw std::runtime_error(std::string(100000, 'x')); });
+  CHECK(guard.failures() == 1003);  // logged 5 times per 10 s, each cut to 500 bytes
+
+  using namespace std::chrono_literals;
+  RateLimiter limiter(10s, 2);
+  const RateLimiter::Clock::time_point t0{1000s};
+  uint64_t suppressed = 99;
+  CHECK(limiter.allow(t0, &suppressed));
+  CHECK(suppressed == 0);
+  CHECK(limiter.allow(t0 + 1s));
+  CHECK_FALSE(limiter.allow(t0 + 2s));
+  CHECK_FALSE(limiter.allow(t0 + 9s));
+  CHECK(limiter.allow(t0 + 10s, &suppressed));
+  CHECK(suppressed == 2);
+}
+
+TEST_CASE("pending connections: a cap that closes the oldest, a hello deadline", "[runtime]") {
+  using namespace std::chrono_literals;
+  asio::io_context io;  // never run: the connections are closed by the registry, not by I/O
+  PendingLimits limits;
+  limits.maxPending = 3;
+  limits.helloDeadline = 5000ms;
+  PendingConnections pending(limits);
+  std::vector<std::shared_ptr<FramedConnection>> connections;
+  std::vector<std::string> reasons(6);
+  const PendingConnections::TimePoint t0{100s};
+  for (int i = 0; i < 6; ++i) {
+    auto c = std::make_shared<FramedConnection>(asio::ip::tcp::socket(io));
+    std::weak_ptr<FramedConnection> weak = c;
+    // onClose erases it, as the daemon's does: re-entry into the registry.
+    c->start([](const proto::Message&) {}, [&, i, weak](const std::string& reason) {
+      reasons[i] = reason;
+      if (auto self = weak.lock()) pending.erase(self);
+    });
+    connections.push_back(c);
+  }
+  for (int i = 0; i < 3; ++i) pending.add(connections[i], t0 + std::chrono::seconds(i));
+  CHECK(pending.size() == 3);
+  pending.add(connections[3], t0 + 3s);  // the cap: connection 0, the oldest, goes
+  CHECK(pending.size() == 3);
+  CHECK(pending.evicted() == 1);
+  CHECK_FALSE(connections[0]->open());
+  CHECK_THAT(reasons[0], Catch::Contains("more than 3 connections without a hello"));
+  CHECK(connections[3]->open());
+
+  pending.erase(connections[2]);  // said hello
+  CHECK(pending.size() == 2);
+  CHECK(pending.expire(t0 + 5999ms) == 0);
+  CHECK(pending.expire(t0 + 6000ms) == 1);  // connection 1 (accepted at t0 + 1 s)
+  CHECK_FALSE(connections[1]->open());
+  CHECK(connections[2]->open());  // not pending any more: never closed by the registry
+  CHECK_THAT(reasons[1], Catch::Contains("no hello within 5000 ms"));
+  CHECK(pending.expire(t0 + 7999ms) == 0);
+  CHECK(pending.expire(t0 + 8000ms) == 1);  // connection 3
+  CHECK(pending.expired() == 2);
+  CHECK(pending.empty());
+
+  // Peers the daemon waits for (a launch's workers) raise the cap.
+  for (int i = 0; i < 3; ++i) pending.add(connections[i], t0 + 8s);  // closed ones: admitted, harmless
+  pending.add(connections[4], t0 + 9s, /*expectedPeers=*/2);
+  CHECK(pending.size() == 4);
+  CHECK(pending.evicted() == 1);
+  pending.add(connections[5], t0 + 9s, /*expectedPeers=*/2);
+  CHECK(pending.size() == 5);
+  CHECK(pending.evicted() == 1);
+  for (int i = 0; i < 3; ++i) pending.erase(connections[i]);
+  CHECK(pending.shedOldest("out of file descriptors"));
+  CHECK(reasons[4] == "out of file descriptors");
+  pending.closeAll("manager exiting");
+  CHECK(reasons[5] == "manager exiting");
+  CHECK_FALSE(pending.shedOldest("x"));
+}
+
+TEST_CASE("event log: never throws; bytes that are not UTF-8 are replaced", "[runtime]") {
+  const auto dir = test::scratchDir("event_log_utf8");
+  const auto path = (dir / "events.jsonl").string();
+  EventLog log(path);
+  REQUIRE_NOTHROW(log.write("connection_refused", {{"reason", std::string("bad \xff\xfe byte")}}));
+  std::ifstream in(path);
+  std::string line;
+  REQUIRE(std::getline(in, line));
+  const auto j = nlohmann::json::parse(line);
+  CHECK(j["reason"] == "bad \xEF\xBF\xBD\xEF\xBF\xBD byte");  // U+FFFD twice
+  CHECK(log.lost() == 0);
 }

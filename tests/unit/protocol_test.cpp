@@ -31,7 +31,9 @@ std::vector<Message> samples() {
           Ping{7, 123456789},
           Pong{7, 123456789},
           Ack{false, "no such host"},
-          CheckpointFailed{2, 40, "writing varuna_ckpt_40/piece_3_head.params.pt: No space left on device"}};
+          CheckpointFailed{2, 40, "writing varuna_ckpt_40/piece_3_head.params.pt: No space left on device"},
+          Welcome{5, 15000},
+          ExitNow{5, "rank 1 exited with code 3 (lost a peer)"}};
 }
 
 }  // namespace
@@ -89,6 +91,33 @@ TEST_CASE("the first frame must be a hello with our version and token", "[protoc
                     Catch::Contains("wrong job token from 'h1'") && !Catch::Contains("t0k"));
   CHECK_THROWS_WITH(checkHello(Hello{kVersion + 1, "t0k", "agent", "h1", -1}, "t0k"), Catch::Contains("protocol version"));
   CHECK_THROWS_WITH(checkHello(Heartbeat{}, "t0k"), Catch::Contains("first message must be hello"));
+  // A refused peer's text is what the manager logs: bounded and valid UTF-8,
+  // however long (up to a whole frame) or odd the peer's host field is.
+  for (const auto& host : {std::string(kMaxFrameBytes - 200, 'h'), std::string(5000, '\xff')}) {
+    for (const uint32_t version : {kVersion, kVersion + 1}) {
+      try {
+        checkHello(Hello{version, "guess", "worker", host, 0, 1}, "t0k");
+        FAIL("accepted");
+      } catch (const ProtocolError& e) {
+        const std::string what = e.what();
+        CHECK(what.size() < kMaxLoggedPeerTextBytes + 100);
+        CHECK(boundedText(what, what.size()) == what);  // valid UTF-8 already
+      }
+    }
+  }
+}
+
+TEST_CASE("exit_now and welcome: malformed bodies are refused, the reason is bounded", "[protocol]") {
+  CHECK(decodeBody(R"({"type":"exit_now","generation":3,"reason":"kill-all"})") == Message(ExitNow{3, "kill-all"}));
+  CHECK(decodeBody(R"({"type":"welcome","generation":3,"lost_manager_grace_ms":15000})") ==
+        Message(Welcome{3, 15000}));
+  CHECK_THROWS_WITH(decodeBody(R"({"type":"exit_now","generation":3})"), Catch::Contains("malformed message"));
+  CHECK_THROWS_WITH(decodeBody(R"({"type":"exit_now","generation":"3","reason":""})"), Catch::Contains("malformed message"));
+  CHECK_THROWS_WITH(decodeBody(R"({"type":"welcome","generation":3})"), Catch::Contains("malformed message"));
+  const auto cut = std::get<ExitNow>(decodeBody(encode(ExitNow{1, std::string(5000, 'r') + "\xff"}).substr(4)));
+  CHECK(cut.reason.size() == kMaxErrorTextBytes);
+  const std::string raw = R"({"type":"exit_now","generation":1,"reason":")" + std::string(100000, 'r') + "\"}";
+  CHECK(std::get<ExitNow>(decodeBody(raw)).reason.size() == kMaxErrorTextBytes);
 }
 
 TEST_CASE("heartbeats decode the same through the fast path and the JSON parser", "[protocol]") {

@@ -1,12 +1,24 @@
 #include "manager_link.h"
 
+#include <algorithm>
+
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
 
 namespace varuna {
+namespace {
 
-ManagerLink::ManagerLink(ManagerLinkOptions options, int rank)
-    : options_(std::move(options)), rank_(rank), thread_([this] { run(); }) {}
+double seconds(std::chrono::milliseconds duration) { return static_cast<double>(duration.count()) / 1000; }
+
+}  // namespace
+
+ManagerLink::ManagerLink(ManagerLinkOptions options, int rank, ManagerLinkTimings timings)
+    : options_(std::move(options)),
+      rank_(rank),
+      timings_(timings),
+      lastHeard_(Clock::now()),
+      retryAt_(lastHeard_),
+      thread_([this] { run(); }) {}
 
 ManagerLink::~ManagerLink() {
   {
@@ -43,27 +55,37 @@ void ManagerLink::setStep(int64_t step) {
 }
 
 void ManagerLink::run() {
+  // No manager (started by hand or by varuna_launch.py): nothing to report
+  // to, and never a reason to end the process.
+  if (options_.address.empty()) return;
   std::optional<proto::ControlClient> client;
   bool warned = false;
-  auto retryAt = std::chrono::steady_clock::now();
+  Clock::time_point lastSent{};  // the last heartbeat, report or failure: a heartbeat is due an interval after it
+  Clock::time_point lastPing{};
+  int64_t pingSequence = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     // Once stopping, one last round sends what is queued over a connection
-    // that is up; no new connection is made for it.
+    // that is up; no new connection is made for it, nothing is read, and the
+    // grace no longer applies (the worker is ending on its own).
     const bool stopping = stop_;
-    const auto now = std::chrono::steady_clock::now();
-    if (!client && !stopping && now >= retryAt) {
+    if (!client && !stopping && Clock::now() >= retryAt_) {
       lock.unlock();
       try {
-        client.emplace(proto::ControlClient::connect(options_.address, std::chrono::seconds(2)));
-        client->send(proto::Hello{proto::kVersion, options_.token, "worker", options_.host, rank_, options_.generation});
+        client.emplace(proto::ControlClient::connect(options_.address, timings_.connectTimeout));
+        client->send(proto::Hello{proto::kVersion, options_.token, "worker", options_.host, rank_, options_.generation},
+                     timings_.sendTimeout);
+        lastSent = Clock::time_point{};  // a heartbeat right away: the manager learns the step at once
+        lastPing = Clock::time_point{};
         warned = false;
       } catch (const std::exception& e) {
         client.reset();
+        lastProblem_ = e.what();
         if (!warned) log::warn("cannot report to the manager (", e.what(), "); retrying in the background");
         warned = true;
-        retryAt = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+        retryAt_ = Clock::now() + timings_.retryInterval;
       }
+      checkGrace(Clock::now());
       lock.lock();
       continue;
     }
@@ -77,20 +99,103 @@ void ManagerLink::run() {
     lock.unlock();
     if (client) {
       try {
-        if (reports.empty() && failures.empty() && !stopping) client->send(proto::Heartbeat{rank_, step});
-        for (const auto& r : reports) client->send(r);
-        for (const auto& f : failures) client->send(f);
+        // What the manager sent comes first: an exit order must not wait
+        // behind anything this worker has to say.
+        while (client && !stopping) {
+          auto message = client->receive(std::chrono::milliseconds(0));
+          if (!message) break;
+          onManagerMessage(*message, client);
+        }
+        if (client) {
+          const auto now = Clock::now();
+          const bool heartbeatDue = now - lastSent >= options_.heartbeatInterval;
+          if (reports.empty() && failures.empty() && heartbeatDue && !stopping) {
+            client->send(proto::Heartbeat{rank_, step}, timings_.sendTimeout);
+            lastSent = now;
+          }
+          for (const auto& r : reports) client->send(r, timings_.sendTimeout);
+          for (const auto& f : failures) client->send(f, timings_.sendTimeout);
+          if (stopping) {
+            // What the manager sent is read (and dropped) so that the close
+            // is a close, not a reset for unread data.
+            try {
+              while (client->receive(std::chrono::milliseconds(0))) {
+              }
+            } catch (const std::exception&) {
+              // The manager closed first: nothing to drain.
+            }
+          }
+          if (!reports.empty() || !failures.empty()) lastSent = now;
+          // Pings only to hear the manager answer: the grace counts from the
+          // last answer. Five per grace (which a Welcome may just have changed).
+          if (!stopping && now - lastPing >= std::max(timings_.lostManagerGrace / 5, timings_.readInterval)) {
+            const auto sentNs = std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+            client->send(proto::Ping{++pingSequence, sentNs}, timings_.sendTimeout);
+            lastPing = now;
+          }
+        }
       } catch (const std::exception& e) {
         log::warn("lost the manager connection: ", e.what());
+        lastProblem_ = e.what();
         client.reset();
-        retryAt = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+        retryAt_ = Clock::now() + timings_.retryInterval;
       }
     }
+    if (!stopping) checkGrace(Clock::now());
     lock.lock();
     if (stopping) break;
-    wake_.wait_for(lock, options_.heartbeatInterval,
+    // Woken by a report, a failure to send or the destructor; at the latest
+    // after readInterval, to read what the manager sent.
+    wake_.wait_for(lock, timings_.readInterval,
                    [&] { return stop_ || !queue_.empty() || (client && !failures_.empty()); });
   }
+}
+
+void ManagerLink::onManagerMessage(const proto::Message& message, std::optional<proto::ControlClient>& client) {
+  const auto now = Clock::now();
+  if (const auto* ack = std::get_if<proto::Ack>(&message); ack && !ack->ok) {
+    // Refused (e.g. a generation the manager does not know that it could not
+    // order out): not an answer. Try again; the grace keeps running.
+    const std::string why = proto::boundedText(ack->error, proto::kMaxLoggedPeerTextBytes);
+    if (why != lastRefusal_) {
+      log::warn("the manager refused this worker: ", why, "; exiting unless it is accepted within ",
+                seconds(timings_.lostManagerGrace), " s of the last answer");
+    }
+    lastRefusal_ = why;
+    lastProblem_ = "refused: " + why;
+    client.reset();
+    retryAt_ = now + timings_.retryInterval;
+    return;
+  }
+  lastHeard_ = now;
+  lastProblem_.clear();
+  lastRefusal_.clear();
+  if (const auto* order = std::get_if<proto::ExitNow>(&message)) {
+    if (order->generation != options_.generation) {
+      log::warn("ignoring an exit order for generation ", order->generation, ": this worker is of generation ",
+                options_.generation);
+      return;
+    }
+    exitProcess(strCat("run_varuna ended generation ", order->generation, ": ", order->reason));
+  }
+  if (const auto* welcome = std::get_if<proto::Welcome>(&message); welcome && welcome->lostManagerGraceMs > 0) {
+    timings_.lostManagerGrace = std::chrono::milliseconds(welcome->lostManagerGraceMs);
+  }
+}
+
+void ManagerLink::checkGrace(Clock::time_point now) {
+  if (now - lastHeard_ <= timings_.lostManagerGrace) return;
+  exitProcess(strCat("nothing heard from the manager at ", options_.address, " for ",
+                     seconds(timings_.lostManagerGrace), " s (",
+                     lastProblem_.empty() ? std::string("no answer") : lastProblem_, "): generation ",
+                     options_.generation, " is taken as over"));
+}
+
+void ManagerLink::exitProcess(const std::string& why) {
+  // The training thread may be blocked in c10d or writing a checkpoint: the
+  // process ends from here, without destructors (exitWorker).
+  log::error(why, "; exiting with code ", kExitSuperseded);
+  exitWorker(kExitSuperseded);
 }
 
 }  // namespace varuna

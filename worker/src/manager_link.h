@@ -1,15 +1,33 @@
 // ManagerLink: the worker's connection to run_varuna. A background thread says
-// hello (job token, rank, generation), sends a heartbeat every interval and
-// forwards step reports and checkpoint failures queued by the runtime. The
-// training never waits on it: if the manager is unreachable the link retries
-// quietly (the agent, not the worker, reacts to a lost manager). What is
-// queued when the link is destroyed is still sent if the connection is up
-// (a worker that ends normally reports its last failure). Owned by Varuna.
+// hello (job token, rank, generation), sends a heartbeat (carrying the step)
+// whenever nothing else went out for an interval, forwards the step reports
+// and checkpoint failures queued by the runtime, and reads what the manager
+// sends (every `readInterval`):
+//  - Welcome: the hello was accepted; it carries the lost-manager grace;
+//  - ExitNow for this worker's generation: the generation is over; the
+//    process exits at once with kExitSuperseded (76) from this thread (the
+//    training thread may be blocked in c10d, so no destructor runs);
+//  - Pong: the manager answers (the link pings every grace / 5).
+// A worker that has not heard from the manager for the grace (no connection,
+// hello refused, no answer; default kDefaultLostManagerGrace, the manager's
+// Welcome sets its own) takes its generation as over and exits with
+// kExitSuperseded as well: a frozen, dead or partitioned-away control plane
+// never leaves it training into the store. The training never waits on the
+// link: sends time out (`sendTimeout`) instead of blocking on a peer that
+// stopped reading. Without a manager address (a worker started by hand or by
+// varuna_launch.py) the link never connects and never exits the process.
+// What is queued when the link is destroyed is still sent if the connection
+// is up (a worker that ends normally reports its last failure). Owned by
+// Varuna; its members are used by the link thread and by the callers of the
+// public functions, under `mutex_` where marked.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 
 #include "varuna/common/protocol.h"
@@ -17,9 +35,27 @@
 
 namespace varuna {
 
+namespace proto {
+class ControlClient;
+}
+
+// The grace a worker allows before the manager's Welcome says otherwise: the
+// manager's default worker heartbeat timeout (10 s) plus the agents' default
+// grace (5 s), the same as run_varuna sends with its default options.
+inline constexpr std::chrono::milliseconds kDefaultLostManagerGrace{15000};
+
+// The link's clock settings. Production uses the defaults; tests shorten them.
+struct ManagerLinkTimings {
+  std::chrono::milliseconds lostManagerGrace = kDefaultLostManagerGrace;  // the Welcome overrides it
+  std::chrono::milliseconds readInterval{100};  // the longest an ExitNow waits to be read
+  std::chrono::milliseconds connectTimeout{2000};
+  std::chrono::milliseconds sendTimeout{2000};
+  std::chrono::milliseconds retryInterval{1000};  // between connection attempts
+};
+
 class ManagerLink {
  public:
-  ManagerLink(ManagerLinkOptions options, int rank);
+  ManagerLink(ManagerLinkOptions options, int rank, ManagerLinkTimings timings = {});
   ~ManagerLink();
   ManagerLink(const ManagerLink&) = delete;
   ManagerLink& operator=(const ManagerLink&) = delete;
@@ -33,17 +69,33 @@ class ManagerLink {
   void reportCheckpointFailure(int64_t step, const std::string& error);
 
  private:
+  using Clock = std::chrono::steady_clock;
+
   void run();
+  // Link thread only. Handles one frame from the manager; exits the process on
+  // an ExitNow for this generation.
+  void onManagerMessage(const proto::Message& message, std::optional<proto::ControlClient>& client);
+  // Link thread only: exits the process if the manager has not been heard
+  // from for the grace.
+  void checkGrace(Clock::time_point now);
+  [[noreturn]] void exitProcess(const std::string& why);
 
   ManagerLinkOptions options_;
   int rank_;
+  ManagerLinkTimings timings_;
+  // Link thread only.
+  Clock::time_point lastHeard_;  // the last frame from the manager that was not a refusal (or the start)
+  Clock::time_point retryAt_;
+  std::string lastProblem_;      // why the manager is not heard, for the exit message
+  std::string lastRefusal_;      // logged once per text
+
   std::mutex mutex_;  // guards the members below it (the link thread and the callers)
   std::condition_variable wake_;
   std::deque<proto::StepReport> queue_;
   std::deque<proto::CheckpointFailed> failures_;
   int64_t step_ = 0;
   bool stop_ = false;
-  std::thread thread_;
+  std::thread thread_;  // last: starts after every member above is initialised
 };
 
 }  // namespace varuna

@@ -35,6 +35,12 @@ class ControlClient {
 
   // Throws Error when the connection is gone.
   void send(const Message& message);
+  // The same, but gives up after `timeout` without the frame fully handed to
+  // the kernel (the peer stopped reading, or a partition filled the send
+  // buffer): the connection is closed (a frame may be half sent) and
+  // ConnectionError thrown. A thread that must stay responsive never blocks
+  // longer than that.
+  void send(const Message& message, std::chrono::milliseconds timeout);
   // The next message, or nullopt if none arrived within `timeout`. Throws
   // Error when the manager closed the connection.
   std::optional<Message> receive(std::chrono::milliseconds timeout);
@@ -45,6 +51,7 @@ class ControlClient {
 
  private:
   ControlClient(int fd, std::string address) : fd_(fd), address_(std::move(address)) {}
+  void sendFrame(const std::string& frame, std::optional<std::chrono::steady_clock::time_point> deadline);
   int fd_ = -1;
   std::string address_;
   FrameDecoder decoder_;

@@ -25,6 +25,9 @@ inline constexpr uint32_t kMaxFrameBytes = 1u << 20;  // 1 MiB: control messages
 // this many bytes by the codec, on both sides: they end up in the manager's
 // log and event log.
 inline constexpr size_t kMaxErrorTextBytes = 500;
+// What the manager logs of a refused peer's own text (the host field of its
+// hello): at most this many bytes of valid UTF-8.
+inline constexpr size_t kMaxLoggedPeerTextBytes = 200;
 
 // --- to the manager -----------------------------------------------------------
 struct Hello {  // first frame of every connection
@@ -107,6 +110,24 @@ struct Pong {
   int64_t sentNs = 0;
   bool operator==(const Pong&) const = default;
 };
+// To a worker, right after its hello was accepted: how long it may go without
+// hearing from the manager (no connection, refused, no answer to its pings)
+// before it takes its generation as over and exits on its own.
+struct Welcome {
+  int generation = 0;
+  int64_t lostManagerGraceMs = 0;  // <= 0: keep the worker's default
+  bool operator==(const Welcome&) const = default;
+};
+// To a worker, over its own connection: the manager ended this worker's
+// generation (kill-all, a lost agent or host, a hang, the job's end, or a
+// generation the manager does not know). The worker exits at once with
+// kExitSuperseded, whatever its agent's state. `reason` is cut to
+// kMaxErrorTextBytes by the codec.
+struct ExitNow {
+  int generation = 0;
+  std::string reason;
+  bool operator==(const ExitNow&) const = default;
+};
 struct Ack {
   bool ok = true;
   std::string error;
@@ -114,7 +135,8 @@ struct Ack {
 };
 
 using Message = std::variant<Hello, Heartbeat, StepReport, WorkerExited, PreemptNotice, LaunchWorkers,
-                             CheckpointAndExit, KillWorkers, Shutdown, Ping, Pong, Ack, CheckpointFailed>;
+                             CheckpointAndExit, KillWorkers, Shutdown, Ping, Pong, Ack, CheckpointFailed, Welcome,
+                             ExitNow>;
 
 // A malformed frame or message; the connection that sent it must be closed.
 class ProtocolError : public Error {
@@ -148,7 +170,7 @@ class FrameDecoder {
 
 // Checks the first message of a connection: a Hello with our version and the
 // job's token. Throws ProtocolError saying which check failed (never echoing
-// the token).
+// the token; the peer's host at most kMaxLoggedPeerTextBytes, valid UTF-8).
 const Hello& checkHello(const Message& first, const std::string& expectedToken);
 
 }  // namespace varuna::proto

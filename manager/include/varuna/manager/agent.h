@@ -7,8 +7,14 @@
 //  - forwards CheckpointAndExit as SIGUSR1, kills on KillWorkers, exits on
 //    Shutdown or SIGTERM/SIGINT (killing its workers first),
 //  - kills its workers and exits when the manager connection has been gone
-//    for `grace`, so no orphan keeps a device busy.
-// Single-threaded: everything runs on the io_context passed in.
+//    for `grace`, so no orphan keeps a device busy,
+//  - spawns every worker with a parent-death signal (SIGKILL): an agent that
+//    dies without cleaning up (OOM-killed, SIGKILL, a crash) takes its
+//    workers along. (A frozen agent cannot act: run_varuna then orders its
+//    workers out over their own connections, docs/run_varuna.md.)
+// Single-threaded: everything runs on the io_context passed in (the
+// parent-death signal follows the thread that forked, so spawning must stay
+// on that one thread).
 #pragma once
 
 #include <sys/types.h>

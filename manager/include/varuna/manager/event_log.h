@@ -2,7 +2,10 @@
 // per line in <state_dir>/events.jsonl ({"time": ISO-8601, "unix_ms", "event",
 // ...fields}): launches, agent failures, worker exits, notices, morphs with
 // the duration of each phase. Appends and flushes every line, so a crash loses
-// nothing already logged. Used from the manager's event-loop thread only.
+// nothing already logged. write() never throws: a line that cannot be written
+// (full disk) is counted and logged (rate-limited) and the next one tries
+// again; bytes that are not UTF-8 are replaced. Used from the manager's
+// event-loop thread only.
 #pragma once
 
 #include <fstream>
@@ -10,17 +13,24 @@
 
 #include <nlohmann/json.hpp>
 
+#include "varuna/manager/rate_limiter.h"
+
 namespace varuna {
 
 class EventLog {
  public:
   explicit EventLog(const std::string& path);
-  void write(const std::string& event, nlohmann::json fields = nlohmann::json::object());
+  void write(const std::string& event, nlohmann::json fields = nlohmann::json::object()) noexcept;
   const std::string& path() const { return path_; }
+  uint64_t lost() const { return lost_; }
 
  private:
+  void noteLost(const char* why) noexcept;
+
   std::string path_;
   std::ofstream out_;
+  uint64_t lost_ = 0;
+  RateLimiter lostLog_{std::chrono::seconds(10), 1};
 };
 
 // "2026-11-22T04:21:51.123Z"

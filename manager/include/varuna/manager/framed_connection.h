@@ -1,8 +1,19 @@
 // FramedConnection: one control-protocol connection (protocol.h) on an Asio
 // io_context, used by run_varuna for every peer and by the agent for its link
 // to the manager. Owned through shared_ptr (handlers keep it alive); all
-// callbacks run on the io_context's thread; no exception escapes a handler:
-// a bad frame or a socket error closes the connection and calls onClose once.
+// callbacks run on the io_context's thread.
+//
+// No exception escapes a handler: a bad frame or a socket error closes the
+// connection and calls onClose once (with a reason of at most
+// proto::kMaxErrorTextBytes of valid UTF-8: a decoder's message may quote
+// what the peer sent). An exception thrown by onMessage closes the connection
+// too; one thrown by onClose is logged. With a HandlerGuard (setGuard), both
+// are reported through it instead (rate-limited, counted).
+//
+// What a peer can make it buffer: a frame up to proto::kMaxFrameBytes, refused
+// as soon as its 4-byte header announces more; with limitFirstFrame, the
+// first frame (a hello) is held to a smaller bound the same way. After
+// closeAfterSending nothing more is read or dispatched.
 #pragma once
 
 #include <utility>  // before Asio: its headers miss it with this GCC
@@ -15,6 +26,8 @@
 #include "varuna/common/protocol.h"
 
 namespace varuna {
+
+class HandlerGuard;
 
 class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
  public:
@@ -31,14 +44,25 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void send(const proto::Message& message);
   // Closes now (queued frames are dropped) and calls onClose(reason) once.
   void close(const std::string& reason);
-  // Sends what is queued, then closes.
+  // Sends what is queued, then closes. Stops reading at once.
   void closeAfterSending(const std::string& reason);
   bool open() const { return open_; }
   const std::string& peer() const { return peer_; }
 
+  // Call before start(): the connection's first frame may be at most
+  // `maxBytes` long; a header announcing more closes the connection before
+  // any of the body is buffered.
+  void limitFirstFrame(size_t maxBytes) { firstFrameLimit_ = maxBytes; }
+  // Callbacks run under `guard` (which the connection keeps alive).
+  void setGuard(std::shared_ptr<HandlerGuard> guard) { guard_ = std::move(guard); }
+
  private:
   void doRead();
   void onRead(const boost::system::error_code& ec, size_t bytes);
+  // The first frame's header, once its 4 bytes are in: false (and closed) if
+  // it announces more than firstFrameLimit_.
+  bool checkFirstFrame(const char* data, size_t bytes);
+  void deliver(const proto::Message& message);
   void doWrite();
   void onWrite(const boost::system::error_code& ec);
 
@@ -50,6 +74,10 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   OnMessage onMessage_;
   OnMessage replacedOnMessage_;  // start() from inside onMessage_: kept alive until it returns
   OnClose onClose_;
+  std::shared_ptr<HandlerGuard> guard_;
+  size_t firstFrameLimit_ = 0;  // 0: only the protocol's limit
+  uint32_t firstHeader_ = 0;
+  int firstHeaderBytes_ = 0;
   bool open_ = true;
   // One read at a time: two would share readBuffer_, and the second would
   // overwrite bytes the first's handler has not consumed yet.

@@ -8,7 +8,13 @@
 //  - the watched machine list, state.json, events.jsonl and slow_machines.out
 //    in the state folder.
 // Single-threaded: every member runs on the io_context's thread; the launcher
-// threads only post results back.
+// threads only post results back (and are joined when their result arrives).
+// The loop never blocks on a peer and never dies of a handler: every handler
+// it gives to Asio and every connection callback runs under one HandlerGuard
+// (a failure is logged, rate-limited, and handled: a timer re-arms, a state
+// write is retried at the next tick); connections without a hello are capped
+// and get a deadline (PendingConnections); a failing accept (EMFILE) backs
+// off. docs/run_varuna.md ("Connections and limits") has the numbers.
 #pragma once
 
 #include <utility>  // before Asio: its headers miss it with this GCC
@@ -26,9 +32,12 @@
 #include "varuna/manager/autoconfig.h"
 #include "varuna/manager/event_log.h"
 #include "varuna/manager/framed_connection.h"
+#include "varuna/manager/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
 #include "varuna/manager/job_config.h"
 #include "varuna/manager/morph_controller.h"
+#include "varuna/manager/pending_connections.h"
+#include "varuna/manager/rate_limiter.h"
 #include "varuna/manager/slow_machine_detector.h"
 
 namespace varuna {
@@ -41,7 +50,8 @@ std::string dryRunReport(const JobConfig& config);
 
 class ManagerDaemon {
  public:
-  ManagerDaemon(boost::asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher);
+  ManagerDaemon(boost::asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
+                PendingLimits pendingLimits = {});
   ~ManagerDaemon();
 
   // Binds the control port, starts the agents; the job starts when they are up.
@@ -51,6 +61,18 @@ class ManagerDaemon {
   void requestStop(const std::string& reason);
   int exitCode() const { return exitCode_; }
   uint16_t port() const { return port_; }
+
+  // Introspection (tests, state.json).
+  size_t pendingConnections() const { return pending_.size(); }
+  size_t launchThreads() const { return launchThreads_.size(); }
+  uint64_t acceptFailures() const { return acceptFailures_; }
+  uint64_t handlerFailures() const { return guard_->failures(); }
+  bool stateWriteFailing() const { return stateWriteFailing_; }
+
+  // Accept errors that mean "out of descriptors or memory" back off from
+  // this, doubling, to kAcceptBackoffMax.
+  static constexpr std::chrono::milliseconds kAcceptBackoffMin{50};
+  static constexpr std::chrono::milliseconds kAcceptBackoffMax{1000};
 
  private:
   enum class AgentStatus { kStarting, kUp, kFailed, kGone };
@@ -79,6 +101,14 @@ class ManagerDaemon {
   // Connections.
   void doAccept();
   void onAccept(const boost::system::error_code& ec, boost::asio::ip::tcp::socket socket);
+  // A failed accept: at once again for an error of that one connection,
+  // after a backoff for a lack of descriptors or memory.
+  void onAcceptFailed(const boost::system::error_code& ec);
+  // Agents being started and launched workers that have not said hello:
+  // peers a burst of connections may legitimately come from.
+  size_t expectedHellos() const;
+  // Rate-limited summary of connections closed before their hello.
+  void reportDroppedConnections(TimePoint now);
   void onFirstMessage(const std::shared_ptr<FramedConnection>& connection, const proto::Message& message);
   void onAgentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
   void onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
@@ -86,9 +116,18 @@ class ManagerDaemon {
   void onAgentMessage(const std::string& host, const proto::Message& message);
   void onWorkerMessage(int rank, const proto::Message& message);
   void onAgentLost(const std::string& host, const std::string& reason);
+  // Ending a generation reaches its workers over their own connections too
+  // (ExitNow), whatever their agents' state (frozen, dead, cut off): every
+  // connected worker of workers_ is ordered out and leaves workers_.
+  void orderWorkersToExit(const std::string& reason);
+  // One connection: ExitNow, then nothing it sends counts; it is kept (in
+  // exitOrdered_) until the worker's exit closes it.
+  void orderWorkerToExit(const std::shared_ptr<FramedConnection>& connection, int generation, const std::string& reason);
 
   // Agents.
   void startAgent(const std::string& host);
+  // Joins a launch thread whose result has arrived (it is returning).
+  void reapLaunchThread(uint64_t id);
   std::string agentCommand(const std::string& host) const;
   void onAgentCommandDone(const std::string& host, const HostCommandResult& result);
   void agentFailed(const std::string& host, const std::string& message);
@@ -119,15 +158,24 @@ class ManagerDaemon {
   void onStepReport(const proto::StepReport& report);
   void onCheckpointFailed(int rank, const proto::CheckpointFailed& failure);
   void onSlowVerdict(const std::vector<SlowMachine>& slow);
+  // state.json now; on failure logged (rate-limited) and retried at every tick.
   void writeState();
+  void writeStateFile();  // throws
   const nlohmann::json& cachedPlanJson();
   void printSummary();
 
   boost::asio::io_context& io_;
   JobConfig config_;
   std::unique_ptr<HostLauncher> launcher_;
+  // Every handler and connection callback runs under it (shared with the
+  // connections, which may outlive a handler).
+  std::shared_ptr<HandlerGuard> guard_ = std::make_shared<HandlerGuard>();
   boost::asio::ip::tcp::acceptor acceptor_;
   boost::asio::steady_timer tickTimer_;
+  boost::asio::steady_timer acceptRetryTimer_;
+  std::chrono::milliseconds acceptBackoff_{0};  // 0: the last accept worked
+  uint64_t acceptFailures_ = 0;
+  RateLimiter acceptFailureLog_{std::chrono::seconds(10), 1};
   uint16_t port_ = 0;
   std::string advertisedAddress_;  // host:port agents and workers dial
   std::string token_;
@@ -136,14 +184,24 @@ class ManagerDaemon {
   std::unique_ptr<EventLog> events_;
   std::unique_ptr<MorphController> controller_;
   SlowMachineDetector slowDetector_;
-  std::vector<std::thread> launchThreads_;
+  // Agent start-ups under way, by id; each is joined when its result is posted back.
+  std::map<uint64_t, std::thread> launchThreads_;
+  uint64_t nextLaunchThread_ = 0;
 
   std::vector<Machine> listed_;  // the machine list as last read
   std::string listedText_;
   std::map<std::string, AgentState> agents_;
   std::set<std::string> preempted_;
-  std::set<std::shared_ptr<FramedConnection>> pending_;  // before their hello
+  PendingConnections pending_;  // before their hello: capped, with a deadline
+  uint64_t closedBeforeHello_ = 0;  // by the peer, or for a bad or oversized first frame
+  struct DropCounts {
+    uint64_t closed = 0, expired = 0, evicted = 0;
+    bool operator==(const DropCounts&) const = default;
+  };
+  DropCounts dropsLogged_, dropsRecorded_;  // totals when last logged / written to the event log
+  TimePoint dropsLoggedAt_{}, dropsRecordedAt_{};
   std::map<int, WorkerState> workers_;                   // current generation
+  std::set<std::shared_ptr<FramedConnection>> exitOrdered_;  // workers sent ExitNow, until they close
   TimePoint launchedAt_{};
   bool jobStarted_ = false;
   bool stopping_ = false;
@@ -166,6 +224,8 @@ class ManagerDaemon {
   TimePoint lastCheckpointPoll_{};
   TimePoint lastListPoll_{};
   TimePoint lastStateWrite_{};
+  bool stateWriteFailing_ = false;  // retried at every tick until it works
+  RateLimiter stateWriteLog_{std::chrono::seconds(30), 1};
   TimePoint startedAt_{};
   MorphTimes morph_;
   int morphs_ = 0;

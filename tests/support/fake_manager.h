@@ -1,0 +1,56 @@
+// FakeManager: a blocking stand-in for run_varuna's control port in tests of
+// the processes that dial it (the worker's ManagerLink, varuna_agent). It
+// listens on 127.0.0.1:0; the test accepts connections and speaks the control
+// protocol (protocol.h) on them frame by frame, with deadlines, from its own
+// thread. No Asio, no threads of its own: safe to use around fork().
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include "varuna/common/protocol.h"
+
+namespace varuna::test {
+
+// One accepted connection. Closes on destruction.
+class FakePeer {
+ public:
+  explicit FakePeer(int fd) : fd_(fd) {}
+  FakePeer(FakePeer&& other) noexcept;
+  FakePeer& operator=(FakePeer&& other) noexcept;
+  FakePeer(const FakePeer&) = delete;
+  ~FakePeer();
+
+  // False if the peer has gone.
+  bool send(const proto::Message& message);
+  // The next message within `timeout`; nullopt on timeout or once the peer
+  // closed (closed() says which). Throws ProtocolError on a bad frame.
+  std::optional<proto::Message> receive(std::chrono::milliseconds timeout);
+  bool closed() const { return closed_; }
+  void close();
+
+ private:
+  int fd_ = -1;
+  bool closed_ = false;
+  proto::FrameDecoder decoder_;
+};
+
+class FakeManager {
+ public:
+  FakeManager();  // listening on 127.0.0.1, a free port
+  ~FakeManager();
+  FakeManager(const FakeManager&) = delete;
+
+  std::string address() const;  // "127.0.0.1:<port>"
+  int port() const { return port_; }
+  std::optional<FakePeer> accept(std::chrono::milliseconds timeout);
+  // Stops listening: from now on connections to the port are refused.
+  void close();
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+}  // namespace varuna::test

@@ -1,0 +1,191 @@
+// The worker's ManagerLink against a fake manager: it exits the process on an
+// exit order of its generation, after the grace when refused, unanswered or
+// unable to connect, never without a manager; its heartbeat carries the step.
+// Each link runs in a forked child (its exit is the process's), the test
+// process plays the manager.
+// libtorch's headers (through manager_link.h) define a CHECK of their own:
+// Catch2's comes after them.
+#include "manager_link.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <thread>
+
+#include "fake_manager.h"
+
+using namespace varuna;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int kGeneration = 4;
+constexpr int kRank = 3;
+
+// A ManagerLink (rank 3, generation 4, step 7) in a child process that lives
+// `lifetime` unless the link ends it, then exits 0.
+class LinkChild {
+ public:
+  LinkChild(const std::string& address, ManagerLinkTimings timings, std::chrono::milliseconds lifetime) {
+    pid_ = ::fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      ManagerLinkOptions options;
+      options.address = address;
+      options.token = "t0k";
+      options.generation = kGeneration;
+      options.host = "127.0.0.1";
+      options.heartbeatInterval = 100ms;
+      auto* link = new ManagerLink(options, kRank, timings);  // never destroyed: the process ends first
+      link->setStep(7);
+      std::this_thread::sleep_for(lifetime);
+      ::_exit(0);
+    }
+  }
+  ~LinkChild() {
+    if (!status_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  // The exit code (128 + signal) once it exited within `timeout`.
+  std::optional<int> wait(std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (!status_) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      } else if (Clock::now() >= deadline) {
+        break;
+      } else {
+        std::this_thread::sleep_for(10ms);
+      }
+    }
+    return status_;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  std::optional<int> status_;
+};
+
+ManagerLinkTimings fastTimings(std::chrono::milliseconds grace) {
+  ManagerLinkTimings t;
+  t.lostManagerGrace = grace;
+  t.readInterval = 50ms;
+  t.connectTimeout = 500ms;
+  t.sendTimeout = 500ms;
+  t.retryInterval = 100ms;
+  return t;
+}
+
+// Accepts the link's connection and checks its hello.
+test::FakePeer acceptHello(test::FakeManager& manager) {
+  auto peer = manager.accept(10s);
+  REQUIRE(peer);
+  auto hello = peer->receive(5s);
+  REQUIRE(hello);
+  const auto& h = std::get<proto::Hello>(*hello);
+  CHECK(h.role == "worker");
+  CHECK(h.token == "t0k");
+  CHECK(h.rank == kRank);
+  CHECK(h.generation == kGeneration);
+  return std::move(*peer);
+}
+
+double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+}  // namespace
+
+TEST_CASE("manager link: an exit order of its generation ends the process at once with code 76", "[manager_link]") {
+  test::FakeManager manager;
+  LinkChild child(manager.address(), fastTimings(30s), 60s);
+  auto peer = acceptHello(manager);
+  REQUIRE(peer.send(proto::Welcome{kGeneration, 30000}));
+  // The heartbeat carries the step (set just after the link started: the
+  // first heartbeat may still say 0); reading does not hold it back.
+  std::optional<proto::Heartbeat> heartbeat;
+  for (int i = 0; i < 100 && !(heartbeat && heartbeat->step == 7); ++i) {
+    auto m = peer.receive(5s);
+    REQUIRE(m);
+    if (auto* h = std::get_if<proto::Heartbeat>(&*m)) heartbeat = *h;
+  }
+  REQUIRE(heartbeat);
+  CHECK(heartbeat->rank == kRank);
+  CHECK(heartbeat->step == 7);
+  // An order for another generation is not this worker's.
+  REQUIRE(peer.send(proto::ExitNow{kGeneration - 1, "an older generation"}));
+  CHECK_FALSE(child.wait(500ms));
+  const auto ordered = Clock::now();
+  REQUIRE(peer.send(proto::ExitNow{kGeneration, "rank 1 exited with code 3 (lost a peer)"}));
+  CHECK(child.wait(5s) == kExitSuperseded);
+  CHECK(secondsSince(ordered) < 2.0);  // readInterval is 50 ms; generous for a loaded machine
+}
+
+TEST_CASE("manager link: refused, it exits after the grace and not before", "[manager_link]") {
+  test::FakeManager manager;
+  const auto start = Clock::now();
+  LinkChild child(manager.address(), fastTimings(1500ms), 60s);
+  int refusals = 0;
+  std::optional<int> code;
+  while (!(code = child.wait(0ms)) && secondsSince(start) < 10) {
+    auto peer = manager.accept(100ms);
+    if (!peer) continue;
+    if (peer->receive(2s)) {
+      peer->send(proto::Ack{false, "generation 4 is over"});
+      ++refusals;
+    }
+  }
+  const double elapsed = secondsSince(start);
+  CHECK(code == kExitSuperseded);
+  CHECK(refusals >= 2);  // it kept trying within the grace
+  CHECK(elapsed >= 1.4);
+  CHECK(elapsed < 6.0);
+}
+
+TEST_CASE("manager link: with no manager to reach, it exits after the grace", "[manager_link]") {
+  std::string address;
+  {
+    test::FakeManager closed;  // a port nothing listens on once it is gone
+    address = closed.address();
+  }
+  const auto start = Clock::now();
+  LinkChild child(address, fastTimings(1000ms), 60s);
+  CHECK(child.wait(8s) == kExitSuperseded);
+  CHECK(secondsSince(start) >= 0.9);
+}
+
+TEST_CASE("manager link: answered pings keep it alive past the grace; silence ends it", "[manager_link]") {
+  test::FakeManager manager;
+  // The manager's Welcome sets the grace (1 s) over the worker's own (30 s).
+  LinkChild child(manager.address(), fastTimings(30s), 60s);
+  auto peer = acceptHello(manager);
+  REQUIRE(peer.send(proto::Welcome{kGeneration, 1000}));
+  const auto start = Clock::now();
+  int pings = 0, heartbeats = 0;
+  while (secondsSince(start) < 3.0) {
+    auto m = peer.receive(100ms);
+    if (!m) continue;
+    if (auto* ping = std::get_if<proto::Ping>(&*m)) {
+      ++pings;
+      peer.send(proto::Pong{ping->sequence, ping->sentNs});
+    }
+    if (std::holds_alternative<proto::Heartbeat>(*m)) ++heartbeats;
+  }
+  CHECK_FALSE(child.wait(0ms));
+  CHECK(pings >= 5);        // every grace / 5
+  CHECK(heartbeats >= 10);  // every 100 ms, pings or not
+  // The manager stops answering (frozen, or a partition): the connection stays
+  // up, the pings go unanswered.
+  const auto silent = Clock::now();
+  CHECK(child.wait(8s) == kExitSuperseded);
+  CHECK(secondsSince(silent) >= 0.8);
+}
+
+TEST_CASE("manager link: without a manager address it never exits the process", "[manager_link]") {
+  LinkChild child("", fastTimings(200ms), 1500ms);
+  CHECK(child.wait(10s) == 0);  // lived its whole life
+}
