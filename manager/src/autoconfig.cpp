@@ -111,6 +111,16 @@ int simulationThreads(const AutoConfigRequest& request, size_t plans) {
   return std::max(1, std::min<int>(cores, static_cast<int>(plans / 16)));
 }
 
+// Whether a plan's lower bound rules it out against the fastest step so far.
+// The bound and the replay sum the same terms in different orders: for a
+// plan the bound is tight on (one stage, one replica) they may differ in the
+// last bits, and without the slack the fastest plan would rule out itself.
+bool boundedAbove(const Candidate& c, int64_t bestNanos) {
+  constexpr int64_t kRoundingSlackNanos = 1000;
+  const int64_t bound = std::llround(c.lowerBoundSeconds * 1e9);
+  return bestNanos != std::numeric_limits<int64_t>::max() && bound > bestNanos + kRoundingSlackNanos;
+}
+
 // Simulates the plans lowest bound first on several threads. Once a feasible
 // plan takes T seconds, every plan whose bound exceeds T is hopeless; so are
 // all after it in bound order. The set finally marked simulated is exactly
@@ -133,7 +143,7 @@ void simulateFastestFirst(const profile::Profile& profile, const AutoConfigReque
     try {
       for (size_t i = next++; i < order.size(); i = next++) {
         PlanToSimulate& todo = plans[order[i]];
-        if (!request.simulateAll && std::llround(todo.candidate.lowerBoundSeconds * 1e9) > bestNanos.load()) {
+        if (!request.simulateAll && boundedAbove(todo.candidate, bestNanos.load())) {
           next = order.size();  // the rest are bounded higher still
           return;
         }
@@ -157,7 +167,7 @@ void simulateFastestFirst(const profile::Profile& profile, const AutoConfigReque
   if (request.simulateAll) return;
   for (auto& todo : plans) {  // forget what only a thread's timing simulated
     Candidate& c = todo.candidate;
-    if (c.simulated && std::llround(c.lowerBoundSeconds * 1e9) > bestNanos.load()) {
+    if (c.simulated && boundedAbove(c, bestNanos.load())) {
       c.simulation = {};
       c.samplesPerSecond = 0;
       c.feasible = false;

@@ -206,7 +206,14 @@ def _kill_leftovers():
 
 
 def run_tests(tests):
-    """Runs test functions in order; prints a summary; exit code 1 on any failure."""
+    """Runs test functions in order; prints a summary; exit code 1 on any failure.
+
+    Test names given on the command line select a subset (for reproducing one case)."""
+    wanted = set(sys.argv[1:])
+    unknown = wanted - {t.__name__ for t in tests}
+    if unknown:
+        sys.exit("unknown test(s): %s" % ", ".join(sorted(unknown)))
+    tests = [t for t in tests if not wanted or t.__name__ in wanted]
     failed = []
     for test in tests:
         log("---", test.__name__)
