@@ -17,7 +17,9 @@ struct Overloaded : Ts... {
 json toJson(const Hello& m) {
   return {{"type", "hello"}, {"version", m.version}, {"token", m.token}, {"role", m.role}, {"host", m.host}, {"rank", m.rank}, {"generation", m.generation}};
 }
-json toJson(const Heartbeat& m) { return {{"type", "heartbeat"}, {"rank", m.rank}, {"step", m.step}}; }
+json toJson(const Heartbeat& m) {
+  return {{"type", "heartbeat"}, {"rank", m.rank}, {"step", m.step}, {"waiting", m.waiting}};
+}
 json toJson(const StepReport& m) {
   return {{"type", "step_report"}, {"rank", m.rank}, {"stage", m.stage}, {"replica", m.replica}, {"step", m.step},
           {"loss", m.loss}, {"step_seconds", m.stepSeconds}, {"compute_seconds_per_microbatch", m.computeSecondsPerMicrobatch}};
@@ -58,7 +60,7 @@ Message fromJson(const json& j) {
   if (type == "hello") {
     return Hello{j.at("version"), j.at("token"), j.at("role"), j.at("host"), j.at("rank"), j.at("generation")};
   }
-  if (type == "heartbeat") return Heartbeat{j.at("rank"), j.at("step")};
+  if (type == "heartbeat") return Heartbeat{j.at("rank"), j.at("step"), j.value("waiting", false)};
   if (type == "step_report") {
     return StepReport{j.at("rank"), j.at("stage"), j.at("replica"), j.at("step"), j.at("loss"), j.at("step_seconds"),
                       j.at("compute_seconds_per_microbatch")};
@@ -126,11 +128,17 @@ bool consumeInteger(std::string_view& s, int64_t& out) {
 std::optional<Heartbeat> canonicalHeartbeat(std::string_view body) {
   int64_t rank = 0, step = 0;
   if (!consume(body, "{\"rank\":") || !consumeInteger(body, rank) || !consume(body, ",\"step\":") ||
-      !consumeInteger(body, step) || body != ",\"type\":\"heartbeat\"}") {
+      !consumeInteger(body, step) || !consume(body, ",\"type\":\"heartbeat\",\"waiting\":")) {
+    return std::nullopt;
+  }
+  bool waiting = false;
+  if (body == "true}") {
+    waiting = true;
+  } else if (body != "false}") {
     return std::nullopt;
   }
   if (rank < std::numeric_limits<int>::min() || rank > std::numeric_limits<int>::max()) return std::nullopt;
-  return Heartbeat{static_cast<int>(rank), step};
+  return Heartbeat{static_cast<int>(rank), step, waiting};
 }
 
 // Length of the valid UTF-8 sequence at the start of `s`, 0 if it is not one.

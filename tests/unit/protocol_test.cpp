@@ -130,8 +130,13 @@ TEST_CASE("heartbeats decode the same through the fast path and the JSON parser"
                                      R"({"step":5,"rank":1,"type":"heartbeat"})", R"({ "rank":1,"step":5,"type":"heartbeat"})",
                                      R"({"rank":1,"step":5,"type":"heartbeat"}x)", R"({"rank":1,"step":5,"type":"heartbeat")"};
   for (const auto& rank : numbers) {
-    for (const auto& step : numbers) bodies.push_back(R"({"rank":)" + rank + R"(,"step":)" + step + R"(,"type":"heartbeat"})");
+    for (const auto& step : numbers) {
+      for (const char* waiting : {"", R"(,"waiting":true)", R"(,"waiting":false)", R"(,"waiting":1)", R"(,"waiting":)"}) {
+        bodies.push_back(R"({"rank":)" + rank + R"(,"step":)" + step + R"(,"type":"heartbeat")" + waiting + "}");
+      }
+    }
   }
+  bodies.push_back(encode(Heartbeat{3, 4, true}).substr(4));
   auto decode = [](const std::string& body) -> std::optional<Message> {
     try {
       return decodeBody(body);
@@ -144,6 +149,8 @@ TEST_CASE("heartbeats decode the same through the fast path and the JSON parser"
     CHECK(decode(body) == decode(body + " "));
   }
   CHECK(decode(encode(Heartbeat{12, 34}).substr(4)) == Message(Heartbeat{12, 34}));
+  CHECK(decode(encode(Heartbeat{12, 34, true}).substr(4)) == Message(Heartbeat{12, 34, true}));
+  CHECK(decode(R"({"rank":1,"step":2,"type":"heartbeat"})") == Message(Heartbeat{1, 2, false}));  // before "waiting"
 }
 
 TEST_CASE("checkpoint_failed: malformed bodies are refused, long or invalid error texts are bounded", "[protocol]") {

@@ -39,9 +39,16 @@ struct Hello {  // first frame of every connection
   int generation = -1;  // workers and agents: the launch they belong to
   bool operator==(const Hello&) const = default;
 };
+// From a worker (10 Hz) and an agent (rank -1) to the manager; from the
+// manager to every agent (rank -1), so an agent across a silent partition
+// knows the manager is gone (docs/protocol.md).
 struct Heartbeat {
-  int rank = -1;  // -1 from an agent
-  int64_t step = 0;
+  int rank = -1;  // -1 from an agent or the manager
+  int64_t step = 0;  // a worker's last finished step (-1 before the first)
+  // A worker's training thread is blocked on a peer (a receive, an
+  // all-reduce, a barrier) rather than computing: a rank whose step stalls
+  // while it computes and its peers wait is hung (the manager's liveness rule).
+  bool waiting = false;
   bool operator==(const Heartbeat&) const = default;
 };
 struct StepReport {
