@@ -159,17 +159,25 @@ def skip_without_tmpfs(test):
     return run
 
 
-@skip_without_tmpfs
-def test_full_store_fails_periodic_checkpoints_but_training_goes_on():
-    steps = 150
-    m = manager("enospc", steps=steps, train_args=["--checkpoint_every", "10"],
-                extra_args=["--keep_checkpoints", "0"])
+@contextlib.contextmanager
+def job_on_small_store(name, steps, keep_checkpoints):
+    """Runs a job checkpointing every 10 steps to the end on a store of
+    store_size(); yields (manager, exit code) while the store is still mounted."""
+    m = manager(name, steps=steps, train_args=["--checkpoint_every", "10"],
+                extra_args=["--keep_checkpoints", str(keep_checkpoints)])
     with small_tmpfs(m.store, store_size()):
         try:
             m.start()
             code = m.wait_exit(240)
         finally:
             end_job(m)
+        yield m, code
+
+
+@skip_without_tmpfs
+def test_full_store_fails_periodic_checkpoints_but_training_goes_on():
+    steps = 150
+    with job_on_small_store("enospc", steps, keep_checkpoints=0) as (m, code):
         assert code == 0, "run_varuna exited with %s (a full store must not stop the job):\n%s" % (code, m.tail())
         failed = m.events("checkpoint_failed")
         assert failed, "no checkpoint_failed event:\n" + m.tail()
@@ -199,14 +207,7 @@ def test_full_store_fails_periodic_checkpoints_but_training_goes_on():
 @skip_without_tmpfs
 def test_retention_keeps_a_long_run_within_the_same_store():
     steps = 200
-    m = manager("retention", steps=steps, train_args=["--checkpoint_every", "10"],
-                extra_args=["--keep_checkpoints", "2"])
-    with small_tmpfs(m.store, store_size()):
-        try:
-            m.start()
-            code = m.wait_exit(240)
-        finally:
-            end_job(m)
+    with job_on_small_store("retention", steps, keep_checkpoints=2) as (m, code):
         assert code == 0, m.tail()
         assert not m.events("checkpoint_failed"), m.events("checkpoint_failed")[:2]
         complete = complete_steps(m.store)

@@ -16,6 +16,7 @@ In both, nothing is left at the end.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -160,11 +161,14 @@ def test_frozen_agent_workers_are_gone_within_the_bound():
     log("generation 1: %d files in the store, the newest %.2f s before the second launch"
         % (len(watcher.writes), launched_at - watcher.latest()))
     assert not late, "generation 1 wrote after generation 2 was launched: %s" % late
-    # The thawed agent reaps its workers (code 76: ordered out), finds the
-    # manager gone and exits after its grace.
+    # The thawed agent reaps its workers, finds the manager gone and exits
+    # after its grace. The workers left either on the manager's order (code
+    # 76) or, when their collective with the killed rank failed first, as
+    # peers lost (code 3): both within the bound, which is what counts.
     assert_nothing_left(m.job)
     agent_log = (Path("/tmp/varuna") / m.job / "127.0.0.2" / "agent.log").read_text(errors="replace")
-    assert "(generation 1) exited: code 76" in agent_log, agent_log[-2000:]
+    exits = re.findall(r"\(generation 1\) exited: code (\d+)", agent_log)
+    assert len(exits) == 2 and set(exits) <= {"76", "3"}, agent_log[-2000:]
 
 
 def free_port():
