@@ -63,7 +63,11 @@ def main() -> int:
                "--chunk_size", str(args.chunk_size), "--batch-size", str(args.batch_size)]
         if args.resume_step is not None:
             cmd += ["--resume_step", str(args.resume_step)]
-        procs.append(subprocess.Popen(cmd + program[1:], env=env))
+        # SIGUSR1 blocked until the runtime installs its handler
+        # (installCheckpointSignalHandler unblocks it): a checkpoint request
+        # during start-up waits instead of killing the worker.
+        procs.append(subprocess.Popen(cmd + program[1:], env=env,
+                                      preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})))
 
     def forward(signum, _frame):
         for p in procs:

@@ -7,15 +7,16 @@
 // stdin with --token_stdin, as run_varuna starts agents), hands (host,
 // manager address, job token) to this process through a FIFO and exits 0;
 // this process then plays every agent and every worker over real TCP
-// connections to the manager, on one thread and one Asio event loop:
+// connections to the manager, on one thread and one Asio event loop, with the
+// simulated cluster the tests share (tests/support/sim_cluster.h):
 //  - agents: Hello, a heartbeat a second; LaunchWorkers -> one worker
 //    connection per rank; CheckpointAndExit / KillWorkers -> the host's worker
 //    connections close and WorkerExited (75 / signal 9) goes out per rank;
-//  - workers: Hello, then (once all are connected) Heartbeat{rank, step} at
-//    --heartbeat_hz, spread evenly over the period (rank r's beats are offset
-//    by r/N of it), a StepReport a second (every rank of every step, so the
-//    manager's step aggregation and slow-machine detector run), and for
-//    --ping_workers of them a Ping a second. The Pong's round trip is the
+//  - workers: Hello, then Heartbeat{rank, step} at --heartbeat_hz, spread
+//    evenly over the period (rank r's beats are offset by r/N of it), and
+//    once all are connected a StepReport a second (every rank of every step,
+//    so the manager's step aggregation and slow-machine detector run), and
+//    for --ping_workers of them a Ping a second. The Pong's round trip is the
 //    latency sample: it waits behind whatever the manager has queued, which
 //    is the point.
 // After --warmup_s of load, over --seconds: the manager's CPU (utime+stime of
@@ -48,29 +49,26 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iostream>
 #include <limits>
-#include <map>
 #include <memory>
-#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "varuna/common/control_client.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/protocol.h"
 #include "varuna/common/stage_map.h"
+#include "sim_cluster.h"
 
 namespace {
 
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
-using tcp = asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
 using varuna::strCat;
 namespace proto = varuna::proto;
+namespace sim = varuna::sim;
 
 constexpr auto kTick = std::chrono::milliseconds(1);
 constexpr auto kStopGrace = std::chrono::seconds(10);
@@ -169,155 +167,6 @@ double percentile(const std::vector<double>& sorted, double p) {
   return sorted[std::min(sorted.size() - 1, rank == 0 ? 0 : rank - 1)];
 }
 
-// One simulated connection to the manager. Writes go straight to the
-// non-blocking socket; only what the kernel does not take waits in `outbox_`
-// for the socket to become writable. Owned by shared_ptr (handlers keep it
-// alive); everything runs on the one event loop thread.
-class Peer : public std::enable_shared_from_this<Peer> {
- public:
-  using OnMessage = std::function<void(const proto::Message&)>;
-  using OnClose = std::function<void(const std::string& reason)>;
-
-  explicit Peer(asio::io_context& io) : socket_(io) {}
-
-  // Connects, sends `hello` first, then reads until closed.
-  void connect(const tcp::endpoint& endpoint, const proto::Hello& hello, OnMessage onMessage, OnClose onClose,
-               std::function<void()> onConnected) {
-    onMessage_ = std::move(onMessage);
-    onClose_ = std::move(onClose);
-    socket_.async_connect(endpoint, [self = shared_from_this(), hello, onConnected = std::move(onConnected)](
-                                        const boost::system::error_code& ec) {
-      if (ec) {
-        self->fail("connect: " + ec.message());
-        return;
-      }
-      boost::system::error_code ignored;
-      self->socket_.set_option(tcp::no_delay(true), ignored);
-      self->socket_.non_blocking(true, ignored);
-      self->open_ = true;
-      self->send(proto::encode(hello));
-      self->doRead();
-      onConnected();
-    });
-  }
-
-  void send(std::string_view frame) {
-    if (!open_) return;
-    if (!outbox_.empty()) {
-      outbox_.append(frame);
-      return;
-    }
-    boost::system::error_code ec;
-    size_t n = socket_.write_some(asio::buffer(frame.data(), frame.size()), ec);
-    if (ec == asio::error::would_block || ec == asio::error::try_again) {
-      n = 0;
-    } else if (ec) {
-      fail("write: " + ec.message());
-      return;
-    }
-    if (n < frame.size()) {
-      outbox_.append(frame.substr(n));
-      waitWritable();
-    }
-  }
-
-  // Closes without calling onClose (the simulator chose to).
-  void close() {
-    onClose_ = nullptr;
-    shutdown();
-  }
-  bool open() const { return open_; }
-
- private:
-  void doRead() {
-    socket_.async_read_some(asio::buffer(readBuffer_),
-                            [self = shared_from_this()](const boost::system::error_code& ec, size_t bytes) {
-                              self->onRead(ec, bytes);
-                            });
-  }
-
-  void onRead(const boost::system::error_code& ec, size_t bytes) {
-    if (!open_) return;
-    if (ec) {
-      fail(ec == asio::error::eof ? "closed by the manager" : ec.message());
-      return;
-    }
-    try {
-      decoder_.feed(std::string_view(readBuffer_.data(), bytes));
-      while (open_) {
-        auto message = decoder_.next();
-        if (!message) break;
-        onMessage_(*message);
-      }
-    } catch (const std::exception& e) {
-      fail(e.what());
-      return;
-    }
-    if (open_) doRead();
-  }
-
-  void waitWritable() {
-    socket_.async_wait(tcp::socket::wait_write, [self = shared_from_this()](const boost::system::error_code& ec) {
-      if (!self->open_) return;
-      if (ec) {
-        self->fail("write: " + ec.message());
-        return;
-      }
-      boost::system::error_code writeError;
-      const size_t n = self->socket_.write_some(asio::buffer(self->outbox_), writeError);
-      if (writeError && writeError != asio::error::would_block && writeError != asio::error::try_again) {
-        self->fail("write: " + writeError.message());
-        return;
-      }
-      self->outbox_.erase(0, writeError ? 0 : n);
-      if (!self->outbox_.empty()) self->waitWritable();
-    });
-  }
-
-  void fail(const std::string& reason) {
-    shutdown();
-    if (onClose_) {
-      auto callback = std::move(onClose_);
-      onClose_ = nullptr;
-      callback(reason);
-    }
-  }
-
-  void shutdown() {
-    open_ = false;
-    outbox_.clear();
-    boost::system::error_code ignored;
-    socket_.close(ignored);
-  }
-
-  tcp::socket socket_;
-  bool open_ = false;
-  std::string outbox_;
-  proto::FrameDecoder decoder_;
-  std::array<char, 4096> readBuffer_{};
-  OnMessage onMessage_;
-  OnClose onClose_;
-};
-
-struct SimAgent {
-  std::string host;
-  std::shared_ptr<Peer> peer;
-  bool up = false;
-  int generation = -1;
-  std::vector<int> ranks;  // of the current launch
-};
-
-struct SimWorker {
-  int rank = 0, stage = 0, replica = 0;
-  size_t agent = 0;  // index into agents_
-  std::shared_ptr<Peer> peer;
-  bool connected = false;
-  int64_t step = 0;           // the last step it reported
-  std::string heartbeatFrame;  // encoded Heartbeat{rank, heartbeatStep}
-  int64_t heartbeatStep = -1;
-  double computeSeconds = 0;  // per micro-batch, this "machine's" speed
-};
-
 struct Results {
   int workers = 0;
   double windowS = 0;
@@ -341,7 +190,18 @@ struct Results {
 // The simulator and the bench's phases, all on `io_`'s thread.
 class Bench {
  public:
-  Bench(Options options, fs::path dir) : options_(std::move(options)), dir_(std::move(dir)) {}
+  Bench(Options options, fs::path dir)
+      : options_(std::move(options)), dir_(std::move(dir)), cluster_(io_, simOptions(options_)) {
+    sim::SimCluster::Callbacks callbacks;
+    callbacks.onOrder = [this](const sim::Order& order) { onOrder(order); };
+    callbacks.onAgentUp = [this](const std::string&) { onAgentUp(); };
+    callbacks.onAllWorkersConnected = [this](int generation, int worldSize) { onAllWorkersConnected(generation, worldSize); };
+    callbacks.onConnectionLost = [this](const std::string& who, const std::string& reason) {
+      onUnexpectedClose(who, reason);
+    };
+    callbacks.onTick = [this](Clock::time_point) { onTick(); };  // the cluster's tick, every kTick
+    cluster_.setCallbacks(std::move(callbacks));
+  }
 
   Results run() {
     writeFiles();
@@ -351,7 +211,6 @@ class Bench {
     signals_.async_wait([this](const boost::system::error_code& ec, int signal) {
       if (!ec) abort(strCat("interrupted by ", ::strsignal(signal)));
     });
-    scheduleTick(Clock::now());
     io_.run();
     if (!error_.empty()) throw BenchError(error_);
     return results_;
@@ -370,6 +229,20 @@ class Bench {
   fs::path managerLog() const { return dir_ / "run_varuna.log"; }
 
  private:
+  // The load: heartbeats at --heartbeat_hz from each worker's hello, one
+  // step report a second per rank from the rendezvous, one agent heartbeat a
+  // second; a checkpoint order is answered at once (exit 75).
+  static sim::SimOptions simOptions(const Options& options) {
+    sim::SimOptions sim;
+    sim.tick = kTick;
+    sim.agentHeartbeat = std::chrono::seconds(1);
+    sim.workerHeartbeat = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(1000.0 / options.heartbeatHz)));
+    sim.step = std::chrono::seconds(1);
+    sim.checkpointDelay = std::chrono::milliseconds(0);
+    sim.agentGrace = std::chrono::seconds(5);
+    return sim;
+  }
+
   // --- setup ----------------------------------------------------------------------
 
   std::string hostName(int i) const { return strCat("127.0.", 1 + i / 250, ".", 1 + i % 250); }
@@ -488,109 +361,22 @@ echo "simulated agent for $host"
     });
   }
 
-  // --- the simulated agents ---------------------------------------------------------
+  // --- the simulated agents and workers (tests/support/sim_cluster.h) ---------------
 
   void startAgent(const std::string& host, const std::string& address, const std::string& token) {
-    if (managerEndpoint_.port() == 0) {
-      const auto [ip, port] = proto::splitHostPort(address, "the manager address");
-      managerEndpoint_ = tcp::endpoint(asio::ip::make_address(ip), static_cast<uint16_t>(port));
-      token_ = token;
-    }
-    const size_t index = agents_.size();
-    agents_.push_back(SimAgent{host, std::make_shared<Peer>(io_)});
-    agentByHost_[host] = index;
-    agents_[index].peer->connect(
-        managerEndpoint_, proto::Hello{proto::kVersion, token_, "agent", host, -1, -1},
-        [this, index](const proto::Message& m) { onAgentMessage(index, m); },
-        [this, index](const std::string& reason) { onUnexpectedClose("agent of " + agents_[index].host, reason); },
-        [this, index] {
-          agents_[index].up = true;
-          if (++agentsUp_ == options_.hosts) {
-            results_.agentsS = secondsSince(startedAt_);
-            std::cout << "all " << agentsUp_ << " agents connected (" << fmt(results_.agentsS) << " s)" << std::endl;
-          }
-        });
+    cluster_.startAgent(host, address, token);
   }
 
-  void onAgentMessage(size_t index, const proto::Message& message) {
-    SimAgent& agent = agents_[index];
-    if (const auto* launch = std::get_if<proto::LaunchWorkers>(&message)) return onLaunch(index, *launch);
-    if (std::holds_alternative<proto::CheckpointAndExit>(message)) return exitWorkers(agent, varuna::kExitCheckpointed, 0);
-    if (std::holds_alternative<proto::KillWorkers>(message)) return exitWorkers(agent, -1, SIGKILL);
-    if (std::holds_alternative<proto::Shutdown>(message)) {
-      exitWorkers(agent, -1, SIGKILL);
-      agent.peer->close();
-      return;
-    }
-    if (const auto* ack = std::get_if<proto::Ack>(&message); ack && !ack->ok) {
-      abort(strCat("the manager refused the agent of ", agent.host, ": ", ack->error));
+  void onAgentUp() {
+    if (++agentsUp_ == options_.hosts) {
+      results_.agentsS = secondsSince(startedAt_);
+      std::cout << "all " << agentsUp_ << " agents connected (" << fmt(results_.agentsS) << " s)" << std::endl;
     }
   }
 
-  void onLaunch(size_t index, const proto::LaunchWorkers& launch) {
-    SimAgent& agent = agents_[index];
-    if (launch.generation != generation_) {
-      if (generation_ >= 0) {
-        std::cout << "warning: the manager relaunched (generation " << launch.generation
-                  << "): the figures include a morph" << std::endl;
-      }
-      generation_ = launch.generation;
-      ++results_.launches;
-      for (auto& w : workers_) {
-        if (w.peer) w.peer->close();
-      }
-      workers_.clear();
-      workers_.resize(static_cast<size_t>(launch.worldSize));
-      workersUp_ = 0;
-      loadRunning_ = false;
-      stageMap_ = varuna::StageToRankMap::parse(launch.stageToRankMap);
-      launchedAt_ = Clock::now();
-      std::cout << "generation " << launch.generation << ": launching " << launch.worldSize << " workers ("
-                << stageMap_->numStages() << " stages x " << stageMap_->numReplicas() << " replicas)" << std::endl;
-    }
-    exitWorkers(agent, -1, SIGKILL);  // a relaunch replaces what ran there
-    agent.generation = launch.generation;
-    agent.ranks.clear();
-    for (const auto& spec : launch.workers) {
-      agent.ranks.push_back(spec.rank);
-      SimWorker& w = workers_.at(static_cast<size_t>(spec.rank));
-      w = SimWorker{};
-      w.rank = spec.rank;
-      w.stage = stageMap_->stageOf(spec.rank);
-      w.replica = stageMap_->replicaOf(spec.rank);
-      w.agent = index;
-      // A few percent apart, like real machines; none slow enough to be flagged.
-      w.computeSeconds = 0.050 * (1.0 + 0.02 * std::sin(1.7 * spec.rank));
-      w.peer = std::make_shared<Peer>(io_);
-      const int rank = spec.rank;
-      const int generation = launch.generation;
-      w.peer->connect(
-          managerEndpoint_, proto::Hello{proto::kVersion, token_, "worker", agent.host, rank, generation},
-          [this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
-          [this, rank](const std::string& reason) { onUnexpectedClose(strCat("worker ", rank), reason); },
-          [this, rank, generation] {
-            if (generation != generation_) return;
-            workers_[static_cast<size_t>(rank)].connected = true;
-            if (++workersUp_ == static_cast<int>(workers_.size())) onAllWorkersConnected();
-          });
-    }
-  }
-
-  // What a real agent reports when its workers end: their connections close,
-  // then one WorkerExited per rank.
-  void exitWorkers(SimAgent& agent, int exitCode, int signal) {
-    for (const int rank : agent.ranks) {
-      if (static_cast<size_t>(rank) >= workers_.size()) continue;
-      SimWorker& w = workers_[static_cast<size_t>(rank)];
-      if (w.peer) w.peer->close();
-      w.connected = false;
-      agent.peer->send(proto::encode(proto::WorkerExited{agent.host, rank, exitCode, signal, agent.generation, ""}));
-    }
-    agent.ranks.clear();
-  }
-
-  void onWorkerMessage(int rank, const proto::Message& message) {
-    if (const auto* pong = std::get_if<proto::Pong>(&message)) {
+  void onOrder(const sim::Order& order) {
+    if (const auto* launch = std::get_if<proto::LaunchWorkers>(&order.message)) return onLaunch(*launch);
+    if (const auto* pong = std::get_if<proto::Pong>(&order.message)) {
       const int64_t now = steadyNs();
       if (pong->sentNs >= windowStartNs_ && pong->sentNs < windowEndNs_) {
         results_.rttMs.push_back(static_cast<double>(now - pong->sentNs) / 1e6);
@@ -598,9 +384,26 @@ echo "simulated agent for $host"
       }
       return;
     }
-    if (const auto* ack = std::get_if<proto::Ack>(&message); ack && !ack->ok) {
-      abort(strCat("the manager refused worker ", rank, ": ", ack->error));
+    if (const auto* ack = std::get_if<proto::Ack>(&order.message); ack && !ack->ok) {
+      abort(order.to == sim::PeerKind::kAgent ? strCat("the manager refused the agent of ", order.host, ": ", ack->error)
+                                              : strCat("the manager refused worker ", order.rank, ": ", ack->error));
     }
+  }
+
+  void onLaunch(const proto::LaunchWorkers& launch) {
+    if (launch.generation == generation_) return;
+    if (generation_ >= 0) {
+      std::cout << "warning: the manager relaunched (generation " << launch.generation
+                << "): the figures include a morph" << std::endl;
+    }
+    generation_ = launch.generation;
+    ++results_.launches;
+    worldSize_ = launch.worldSize;
+    loadRunning_ = false;
+    const auto stageMap = varuna::StageToRankMap::parse(launch.stageToRankMap);
+    launchedAt_ = Clock::now();
+    std::cout << "generation " << launch.generation << ": launching " << launch.worldSize << " workers ("
+              << stageMap.numStages() << " stages x " << stageMap.numReplicas() << " replicas)" << std::endl;
   }
 
   void onUnexpectedClose(const std::string& who, const std::string& reason) {
@@ -609,18 +412,21 @@ echo "simulated agent for $host"
   }
 
   // --- the load --------------------------------------------------------------------------
+  // Heartbeats (from each worker's hello) and step reports (from the
+  // rendezvous) are the cluster's; the pings are the bench's.
 
-  void onAllWorkersConnected() {
-    results_.workers = static_cast<int>(workers_.size());
+  void onAllWorkersConnected(int generation, int worldSize) {
+    if (generation != generation_) return;
+    results_.workers = worldSize;
     results_.connectS = secondsSince(launchedAt_);
-    std::cout << "all " << workers_.size() << " workers connected (" << fmt(results_.connectS)
+    pingTargets_ = pingTargets();
+    std::cout << "all " << worldSize << " workers connected (" << fmt(results_.connectS)
               << " s after the launch); load: " << options_.heartbeatHz << " heartbeats/s and 1 step report/s per "
-              << "worker, " << pingTargets().size() << " workers ping once a second; warm-up " << options_.warmupS
+              << "worker, " << pingTargets_.size() << " workers ping once a second; warm-up " << options_.warmupS
               << " s" << std::endl;
     loadRunning_ = true;
     loadStart_ = Clock::now();
-    heartbeatsDone_ = reportsDone_ = pingsDone_ = 0;
-    pingTargets_ = pingTargets();
+    pingsDone_ = 0;
     const auto windowStart = loadStart_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.warmupS));
     phaseTimer_.expires_at(windowStart);
     phaseTimer_.async_wait([this](const boost::system::error_code& ec) {
@@ -630,84 +436,35 @@ echo "simulated agent for $host"
 
   std::vector<int> pingTargets() const {
     std::vector<int> ranks;
-    const int n = static_cast<int>(workers_.size());
+    const int n = worldSize_;
     const int k = std::clamp(options_.pingWorkers, 0, n);
     for (int i = 0; i < k; ++i) ranks.push_back(static_cast<int>(static_cast<int64_t>(i) * n / k));
     return ranks;
   }
 
-  void scheduleTick(Clock::time_point at) {
-    tickTimer_.expires_at(at);
-    tickTimer_.async_wait([this, at](const boost::system::error_code& ec) {
-      if (ec) return;
-      onTick();
-      // Fixed cadence; a late tick catches up on the events it missed (the
-      // load is defined by event counts over time, not by ticks).
-      scheduleTick(std::max(at + kTick, Clock::now()));
-    });
-  }
-
   void onTick() {
     if (!stopping_) checkManagerAlive();
     if (!error_.empty()) return;
-    const auto now = Clock::now();
     if (!stopping_ && agentsUp_ < options_.hosts && secondsSince(startedAt_) > options_.startupTimeoutS) {
       return abort(strCat("only ", agentsUp_, " of ", options_.hosts, " agents connected within ",
                           options_.startupTimeoutS, " s"));
     }
     if (!stopping_ && generation_ >= 0 && !loadRunning_ && secondsSince(launchedAt_) > options_.startupTimeoutS) {
-      return abort(strCat("only ", workersUp_, " of ", workers_.size(), " workers connected within ",
-                          options_.startupTimeoutS, " s"));
-    }
-    // Agent heartbeats: one a second each, spread over the second.
-    const double sinceStart = std::chrono::duration<double>(now - startedAt_).count();
-    const auto hosts = static_cast<uint64_t>(options_.hosts);
-    const auto agentTarget = static_cast<uint64_t>(sinceStart * static_cast<double>(hosts));
-    for (; !stopping_ && agentBeatsDone_ < agentTarget; ++agentBeatsDone_) {
-      const uint64_t i = agentBeatsDone_ % hosts;
-      if (i < agents_.size() && agents_[i].up) sendTo(*agents_[i].peer, agentHeartbeat_);
+      return abort(strCat("only ", cluster_.connectedWorkers(generation_), " of ", worldSize_,
+                          " workers connected within ", options_.startupTimeoutS, " s"));
     }
     if (!loadRunning_ || stopping_) return;
-    const double t = std::chrono::duration<double>(now - loadStart_).count();
-    const uint64_t n = workers_.size();
-    // Step reports: rank r reports step s at s + r/N seconds.
-    const auto reportTarget = static_cast<uint64_t>(t * static_cast<double>(n));
-    for (; reportsDone_ < reportTarget; ++reportsDone_) {
-      SimWorker& w = workers_[reportsDone_ % n];
-      w.step = static_cast<int64_t>(reportsDone_ / n);
-      if (!w.connected) continue;
-      const double microbatches = 8;
-      proto::StepReport report{w.rank, w.stage, w.replica, w.step,
-                               2.0 + 6.0 * std::exp(-static_cast<double>(w.step) / 200.0),
-                               w.computeSeconds * (microbatches + stageMap_->numStages() - 1),
-                               w.computeSeconds};
-      sendTo(*w.peer, proto::encode(report));
-    }
-    // Heartbeats: rank r's at (k + r/N) / hz seconds.
-    const auto heartbeatTarget = static_cast<uint64_t>(t * options_.heartbeatHz * static_cast<double>(n));
-    for (; heartbeatsDone_ < heartbeatTarget; ++heartbeatsDone_) {
-      SimWorker& w = workers_[heartbeatsDone_ % n];
-      if (!w.connected) continue;
-      if (w.heartbeatStep != w.step) {
-        w.heartbeatFrame = proto::encode(proto::Heartbeat{w.rank, w.step});
-        w.heartbeatStep = w.step;
-      }
-      sendTo(*w.peer, w.heartbeatFrame);
-    }
     // Pings: each target once a second, the targets spread over the second.
+    const double t = secondsSince(loadStart_);
     const auto pingTarget = static_cast<uint64_t>(t * static_cast<double>(pingTargets_.size()));
     for (; !pingTargets_.empty() && pingsDone_ < pingTarget; ++pingsDone_) {
-      SimWorker& w = workers_[static_cast<size_t>(pingTargets_[pingsDone_ % pingTargets_.size()])];
-      if (!w.connected) continue;
+      const int rank = pingTargets_[pingsDone_ % pingTargets_.size()];
       const int64_t sent = steadyNs();
-      if (sent >= windowStartNs_ && sent < windowEndNs_) ++results_.pings;
-      sendTo(*w.peer, proto::encode(proto::Ping{static_cast<int64_t>(pingsDone_), sent}));
+      if (cluster_.sendFromWorker(rank, proto::encode(proto::Ping{static_cast<int64_t>(pingsDone_), sent})) &&
+          sent >= windowStartNs_ && sent < windowEndNs_) {
+        ++results_.pings;
+      }
     }
-  }
-
-  void sendTo(Peer& peer, std::string_view frame) {
-    ++messagesSent_;
-    peer.send(frame);
   }
 
   // --- measurement ------------------------------------------------------------------------------
@@ -721,7 +478,7 @@ echo "simulated agent for $host"
     selfCpuStart_ = selfCpuSeconds();
     pressureStart_ = cpuPressureSomeSeconds();
     schedStart_ = schedStat(managerPid_);
-    messagesStart_ = messagesSent_;
+    messagesStart_ = cluster_.framesSent();
     progress(0);
   }
 
@@ -756,7 +513,7 @@ echo "simulated agent for $host"
     const SchedStat sched = schedStat(managerPid_);
     results_.managerWaitS = sched.waitS - schedStart_.waitS;
     results_.managerSlices = sched.slices - schedStart_.slices;
-    results_.messages = messagesSent_ - messagesStart_;
+    results_.messages = cluster_.framesSent() - messagesStart_;
     // Pongs of the last pings may still be on their way.
     drainPongs(Clock::now());
   }
@@ -825,18 +582,12 @@ echo "simulated agent for $host"
 
   void closeAll() {
     boost::system::error_code ignored;
-    tickTimer_.cancel();
     phaseTimer_.cancel();
     signals_.cancel(ignored);
     fifo_.close(ignored);
     if (fifoKeepOpen_ >= 0) ::close(fifoKeepOpen_);
     fifoKeepOpen_ = -1;
-    for (auto& w : workers_) {
-      if (w.peer) w.peer->close();
-    }
-    for (auto& a : agents_) {
-      if (a.peer) a.peer->close();
-    }
+    cluster_.shutdown();
     io_.stop();
   }
 
@@ -850,31 +601,24 @@ echo "simulated agent for $host"
   fs::path dir_;
   asio::io_context io_{1};
   asio::signal_set signals_{io_, SIGINT, SIGTERM};
-  asio::steady_timer tickTimer_{io_};
   asio::steady_timer phaseTimer_{io_};
   asio::posix::stream_descriptor fifo_{io_};
   int fifoKeepOpen_ = -1;
   std::array<char, 4096> fifoBuffer_{};
   std::string fifoText_;
   pid_t managerPid_ = -1;
-  tcp::endpoint managerEndpoint_;
-  std::string token_;
-  const std::string agentHeartbeat_ = proto::encode(proto::Heartbeat{-1, 0});
+  sim::SimCluster cluster_;
 
-  std::vector<SimAgent> agents_;
-  std::map<std::string, size_t> agentByHost_;
   int agentsUp_ = 0;
-  std::vector<SimWorker> workers_;  // by rank, current generation
-  int workersUp_ = 0;
   int generation_ = -1;
-  std::optional<varuna::StageToRankMap> stageMap_;
+  int worldSize_ = 0;  // of generation_
   std::vector<int> pingTargets_;
 
   Clock::time_point startedAt_, launchedAt_, loadStart_, windowStart_, stopAt_;
   bool loadRunning_ = false;
   bool stopping_ = false;
-  uint64_t agentBeatsDone_ = 0, heartbeatsDone_ = 0, reportsDone_ = 0, pingsDone_ = 0;
-  uint64_t messagesSent_ = 0, messagesStart_ = 0;
+  uint64_t pingsDone_ = 0;
+  uint64_t messagesStart_ = 0;
   int64_t windowStartNs_ = std::numeric_limits<int64_t>::max();
   int64_t windowEndNs_ = std::numeric_limits<int64_t>::max();
   double cpuStart_ = 0, selfCpuStart_ = 0;

@@ -48,6 +48,10 @@ struct TrainOptions {
   int threads = 1;
   double peerTimeoutSeconds = 60;
   std::string logLevel = "info";
+  // Test hooks (off by default; named --test_*): fault injection for the
+  // end-to-end tests of run_varuna's liveness rules.
+  int64_t testBusyLoopAtStep = -1;  // >= 0: at this step (0-based) ...
+  int testBusyLoopRank = 0;         // ... this rank spins forever
   gpt::GptConfig model;
 };
 
@@ -91,6 +95,10 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--threads", o.threads, "intra-op threads per worker")->check(CLI::PositiveNumber);
   app.add_option("--peer_timeout_s", o.peerTimeoutSeconds, "declare a silent peer lost after this long");
   app.add_option("--log_level", o.logLevel, "debug, info, warn, error");
+  app.add_option("--test_busy_loop_at_step", o.testBusyLoopAtStep,
+                 "test hook: before step N (0-based; -1: off) rank --test_busy_loop_rank spins in a busy loop "
+                 "forever, outside c10d: its heartbeats go on with its step stalled while its peers wait");
+  app.add_option("--test_busy_loop_rank", o.testBusyLoopRank, "test hook: the rank of --test_busy_loop_at_step");
   gpt::addModelOptions(app, o.model);
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   try {
@@ -137,7 +145,21 @@ std::string explainUnloadable(const std::string& store, int64_t atMost) {
   return ": there is none";
 }
 
+// The --test_busy_loop_at_step hook: a rank that is alive (its threads run,
+// so its heartbeats go on) but makes no progress and waits on no peer, the
+// hang that only run_varuna's "step stalls while its peers wait" rule catches.
+[[noreturn]] void spinForever(int64_t step, int rank) {
+  varuna::log::warn("test hook --test_busy_loop_at_step: rank ", rank, " spins forever before step ", step);
+  varuna::log::flush();
+  volatile uint64_t spins = 0;  // volatile: the loop is not optimised away
+  while (true) spins = spins + 1;
+}
+
 int run(int argc, char** argv) {
+  // First: a checkpoint request (SIGUSR1) during start-up is then remembered
+  // and honoured after the first step (varuna_agent starts workers with it
+  // blocked until here), never the default action's death.
+  varuna::installCheckpointSignalHandler();
   const auto launch = varuna::parseLaunchArgs(argc, argv, varuna::currentEnvironment());
   varuna::log::configure({.component = "train_gpt", .rank = launch.rank});
   TrainOptions o;
@@ -188,7 +210,6 @@ int run(int argc, char** argv) {
   lossScale.initialScale = o.initLossScale;
   lossScale.growthInterval = o.growthInterval;
   model.setOptimizer(optimizer, lossScale);
-  varuna::installCheckpointSignalHandler();
   if (launch.resumeStep >= 0) {
     if (o.checkpointDir.empty()) throw varuna::ConfigError("--resume_step needs --checkpoint_dir");
     // The newest checkpoint at or below the requested step that every rank
@@ -224,6 +245,7 @@ int run(int argc, char** argv) {
   // uninterrupted one would.
   const int64_t firstStep = model.stepsDone();
   for (int64_t step = firstStep; step < o.steps; ++step) {
+    if (step == o.testBusyLoopAtStep && launch.rank == o.testBusyLoopRank) spinForever(step, launch.rank);
     const auto batch = data.replicaBatch(step, globalBatch, model.replica(), model.numReplicas(), seqLen, dataSeed);
     const auto start = std::chrono::steady_clock::now();
     const auto result = model.step(batch, o.clip > 0 ? std::optional<double>(o.clip) : std::nullopt);

@@ -161,6 +161,7 @@ Agent::Agent(asio::io_context& io, AgentOptions options, asio::ip::tcp::socket m
       signals_(io, SIGCHLD, SIGTERM, SIGINT),
       heartbeatTimer_(io),
       graceTimer_(io),
+      readDeadlineTimer_(io),
       killTimer_(io) {}
 
 void Agent::start() {
@@ -170,6 +171,8 @@ void Agent::start() {
                   [this](const std::string& reason) { onManagerLost(reason); });
   manager_->send(proto::Hello{proto::kVersion, options_.token, "agent", options_.host, -1, -1});
   scheduleHeartbeat();
+  lastFrame_ = std::chrono::steady_clock::now();
+  scheduleReadDeadline();
 }
 
 void Agent::waitSignals() {
@@ -193,7 +196,27 @@ void Agent::scheduleHeartbeat() {
   });
 }
 
+void Agent::scheduleReadDeadline() {
+  readDeadlineTimer_.expires_at(lastFrame_ + options_.lostManager);
+  readDeadlineTimer_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec || exiting_) return;
+    if (std::chrono::steady_clock::now() - lastFrame_ < options_.lostManager) {
+      scheduleReadDeadline();  // a frame came meanwhile: count from it
+      return;
+    }
+    const std::string why = strCat("no word from the manager for ", options_.lostManager.count(), " ms");
+    log::error(why, " (at ", managerAddress_, ": a partition, or a frozen or dead manager): killing ",
+               workers_.size(), " worker(s) and exiting");
+    finish(1, why);
+    // Closed at once, not after sending: across a partition queued frames
+    // may never drain, and the agent must still exit.
+    manager_->close(why);
+  });
+}
+
 void Agent::onMessage(const proto::Message& message) {
+  // Any frame says the manager is there (heartbeats, orders, acks, pongs).
+  lastFrame_ = std::chrono::steady_clock::now();
   if (const auto* launch = std::get_if<proto::LaunchWorkers>(&message)) {
     this->launch(*launch);
   } else if (std::holds_alternative<proto::CheckpointAndExit>(message)) {
@@ -274,9 +297,14 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != agent) ::_exit(127);
   ::setpgid(0, 0);  // its own group: a kill reaches whatever it spawned
-  sigset_t none;
-  sigemptyset(&none);
-  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  // SIGUSR1 (checkpoint and exit) stays blocked across exec: one that arrives
+  // while the program starts is kept pending instead of killing it (the
+  // default action), and installCheckpointSignalHandler() unblocks it once the
+  // handler is in place, so the request is honoured after the first step.
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGUSR1);
+  ::sigprocmask(SIG_SETMASK, &mask, nullptr);
   for (int sig : {SIGPIPE, SIGUSR1, SIGTERM, SIGINT, SIGHUP, SIGCHLD}) ::signal(sig, SIG_DFL);
   const int devNull = ::open("/dev/null", O_RDONLY);
   if (devNull >= 0) ::dup2(devNull, 0);
@@ -339,6 +367,7 @@ void Agent::finish(int exitCode, const std::string& reason) {
   killWorkers(reason);
   heartbeatTimer_.cancel();
   graceTimer_.cancel();
+  readDeadlineTimer_.cancel();
   // Workers die at once on SIGKILL; the timer only guards against a child
   // that cannot be reaped (e.g. stuck in the kernel).
   killTimer_.expires_after(options_.killWait);

@@ -25,6 +25,7 @@ struct MainOptions {
   std::string codeDir = ".";
   std::string program;
   double graceS = 5;
+  int64_t lostManagerMs = 15000;
   bool daemonize = false;
   std::string logLevel = "info";
 };
@@ -110,6 +111,10 @@ int main(int argc, char** argv) {
   app.add_option("--code_dir", options.codeDir, "folder the workers start in");
   app.add_option("--program", options.program, "training program, checked before starting");
   app.add_option("--grace_s", options.graceS, "kill the workers when the manager is gone this long")->check(CLI::PositiveNumber);
+  app.add_option("--lost_manager_ms", options.lostManagerMs,
+                 "kill the workers and exit when no frame at all (the manager heartbeats every second) came "
+                 "from the manager this long, even if the connection is up (a silent partition; default 15000)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--daemonize", options.daemonize, "detach, and return once connected to the manager");
   app.add_option("--log_level", options.logLevel, "debug, info, warn or error");
   bool tokenFromStdin = false;
@@ -124,6 +129,7 @@ int main(int argc, char** argv) {
   try {
     options.agent.token = readJobToken(tokenFromStdin);
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
+    options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
     if (options.agent.runDir.empty()) options.agent.runDir = defaultAgentRunDir(options.agent.job, options.agent.host);
     log::configure({"agent", options.agent.job, options.agent.host}, log::parseLevel(options.logLevel));
     if (!fs::is_directory(options.codeDir)) {

@@ -379,17 +379,21 @@ std::string AutoConfigResult::table(int maxRows) const {
   return out.str();
 }
 
+AutoConfigRequest autoConfigRequestFor(const AutoConfigRequest& settings, const PlanRequest& request) {
+  AutoConfigRequest ask = settings;
+  ask.machines = request.machines;
+  ask.excludedHosts = request.excludedHosts;
+  ask.globalBatch = request.globalBatch;
+  if (request.stages > 0) ask.fixedStages = request.stages;
+  if (request.chunkSize > 0) ask.fixedChunk = request.chunkSize;
+  return ask;
+}
+
 std::function<Plan(const PlanRequest&)> autoConfigPlanner(profile::Profile profile, AutoConfigRequest settings,
                                                           std::function<void(const AutoConfigResult&)> onChoice) {
   return [profile = std::move(profile), settings = std::move(settings),
           onChoice = std::move(onChoice)](const PlanRequest& request) {
-    AutoConfigRequest ask = settings;
-    ask.machines = request.machines;
-    ask.excludedHosts = request.excludedHosts;
-    ask.globalBatch = request.globalBatch;
-    if (request.stages > 0) ask.fixedStages = request.stages;
-    if (request.chunkSize > 0) ask.fixedChunk = request.chunkSize;
-    const AutoConfigResult result = autoConfigure(profile, ask);
+    const AutoConfigResult result = autoConfigure(profile, autoConfigRequestFor(settings, request));
     if (onChoice) onChoice(result);
     return result.best.plan;
   };

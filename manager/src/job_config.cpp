@@ -54,12 +54,19 @@ const std::vector<Field>& fields() {
        "(default 3; 0: keep every checkpoint)"},
       {"state_dir", &JobConfig::stateDir, "state.json, events.jsonl, slow_machines.out, token"},
       {"heartbeat_timeout_s", &JobConfig::heartbeatTimeoutS, "a worker silent this long is hung (default 10)"},
+      {"hang_timeout_s", &JobConfig::hangTimeoutS,
+       "no rank finished a step this long: the generation is hung and relaunched from the latest checkpoint; set it "
+       "well above the longest step or pause between steps (default 600; 0: off)"},
       {"startup_timeout_s", &JobConfig::startupTimeoutS, "launch to a worker's first hello (default 120)"},
       {"checkpoint_timeout_s", &JobConfig::checkpointTimeoutS, "a preemption's checkpoint must finish within this (default 120)"},
       {"agent_grace_s", &JobConfig::agentGraceS, "agents kill their workers when the manager is gone this long (default 5)"},
       {"max_failures", &JobConfig::maxFailures, "failures within --failure_window_s before giving up (default 3)"},
       {"failure_window_s", &JobConfig::failureWindowS, "window of --max_failures (default 600)"},
       {"restart_backoff_s", &JobConfig::restartBackoffS, "wait before relaunching after a failure, doubling (default 1)"},
+      {"host_retry_s", &JobConfig::hostRetryS,
+       "a lost host's agent is started again after this, doubling up to --host_retry_max_s (default 2; 0: only when "
+       "the machine list is written)"},
+      {"host_retry_max_s", &JobConfig::hostRetryMaxS, "longest wait between start-ups of a lost host's agent (default 60)"},
       {"exclude_slow", &JobConfig::excludeSlow, "leave machines in slow_machines.out out of the next plan"},
       {"slow_threshold", &JobConfig::slowThreshold, "slower than the stage median by this fraction flags a machine (default 0.15)"},
       {"slow_window", &JobConfig::slowWindow, "steps per slow-machine verdict (default 20)"},
@@ -205,11 +212,19 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
   }
   requirePositive(config.heartbeatTimeoutS, "heartbeat_timeout_s");
   requirePositive(config.startupTimeoutS, "startup_timeout_s");
+  if (!(config.hangTimeoutS >= 0)) {
+    throw ConfigError(strCat("--hang_timeout_s must be >= 0 (0 turns hang detection off), got ", config.hangTimeoutS));
+  }
   requirePositive(config.checkpointTimeoutS, "checkpoint_timeout_s");
   requirePositive(config.agentGraceS, "agent_grace_s");
   requirePositive(config.sshConnectTimeoutS, "ssh_connect_timeout_s");
   requirePositive(config.failureWindowS, "failure_window_s");
   if (config.restartBackoffS < 0) throw ConfigError("--restart_backoff_s must be >= 0");
+  if (config.hostRetryS < 0) throw ConfigError("--host_retry_s must be >= 0 (0: lost hosts come back only when the machine list is written)");
+  if (config.hostRetryS > 0 && config.hostRetryMaxS < config.hostRetryS) {
+    throw ConfigError(strCat("--host_retry_max_s (", config.hostRetryMaxS, ") must be >= --host_retry_s (",
+                             config.hostRetryS, ")"));
+  }
   if (config.maxFailures < 0) throw ConfigError("--max_failures must be >= 0");
   if (!(config.slowThreshold > 0)) throw ConfigError("--slow_threshold must be > 0 (e.g. 0.15 for 15 %)");
   if (config.slowWindow < 1) throw ConfigError("--slow_window must be >= 1 step");

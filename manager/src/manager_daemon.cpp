@@ -24,6 +24,12 @@ constexpr auto kTickInterval = std::chrono::milliseconds(100);
 constexpr auto kListPollInterval = std::chrono::milliseconds(500);
 constexpr auto kCheckpointPollInterval = std::chrono::milliseconds(1000);
 constexpr auto kHelloDeadline = std::chrono::seconds(10);
+// At the stop, how long the manager waits for its last look at the store.
+constexpr auto kFinalScanWait = std::chrono::seconds(10);
+// The manager's heartbeat to its agents (as often as theirs to it).
+constexpr auto kAgentHeartbeatInterval = std::chrono::seconds(1);
+// A preempted host whose notice gave no deadline is not expected back before this.
+constexpr auto kPreemptedWithoutDeadline = std::chrono::seconds(120);
 
 // A failed worker's last lines as its agent sent them: printed, but not
 // megabytes of one runaway line.
@@ -42,6 +48,15 @@ std::string endOfText(const std::string& text, size_t maxBytes) {
 
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// Which file is at `path` and when it was last written: any write (even of
+// the same text, or a `touch`) or a replace (an editor's rename) changes it.
+// Empty if there is no file.
+std::string fileIdentity(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return "";
+  return strCat(st.st_dev, ":", st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
 }
 
 // The per-job secret every connection must present. Kept in the state folder
@@ -93,6 +108,19 @@ void claimGlobalStore(const fs::path& store, const std::string& job) {
   ckpt::writeFileAtomic(store, ckpt::kJobFile, claimed.dump() + "\n");
 }
 
+// On the store's thread: a scanner that throws (an injected one) is a scan
+// that failed, so a result always comes back (a launch or the next scan
+// waits for it).
+StoreScan scanStoreSafely(const StoreScanner& scanner, const StoreScanRequest& request) {
+  try {
+    return scanner(request);
+  } catch (const std::exception& e) {
+    StoreScan failed;
+    failed.error = *e.what() ? e.what() : "the store scan failed";
+    return failed;
+  }
+}
+
 json planJson(const Plan& plan) {
   json placement = json::array();
   for (const auto& p : plan.placement) placement.push_back({{"rank", p.rank}, {"host", p.host}, {"local_rank", p.localRank}});
@@ -136,7 +164,9 @@ ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique
       tickTimer_(io),
       acceptRetryTimer_(io),
       slowDetector_(config_.slowThreshold, config_.slowWindow),
-      pending_(pendingLimits) {}
+      pending_(pendingLimits) {
+  storeWorker_ = std::make_unique<BackgroundWorker>(io_, "varuna-store");
+}
 
 ManagerDaemon::~ManagerDaemon() {
   // Start-ups still under way (the loop stopped first): their results are
@@ -165,6 +195,7 @@ void ManagerDaemon::start() {
   fs::create_directories(config_.globalStore, ec);
   if (ec) throw ConfigError(strCat("cannot create --global_store ", config_.globalStore, ": ", ec.message()));
 
+  listedIdentity_ = fileIdentity(config_.machineList);  // first: a write after the read shows as one
   listedText_ = ckpt::readFile(config_.machineList);
   listed_ = parseMachineList(listedText_, config_.machineList, config_.gpusPerNode);
 
@@ -247,21 +278,37 @@ void ManagerDaemon::start() {
               profile.device, ", micro-batch sizes ", json(profile.microBatchSizes()).dump(), ")");
     options.stages = config_.nstages;
     options.chunkSize = config_.chunkSize;
-    options.planner = autoConfigPlanner(std::move(profile), autoConfigSettings(config_),
-                                        [this](const AutoConfigResult& result) {
-                                          const std::string why = result.explain();
-                                          log::info("AutoConfig: ", why);
-                                          events_->write("autoconfig", {{"chosen", result.best.shortName()},
-                                                                        {"explain", why},
-                                                                        {"table", result.table()},
-                                                                        {"considered", result.ranked.size()},
-                                                                        {"simulated", result.simulatedCount},
-                                                                        {"planning_s", result.planningSeconds}});
-                                        });
+    // AutoConfig runs on its own thread (planWorker_), never on the loop:
+    // the controller is told PlanPending and waits in Phase::kPlanning (or,
+    // running, keeps its plan) until planReady (AsyncPlanner).
+    planWorker_ = std::make_unique<BackgroundWorker>(io_, "varuna-plan");
+    auto shared = std::make_shared<const profile::Profile>(std::move(profile));
+    planner_ = std::make_unique<AsyncPlanner>(
+        *planWorker_,
+        [shared, settings = autoConfigSettings(config_)](const PlanRequest& request) {
+          return autoConfigure(*shared, autoConfigRequestFor(settings, request));
+        },
+        guard_->wrap("AutoConfig's result", [this](const AutoConfigResult& result) {
+          const std::string why = result.explain();
+          log::info("AutoConfig: ", why);
+          events_->write("autoconfig", {{"chosen", result.best.shortName()},
+                                        {"explain", why},
+                                        {"table", result.table()},
+                                        {"considered", result.ranked.size()},
+                                        {"simulated", result.simulatedCount},
+                                        {"planning_s", result.planningSeconds}});
+        }),
+        guard_->wrap("a plan's arrival", [this] {
+          if (controller_ && jobStarted_ && !finished_) apply(controller_->planReady(Clock::now()));
+        }));
+    options.planner = planner_->planner();
   }
+  // The controller's resume step is the last checkpoint seen; a launch
+  // replaces it with what its own (thorough) scan finds (finishLaunch).
   controller_ = std::make_unique<MorphController>(options, std::vector<Machine>{},
-                                                  [this] { return findLatestCheckpoint(); });
-  lastCheckpoint_ = findLatestCheckpoint();
+                                                  [this] { return lastCheckpoint_; });
+  // Before the loop runs (nothing is waiting on it yet), so synchronously.
+  lastCheckpoint_ = readStoreScan(storeScanner_(storeScanRequest(/*thorough=*/true)));
 
   log::info("job '", config_.job, "': manager listening on ", advertisedAddress_, "; state in ", config_.stateDir);
   log::info("starting agents on ", listed_.size(), " host(s) from ", config_.machineList);
@@ -419,6 +466,9 @@ void ManagerDaemon::onAgentHello(const std::shared_ptr<FramedConnection>& connec
       });
   log::info("agent up on ", host, " (", connection->peer(), ")");
   events_->write("agent_up", {{"host", host}});
+  if (auto a = absent_.find(host); a != absent_.end() && mayComeBack(a->second, Clock::now())) {
+    hostBack(host, "its agent is up again");
+  }
   if (jobStarted_) {
     usableMachinesChanged();
   } else {
@@ -463,9 +513,10 @@ void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& conne
   for (const auto& [r, w] : workers_) {
     if (!w.connected) return;
   }
-  morph_.connected = Clock::now();
+  const auto now = Clock::now();
+  morph_.connected(now);
   log::info("all ", workers_.size(), " workers of generation ", controller_->generation(), " connected (",
-            secondsBetween(launchedAt_, morph_.connected), " s after launch)");
+            secondsBetween(launchedAt_, now), " s after launch)");
 }
 
 void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello&) {
@@ -491,9 +542,17 @@ void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& con
                   inSeconds >= 0 ? strCat(" (taken in ", inSeconds, " s)") : std::string(" (no deadline given)"));
         events_->write("preempt_notice", {{"host", notice->host}, {"deadline_unix_ms", notice->deadlineUnixMs}});
         preempted_.insert(notice->host);
+        // Out until the deadline at least (the cloud takes it then); after it
+        // the host is tried like a lost one, unless the list is written first.
+        HostAbsence& absence = markAbsent(notice->host, "preempted", Clock::now());
+        absence.preemptedUntil =
+            notice->deadlineUnixMs > 0
+                ? Clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, notice->deadlineUnixMs - unixMillisNow()))
+                : Clock::now() + kPreemptedWithoutDeadline;
+        if (config_.hostRetryS > 0) absence.retryAt = std::max(absence.retryAt.value_or(TimePoint{}), *absence.preemptedUntil);
         c->send(proto::Ack{true, ""});
         c->closeAfterSending("done");
-        if (!morph_.active) morph_ = MorphTimes{"preemption of " + notice->host, Clock::now(), {}, {}, true};
+        morph_.start("preemption of " + notice->host, Clock::now());
         std::optional<Clock::time_point> takenAt;
         if (notice->deadlineUnixMs > 0) {
           takenAt = Clock::now() + std::chrono::milliseconds(notice->deadlineUnixMs - unixMillisNow());
@@ -524,7 +583,7 @@ void ManagerDaemon::onAgentMessage(const std::string& host, const proto::Message
     events_->write("worker_exited", {{"host", host}, {"rank", exited->rank}, {"exit_code", exited->exitCode},
                                      {"signal", exited->signal}, {"generation", exited->generation}});
     workers_.erase(exited->rank);
-    if (!expected && !morph_.active) morph_ = MorphTimes{strCat("rank ", exited->rank, " failed"), Clock::now(), {}, {}, true};
+    if (!expected) morph_.start(strCat("rank ", exited->rank, " failed"), Clock::now());
     apply(controller_->workerExited(exited->rank, exited->exitCode, Clock::now()));
   }
 }
@@ -532,8 +591,14 @@ void ManagerDaemon::onAgentMessage(const std::string& host, const proto::Message
 void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   auto it = workers_.find(rank);
   if (it == workers_.end()) return;
-  it->second.lastSeen = Clock::now();
-  if (const auto* report = std::get_if<proto::StepReport>(&message)) {
+  const auto now = Clock::now();
+  it->second.lastSeen = now;
+  if (const auto* heartbeat = std::get_if<proto::Heartbeat>(&message)) {
+    it->second.waiting = heartbeat->waiting;
+    noteWorkerStep(it->second, heartbeat->step, now);
+  } else if (const auto* report = std::get_if<proto::StepReport>(&message)) {
+    if (!progressAt_) progressAt_ = now;  // the generation's first step: the hang timeout applies from here
+    noteWorkerStep(it->second, report->step, now);
     onStepReport(*report);
   } else if (const auto* failed = std::get_if<proto::CheckpointFailed>(&message)) {
     onCheckpointFailed(rank, *failed);
@@ -547,9 +612,18 @@ void ManagerDaemon::onAgentLost(const std::string& host, const std::string& reas
   const bool expected = agent.released || finished_;
   agent.status = AgentStatus::kGone;
   agent.connection.reset();
-  if (expected) return;
+  if (expected) {
+    // Released because it was preempted (it waits for the notice's deadline)
+    // or removed from the list; if it is listed again by now, it comes back.
+    if (!finished_ && isListed(host) && !preempted_.count(host)) {
+      markAbsent(host, "released", Clock::now()).retryAt = Clock::now();
+    }
+    return;
+  }
   log::error("lost the agent on ", host, " (", reason, ")");
   events_->write("host_lost", {{"host", host}, {"reason", reason}});
+  markAbsent(host, "lost", Clock::now());
+  scheduleRetry(host, Clock::now());
   // Its workers count as gone from here on; those still connected (a frozen
   // or partitioned agent, not a dead host) are told so.
   for (auto it = workers_.begin(); it != workers_.end();) {
@@ -563,7 +637,7 @@ void ManagerDaemon::onAgentLost(const std::string& host, const std::string& reas
                       strCat("the agent of host ", host, " was lost"));
     it = workers_.erase(it);
   }
-  if (!morph_.active) morph_ = MorphTimes{"loss of host " + host, Clock::now(), {}, {}, true};
+  morph_.start("loss of host " + host, Clock::now());
   if (!jobStarted_) {
     agent.status = AgentStatus::kFailed;
     maybeStartJob();
@@ -608,14 +682,25 @@ std::string ManagerDaemon::agentCommand(const std::string& host) const {
   for (const auto& [key, value] : env_) environment += key + "=" + shellQuote(value) + " ";
   return strCat(environment, "exec ", shellQuote(config_.agentPath), " --daemonize --token_stdin --manager ", shellQuote(advertisedAddress_), " --host ", shellQuote(host), " --job ",
                 shellQuote(config_.job), " --code_dir ", shellQuote(config_.codeDir), " --program ",
-                shellQuote(config_.program.front()), " --grace_s ", config_.agentGraceS, " --log_level ",
+                shellQuote(config_.program.front()), " --grace_s ", config_.agentGraceS,
+                // Not hearing from the manager (its heartbeats, sendAgentHeartbeats) this long, the agent
+                // takes it as gone: as long as the manager waits for a silent agent, plus the grace.
+                " --lost_manager_ms ", millis(config_.heartbeatTimeoutS + config_.agentGraceS).count(), " --log_level ",
                 shellQuote(config_.logLevel));
 }
 
 void ManagerDaemon::startAgent(const std::string& host) {
-  AgentState& agent = agents_[host];
+  auto [entry, fresh] = agents_.try_emplace(host);
+  AgentState& agent = entry->second;
+  // One start-up per host at a time: a retry or a list write while one is
+  // under way leaves it to that one.
+  if (!fresh && (agent.status == AgentStatus::kStarting || agent.launching)) return;
+  const uint64_t attempt = agent.attempt + 1;
   agent = AgentState{};
   agent.status = AgentStatus::kStarting;
+  agent.attempt = attempt;
+  agent.launching = true;
+  if (auto a = absent_.find(host); a != absent_.end()) ++a->second.attempts;
   const std::string command = agentCommand(host);
   log::debug("starting the agent on ", host, ": ", config_.agentPath);
   HostLauncher* launcher = launcher_.get();
@@ -630,6 +715,7 @@ void ManagerDaemon::startAgent(const std::string& host) {
     }
     asio::post(io_, guard_->wrap("an agent start-up's result", [this, id, host, result] {
       reapLaunchThread(id);
+      if (auto a = agents_.find(host); a != agents_.end()) a->second.launching = false;
       onAgentCommandDone(host, result);
     }));
   }));
@@ -647,8 +733,10 @@ void ManagerDaemon::onAgentCommandDone(const std::string& host, const HostComman
   auto it = agents_.find(host);
   if (it == agents_.end() || it->second.status != AgentStatus::kStarting) return;  // up already (or gone)
   if (!result.ok) {
-    if (result.exitStatus == kExitConfigError) {
-      // The same program and code_dir are used everywhere: no host will do better.
+    if (result.exitStatus == kExitConfigError && !absent_.count(host)) {
+      // The same program and code_dir are used everywhere: no host will do
+      // better. (A host coming back that says so is only that host's
+      // trouble, e.g. a re-imaged machine: it stays out, retried.)
       const std::string reason = strCat("host ", host, ": ", result.output.empty() ? result.message : result.output);
       events_->write("agent_failed", {{"host", host}, {"reason", reason}, {"config_error", true}});
       doStop(action::Stop{reason, kExitConfigError});
@@ -660,18 +748,26 @@ void ManagerDaemon::onAgentCommandDone(const std::string& host, const HostComman
   // The agent reported success after saying hello; the hello may still be in
   // flight on its socket. Give it a moment.
   auto timer = std::make_shared<asio::steady_timer>(io_, kHelloDeadline);
-  timer->async_wait(guard_->wrap("waiting for an agent's hello", [this, timer,
-                                                                  host](const boost::system::error_code& ec) {
+  const uint64_t attempt = it->second.attempt;  // a later start-up of the host is not this one's to fail
+  timer->async_wait(guard_->wrap("waiting for an agent's hello", [this, timer, host,
+                                                                  attempt](const boost::system::error_code& ec) {
     auto a = agents_.find(host);
-    if (!ec && a != agents_.end() && a->second.status == AgentStatus::kStarting) {
+    if (!ec && a != agents_.end() && a->second.status == AgentStatus::kStarting && a->second.attempt == attempt) {
       agentFailed(host, "the agent started but never reached the manager at " + advertisedAddress_);
     }
   }));
 }
 
 void ManagerDaemon::agentFailed(const std::string& host, const std::string& message) {
-  log::error("cannot start the agent on ", host, ": ", message);
-  events_->write("agent_failed", {{"host", host}, {"reason", message}});
+  const auto now = Clock::now();
+  HostAbsence& absence = markAbsent(host, "agent_failed", now);
+  scheduleRetry(host, now);
+  const std::string retry =
+      absence.retryAt && isListed(host)
+          ? strCat("; retrying in ", std::chrono::duration<double>(*absence.retryAt - now).count(), " s")
+          : std::string();
+  log::error("cannot start the agent on ", host, ": ", message, retry);
+  events_->write("agent_failed", {{"host", host}, {"reason", message}, {"attempts", absence.attempts}});
   agents_.at(host).status = AgentStatus::kFailed;
   if (!jobStarted_) {
     maybeStartJob();
@@ -684,7 +780,8 @@ std::vector<Machine> ManagerDaemon::usableMachines() const {
   std::vector<Machine> usable;
   for (const auto& m : listed_) {
     auto it = agents_.find(m.host);
-    if (it != agents_.end() && it->second.status == AgentStatus::kUp) usable.push_back(m);
+    // A released agent (told to shut down) is on its way out.
+    if (it != agents_.end() && it->second.status == AgentStatus::kUp && !it->second.released) usable.push_back(m);
   }
   return usable;
 }
@@ -703,12 +800,133 @@ void ManagerDaemon::maybeStartJob() {
   const auto usable = usableMachines();
   log::info(usable.size(), " of ", listed_.size(), " host(s) ready");
   if (usable.size() < listed_.size()) {
-    log::error(listed_.size() - usable.size(), " host(s) could not start an agent (see the errors above); they are "
-               "retried when the machine list changes");
+    log::error(listed_.size() - usable.size(), " host(s) could not start an agent (see the errors above); they are ",
+               config_.hostRetryS > 0 ? "retried with backoff and " : "", "retried when the machine list is written");
   }
   const auto now = Clock::now();
   apply(controller_->machinesChanged(usable, now));
   apply(controller_->start(now));
+}
+
+// --- hosts that come back -------------------------------------------------------
+// docs/run_varuna.md, "When lost, preempted and slow hosts come back".
+
+bool ManagerDaemon::isListed(const std::string& host) const {
+  return std::any_of(listed_.begin(), listed_.end(), [&](const Machine& m) { return m.host == host; });
+}
+
+ManagerDaemon::HostAbsence& ManagerDaemon::markAbsent(const std::string& host, const std::string& why, TimePoint now) {
+  auto [it, fresh] = absent_.try_emplace(host);
+  if (fresh) {
+    it->second.why = why;
+    it->second.since = now;
+    // Back only a short while ago: a flapping host, whose backoff goes on
+    // from where it was rather than from the first wait.
+    if (auto r = returned_.find(host); r != returned_.end() && now - r->second.first < millis(config_.hostRetryMaxS)) {
+      it->second.backoff = r->second.second;
+    }
+  }
+  return it->second;
+}
+
+void ManagerDaemon::scheduleRetry(const std::string& host, TimePoint now) {
+  HostAbsence& absence = absent_.at(host);
+  if (config_.hostRetryS <= 0) return;  // --host_retry_s 0: back only when the list is written
+  const auto first = millis(config_.hostRetryS);
+  const auto most = std::max(first, millis(config_.hostRetryMaxS));
+  absence.backoff = absence.backoff.count() == 0 ? first : std::min(2 * absence.backoff, most);
+  absence.retryAt = now + absence.backoff;
+}
+
+bool ManagerDaemon::mayComeBack(const HostAbsence& absence, TimePoint now) const {
+  return !absence.slow && (!absence.preemptedUntil || now >= *absence.preemptedUntil);
+}
+
+void ManagerDaemon::retryAbsentHosts(TimePoint now) {
+  if (!jobStarted_ || finished_ || stopping_ || absent_.empty()) return;  // stopping: no host is needed again
+  std::vector<std::string> answered, due;
+  for (const auto& [host, absence] : absent_) {
+    auto a = agents_.find(host);
+    // A host no longer listed keeps its record (a slow host re-listed is
+    // still readmitted by that write) but is not tried.
+    if (a == agents_.end() || !isListed(host) || !mayComeBack(absence, now)) continue;
+    const AgentState& agent = a->second;
+    if (agent.status == AgentStatus::kUp) {
+      // Preempted, yet its agent still answers after the notice's deadline:
+      // the host was not taken. (A released agent is on its way out.)
+      if (!agent.released && (!absence.preemptedUntil || agent.lastSeen >= *absence.preemptedUntil)) {
+        answered.push_back(host);
+      }
+      continue;
+    }
+    if (agent.status == AgentStatus::kStarting || agent.launching) continue;  // one start-up at a time
+    if (absence.retryAt && now >= *absence.retryAt) due.push_back(host);
+  }
+  for (const auto& host : answered) hostBack(host, "its agent still answers after the preemption notice's deadline");
+  if (!answered.empty()) usableMachinesChanged();
+  for (const auto& host : due) {
+    if (finished_) return;
+    HostAbsence& absence = absent_.at(host);
+    absence.retryAt.reset();  // a failure of this start-up schedules the next
+    log::info("starting the agent on ", host, " again (out for ", static_cast<int>(secondsBetween(absence.since, now)),
+              " s: ", absence.why, "; attempt ", absence.attempts + 1, ")");
+    startAgent(host);
+  }
+}
+
+void ManagerDaemon::hostBack(const std::string& host, const std::string& how) {
+  auto it = absent_.find(host);
+  if (it == absent_.end()) return;
+  const HostAbsence absence = it->second;
+  absent_.erase(it);
+  returned_[host] = {Clock::now(), absence.backoff};
+  preempted_.erase(host);
+  if (controller_) controller_->readmitHost(host);
+  const double out = secondsBetween(absence.since, Clock::now());
+  log::info("host ", host, " is back after ", static_cast<int>(out), " s out (", absence.why, "): ", how);
+  events_->write("host_back",
+                 {{"host", host}, {"why", absence.why}, {"out_s", out}, {"attempts", absence.attempts}, {"how", how}});
+}
+
+bool ManagerDaemon::readmitListedHosts(TimePoint now) {
+  json retried = json::array();
+  bool back = false;
+  for (const auto& m : listed_) {
+    auto it = absent_.find(m.host);
+    if (it == absent_.end()) continue;
+    HostAbsence& absence = it->second;
+    retried.push_back({{"host", m.host}, {"why", absence.why}});
+    if (absence.slow) {
+      // Flagged again later, it is excluded again (a verdict equal to the
+      // last one is otherwise not acted on).
+      slowHosts_.erase(std::remove(slowHosts_.begin(), slowHosts_.end(), m.host), slowHosts_.end());
+    }
+    absence.slow = false;
+    absence.preemptedUntil.reset();
+    absence.backoff = std::chrono::milliseconds(0);
+    absence.retryAt = now;  // at the next tick (retryAbsentHosts), if its agent is not up
+    preempted_.erase(m.host);
+    auto a = agents_.find(m.host);
+    if (a != agents_.end() && a->second.status == AgentStatus::kUp && !a->second.released) {
+      hostBack(m.host, "the machine list was written");
+      back = true;
+    }
+  }
+  if (!retried.empty()) {
+    log::info("the machine list was written: ", retried.size(), " host(s) that were out get another chance now");
+    events_->write("hosts_readmitted", {{"hosts", retried}});
+  }
+  return back;
+}
+
+void ManagerDaemon::sendAgentHeartbeats(TimePoint now) {
+  if (now - lastAgentHeartbeat_ < kAgentHeartbeatInterval) return;
+  lastAgentHeartbeat_ = now;
+  for (auto& [host, agent] : agents_) {
+    if (agent.status == AgentStatus::kUp && agent.connection && agent.connection->open()) {
+      agent.connection->send(proto::Heartbeat{-1, 0});
+    }
+  }
 }
 
 // --- actions --------------------------------------------------------------------
@@ -720,12 +938,12 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
     if (const auto* launch = std::get_if<action::Launch>(&a)) {
       doLaunch(*launch);
     } else if (std::holds_alternative<action::Checkpoint>(a)) {
-      if (!morph_.active) morph_ = MorphTimes{"the machines changed", Clock::now(), {}, {}, true};
+      morph_.start("the machines changed", Clock::now());
       log::info("ordering an on-demand checkpoint from every worker");
       events_->write("checkpoint_ordered", {{"generation", controller_->generation()}});
       sendToAgentsOfPlan(proto::CheckpointAndExit{});
     } else if (const auto* kill = std::get_if<action::KillAll>(&a)) {
-      if (!morph_.active) morph_ = MorphTimes{kill->reason, Clock::now(), {}, {}, true};
+      morph_.start(kill->reason, Clock::now());
       log::warn("stopping every worker: ", kill->reason);
       events_->write("kill_all", {{"reason", kill->reason}});
       sendToAgentsOfPlan(proto::KillWorkers{kill->reason});
@@ -745,34 +963,86 @@ void ManagerDaemon::sendToAgentsOfPlan(const proto::Message& message) {
 }
 
 void ManagerDaemon::doLaunch(const action::Launch& launch) {
-  const Plan& plan = launch.plan;
-  const auto now = Clock::now();
   // Fencing: the store records the generation before any of its workers
   // exists, so the workers of every earlier generation that are still alive
-  // are refused when they try to complete a checkpoint. Without the record
-  // the launch does not happen (a full or failing store): it is a failure,
-  // retried after the backoff like any other.
-  try {
-    ckpt::recordGeneration(config_.globalStore, launch.generation);
-  } catch (const std::exception& e) {
+  // are refused when they try to complete a checkpoint. And the checkpoint to
+  // resume from is looked up again, thoroughly (the one a morph's workers
+  // just wrote). Both are store I/O: done on storeWorker_, never on the loop.
+  workers_.clear();  // the last generation's, if any: no hello of theirs counts
+  launchPreparing_ = true;
+  const std::string store = config_.globalStore;
+  const int generation = launch.generation;
+  storeWorker_->run(
+      [store, generation, scanner = storeScanner_, request = storeScanRequest(/*thorough=*/true)] {
+        LaunchPrep prep;
+        try {
+          ckpt::recordGeneration(store, generation);
+        } catch (const std::exception& e) {
+          prep.recordError = e.what();
+          if (prep.recordError.empty()) prep.recordError = "unknown error";
+          return prep;  // no launch: no need for its checkpoint
+        }
+        prep.scan = scanStoreSafely(scanner, request);
+        return prep;
+      },
+      guard_->wrap("a launch's store work", [this, launch](const LaunchPrep& prep) { finishLaunch(launch, prep); }));
+}
+
+void ManagerDaemon::abandonLaunch(const action::Launch& launch) {
+  // No worker of it was started; the controller counts its ranks as running
+  // and ended the generation meanwhile (KillAll or Checkpoint): they are
+  // gone, as if they had exited the way the controller asked them to.
+  const Phase phase = controller_->phase();
+  log::info("generation ", launch.generation, " was not launched: the job is ", toString(phase), " meanwhile");
+  const int code = phase == Phase::kCheckpointing ? kExitCheckpointed : -1;
+  const std::set<int> ranks = controller_->runningRanks();
+  for (const int rank : ranks) {
+    if (finished_) return;
+    apply(controller_->workerExited(rank, code, Clock::now()));
+  }
+}
+
+void ManagerDaemon::finishLaunch(action::Launch launch, const LaunchPrep& prep) {
+  if (finished_ || launch.generation != controller_->generation()) return;  // a later launch supersedes it
+  launchPreparing_ = false;
+  if (controller_->phase() != Phase::kRunning) return abandonLaunch(launch);
+  const Plan& plan = launch.plan;
+  const auto now = Clock::now();
+  std::string failed;
+  if (!prep.recordError.empty()) {
+    failed = strCat("cannot record generation ", launch.generation, " in ",
+                    (fs::path(config_.globalStore) / ckpt::kJobFile).string(), ": ", prep.recordError);
+  }
+  for (const auto& host : plan.hosts) {
+    auto a = agents_.find(host);
+    if (failed.empty() && (a == agents_.end() || !a->second.connection || !a->second.connection->open())) {
+      failed = strCat("the agent on ", host, " went away before the launch");
+    }
+  }
+  if (!failed.empty()) {
+    // Without the record the launch does not happen (a full or failing
+    // store): it is a failure, retried after the backoff like any other.
     // Valid UTF-8 (a path may not be): the reason goes into the event log's JSON.
-    const std::string reason = proto::boundedText(
-        strCat("cannot record generation ", launch.generation, " in ",
-               (fs::path(config_.globalStore) / ckpt::kJobFile).string(), ": ", e.what()),
-        2 * proto::kMaxErrorTextBytes);
+    const std::string reason = proto::boundedText(failed, 2 * proto::kMaxErrorTextBytes);
     log::error(reason, "; the launch is retried after the backoff");
     events_->write("launch_failed", {{"generation", launch.generation}, {"reason", reason}});
     workers_.clear();
     apply(controller_->launchFailed(reason, now));
     return;
   }
+  // The freshest checkpoint (the controller's is the last periodic scan's);
+  // if the store could not be read, the last one seen.
+  const auto latest = readStoreScan(prep.scan);
+  noteLatestCheckpoint(latest, now);
+  launch.resumeStep = latest.value_or(-1);
   launchedAt_ = now;
+  progressAt_.reset();  // the startup timeout until its first step
   workers_.clear();
   steps_.clear();
   firstStepOfGeneration_ = -1;
   for (const auto& p : plan.placement) workers_[p.rank] = WorkerState{};
   slowDetector_.reset(plan);
-  if (morph_.active) morph_.launched = now;
+  morph_.launched(now);
   log::info("generation ", launch.generation, ": ", plan.describe(),
             launch.resumeStep >= 0 ? strCat("; resuming from step ", launch.resumeStep) : std::string("; fresh start"));
   events_->write("launch", {{"generation", launch.generation}, {"resume_step", launch.resumeStep},
@@ -830,7 +1100,7 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
   } else {
     log::error("job '", config_.job, "' stopped: ", stop.reason);
   }
-  watchCheckpoints(Clock::now());  // the one the workers just wrote, if any
+  watchCheckpoints(/*final=*/true);  // the one the workers just wrote, if any (finishShutdown waits for it)
   events_->write("stop", {{"reason", stop.reason}, {"exit_code", stop.exitCode}});
   orderWorkersToExit("the job stopped: " + stop.reason);  // any still running (a job that finished has none)
   for (auto& [host, agent] : agents_) {
@@ -840,7 +1110,6 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
     }
   }
   writeState();
-  printSummary();
   // Let the shutdowns go out, then leave the event loop.
   auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(300));
   timer->async_wait(
@@ -848,6 +1117,22 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
 }
 
 void ManagerDaemon::finishShutdown() {
+  // The final store scan first (state.json and the summary name the last
+  // checkpoint), for a bounded time: a stalled store must not keep the
+  // manager from exiting.
+  const auto now = Clock::now();
+  if (!finalScanDone_) {
+    if (shutdownWaitSince_ == TimePoint{}) shutdownWaitSince_ = now;
+    if (now - shutdownWaitSince_ < kFinalScanWait) {
+      auto timer = std::make_shared<asio::steady_timer>(io_, kTickInterval);
+      timer->async_wait(
+          guard_->wrap("shutting down", [this, timer](const boost::system::error_code&) { finishShutdown(); }));
+      return;
+    }
+    log::warn("the checkpoint store did not answer within ", std::chrono::duration<double>(kFinalScanWait).count(),
+              " s: the last checkpoint may be missing from state.json");
+  }
+  printSummary();
   boost::system::error_code ignored;
   acceptor_.close(ignored);
   tickTimer_.cancel();
@@ -895,14 +1180,19 @@ void ManagerDaemon::onTick() {
   reportDroppedConnections(now);
   checkHeartbeats(now);
   if (finished_) return;
+  checkProgress(now);
+  if (finished_) return;
+  sendAgentHeartbeats(now);
   if (jobStarted_) apply(controller_->tick(now));
   if (now - lastListPoll_ >= kListPollInterval) {
     lastListPoll_ = now;
     watchMachineList();
   }
+  retryAbsentHosts(now);
+  if (finished_) return;
   if (now - lastCheckpointPoll_ >= kCheckpointPollInterval) {
     lastCheckpointPoll_ = now;
-    watchCheckpoints(now);
+    watchCheckpoints();
   }
   if (stateWriteFailing_ || now - lastStateWrite_ >= std::chrono::seconds(1)) writeState();
 }
@@ -937,20 +1227,99 @@ void ManagerDaemon::checkHeartbeats(TimePoint now) {
     // Read when it runs again (a stopped process): it must not train on.
     orderWorkerToExit(it->second.connection, controller_->generation(), strCat("rank ", rank, " is hung: ", why));
     workers_.erase(it);
-    if (!morph_.active) morph_ = MorphTimes{strCat("rank ", rank, " hung"), now, {}, {}, true};
+    morph_.start(strCat("rank ", rank, " hung"), now);
     apply(controller_->workerHung(rank, now));
     if (finished_) return;
   }
 }
 
+void ManagerDaemon::noteWorkerStep(WorkerState& worker, int64_t step, TimePoint now) {
+  if (step <= worker.step) return;
+  worker.step = step;
+  if (progressAt_) progressAt_ = now;  // before the generation's first step, a step is only the resume point
+}
+
+void ManagerDaemon::checkProgress(TimePoint now) {
+  if (config_.hangTimeoutS <= 0 || !controller_ || launchPreparing_ || controller_->phase() != Phase::kRunning) return;
+  // Only a generation whose workers all said hello: one that did not is
+  // checkHeartbeats' to time out (the same startup timeout).
+  std::vector<int> ranks;
+  for (const int rank : controller_->runningRanks()) {
+    auto it = workers_.find(rank);
+    if (it == workers_.end() || !it->second.connected) return;
+    ranks.push_back(rank);
+  }
+  if (ranks.empty()) return;
+  // Before the first step (rendezvous, loading a checkpoint, the first step
+  // itself, all slow on a big model) the larger of the startup and hang
+  // timeouts counts from the launch; from the first step on, the hang
+  // timeout from the last step.
+  const bool started = progressAt_.has_value();
+  const TimePoint since = started ? *progressAt_ : launchedAt_;
+  const double timeoutS = started ? config_.hangTimeoutS : std::max(config_.startupTimeoutS, config_.hangTimeoutS);
+  if (now - since <= millis(timeoutS)) return;
+  // The culprit computes (or is stuck in its own code) while its peers wait
+  // for it; if none or all wait, every rank is named.
+  std::vector<int> computing, waiting;
+  for (const int rank : ranks) (workers_.at(rank).waiting ? waiting : computing).push_back(rank);
+  const std::vector<int> hung = !waiting.empty() && !computing.empty() ? computing : ranks;
+  const double stalledS = secondsBetween(since, now);
+  const auto& placement = controller_->plan().placement;
+  json named = json::array();
+  std::string list;
+  int64_t lastStep = -1;
+  for (const int rank : ranks) lastStep = std::max(lastStep, workers_.at(rank).step);
+  for (const int rank : hung) {
+    const WorkerState& w = workers_.at(rank);
+    const std::string host = rank < static_cast<int>(placement.size()) ? placement[rank].host : "?";
+    named.push_back({{"rank", rank}, {"host", host}, {"step", w.step}, {"waiting", w.waiting}});
+    list += strCat(list.empty() ? "" : ", ", rank, " on ", host, " (step ", w.step, ")");
+  }
+  const std::string what =
+      started ? strCat("no rank finished a step for ", static_cast<int>(stalledS), " s (--hang_timeout_s ", timeoutS, ")")
+              : strCat("no step finished within ", static_cast<int>(stalledS), " s of the launch (the larger of "
+                       "--startup_timeout_s and --hang_timeout_s: ", timeoutS, ")");
+  const std::string whose = hung.size() == ranks.size()
+                                ? std::string(waiting.empty() ? "none of the ranks waits on a peer"
+                                                              : "every rank waits on a peer")
+                                : strCat(waiting.size(), " rank(s) wait on it");
+  const std::string reason = strCat("rank(s) ", list, " hung: ", what, "; ", whose);
+  log::error(reason);
+  events_->write("hang", {{"ranks", named},
+                          {"stalled_s", stalledS},
+                          {"timeout_s", timeoutS},
+                          {"before_first_step", !started},
+                          {"last_step", lastStep},
+                          {"waiting_ranks", waiting},
+                          {"reason", reason}});
+  // As for a hung worker: the named ones are ordered out over their own
+  // connections (a stopped process reads it when it runs again), then the
+  // controller kills the rest and relaunches from the latest checkpoint.
+  for (const int rank : hung) {
+    auto it = workers_.find(rank);
+    orderWorkerToExit(it->second.connection, controller_->generation(), reason);
+    workers_.erase(it);
+  }
+  morph_.start(strCat("rank(s) ", list, " hung: no progress"), now);
+  apply(controller_->workerHung(hung.front(), now, reason));
+}
+
 void ManagerDaemon::watchMachineList() {
+  const std::string identity = fileIdentity(config_.machineList);  // before the read: a later write shows next time
   std::string text;
   try {
     text = ckpt::readFile(config_.machineList);
   } catch (const std::exception&) {
     return;  // mid-replace by an editor: look again next time
   }
-  if (text == listedText_) return;
+  const bool written = identity != listedIdentity_;
+  listedIdentity_ = identity;
+  if (text == listedText_) {
+    // Written again with the same text (or touched): the operator says the
+    // hosts it lists are there; those out get another chance now.
+    if (written && readmitListedHosts(Clock::now())) usableMachinesChanged();
+    return;
+  }
   std::vector<Machine> machines;
   try {
     machines = parseMachineList(text, config_.machineList, config_.gpusPerNode);
@@ -978,12 +1347,42 @@ void ManagerDaemon::watchMachineList() {
   log::info("machine list changed: ", added.size(), " added ", added.dump(), ", ", removed.size(), " removed ",
             removed.dump());
   events_->write("machine_list_changed", {{"added", added}, {"removed", removed}});
-  if (!removed.empty() && !morph_.active) morph_ = MorphTimes{"machine list shrank", Clock::now(), {}, {}, true};
+  if (!removed.empty()) morph_.start("machine list shrank", Clock::now());
+  readmitListedHosts(Clock::now());  // every host it lists that was out, too
   usableMachinesChanged();
 }
 
-void ManagerDaemon::watchCheckpoints(TimePoint now) {
-  const auto latest = findLatestCheckpoint();
+void ManagerDaemon::watchCheckpoints(bool final) {
+  if (final) {
+    finalScanDone_ = false;
+  } else if (scanInFlight_) {
+    return;  // a slow store gets one scan at a time, not a queue of them
+  } else {
+    scanInFlight_ = true;
+  }
+  storeWorker_->run([scanner = storeScanner_, request = storeScanRequest(/*thorough=*/final)] {
+                      return scanStoreSafely(scanner, request);
+                    },
+                    guard_->wrap("a checkpoint store scan", [this, final](const StoreScan& scan) {
+                      onStoreScanned(scan, final);
+                    }));
+}
+
+void ManagerDaemon::onStoreScanned(const StoreScan& scan, bool final) {
+  if (final) {
+    finalScanDone_ = true;
+  } else {
+    scanInFlight_ = false;
+  }
+  noteLatestCheckpoint(readStoreScan(scan), Clock::now());
+  if (final) writeState();
+}
+
+StoreScanRequest ManagerDaemon::storeScanRequest(bool thorough) const {
+  return StoreScanRequest{config_.globalStore, thorough, lastCheckpoint_};
+}
+
+void ManagerDaemon::noteLatestCheckpoint(std::optional<int64_t> latest, TimePoint now) {
   if (!latest || latest == lastCheckpoint_) return;
   if (lastCheckpoint_ && *latest < *lastCheckpoint_) {
     // The newer one was found damaged (checkpoint_skipped says which): not a new checkpoint.
@@ -995,30 +1394,26 @@ void ManagerDaemon::watchCheckpoints(TimePoint now) {
   events_->write("checkpoint_complete", {{"step", *latest}});
 }
 
-std::optional<int64_t> ManagerDaemon::findLatestCheckpoint() {
-  std::vector<ckpt::SkippedCheckpoint> skipped;
-  std::optional<int64_t> latest;
-  try {
-    latest = ckpt::latestComplete(config_.globalStore, &skipped);
-    storeReadError_.clear();
-  } catch (const std::exception& e) {
-    // Never an exception out of a handler; never a fresh start either (that
-    // would throw the job's progress away): keep resuming from the last known.
-    if (storeReadError_ != e.what()) {
-      storeReadError_ = e.what();
-      log::error("cannot look for checkpoints in ", config_.globalStore, ": ", e.what(),
+std::optional<int64_t> ManagerDaemon::readStoreScan(const StoreScan& scan) {
+  if (!scan.error.empty()) {
+    // Never a fresh start either (that would throw the job's progress away):
+    // keep resuming from the last known.
+    if (storeReadError_ != scan.error) {
+      storeReadError_ = scan.error;
+      log::error("cannot look for checkpoints in ", config_.globalStore, ": ", scan.error,
                  lastCheckpoint_ ? strCat("; using the last one seen, step ", *lastCheckpoint_) : std::string());
-      events_->write("store_error", {{"error", proto::boundedText(e.what())}});
+      events_->write("store_error", {{"error", proto::boundedText(scan.error)}});
     }
     return lastCheckpoint_;
   }
-  for (const auto& skip : skipped) {
+  storeReadError_.clear();
+  for (const auto& skip : scan.skipped) {
     if (!skippedCheckpoints_.insert(skip.step).second) continue;  // reported already
     log::warn("skipping the checkpoint of step ", skip.step, ": ", skip.reason,
-              latest ? strCat("; the latest usable one is step ", *latest) : std::string("; no usable one is left"));
+              scan.latest ? strCat("; the latest usable one is step ", *scan.latest) : std::string("; no usable one is left"));
     events_->write("checkpoint_skipped", {{"step", skip.step}, {"reason", proto::boundedText(skip.reason)}});
   }
-  return latest;
+  return scan.latest;
 }
 
 // --- reporting ---------------------------------------------------------------------
@@ -1039,20 +1434,14 @@ void ManagerDaemon::onStepReport(const proto::StepReport& report) {
   if (firstStepOfGeneration_ < 0) {
     firstStepOfGeneration_ = report.step;
     progressMarkStep_ = -1;  // throughput restarts with the new plan
-    if (morph_.active) {
-      const json phases = {
-          {"cause", morph_.cause},
-          {"checkpoint_and_teardown_s", secondsBetween(morph_.begin, morph_.launched)},
-          {"launch_and_connect_s", morph_.connected > morph_.launched ? secondsBetween(morph_.launched, morph_.connected) : 0.0},
-          {"rendezvous_load_first_step_s", morph_.connected > morph_.launched ? secondsBetween(morph_.connected, now) : 0.0},
-          {"total_s", secondsBetween(morph_.begin, now)},
-          {"generation", controller_->generation()},
-          {"plan", controller_->plan().describe()}};
+    if (const auto phases = morph_.finish(now)) {
+      json fields = phases->toJson();
+      fields["generation"] = controller_->generation();
+      fields["plan"] = controller_->plan().describe();
       ++morphs_;
-      log::info("morph done in ", secondsBetween(morph_.begin, now), " s (", morph_.cause, "): first step ",
-                report.step, " on ", controller_->plan().stages, "x", controller_->plan().replicas);
-      events_->write("morph_complete", phases);
-      morph_.active = false;
+      log::info("morph done in ", phases->totalS, " s (", phases->cause, "): first step ", report.step, " on ",
+                controller_->plan().stages, "x", controller_->plan().replicas);
+      events_->write("morph_complete", fields);
     }
   }
   if (now - lastProgressPrint_ >= std::chrono::seconds(1)) {
@@ -1102,7 +1491,10 @@ void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
     log::warn("slow machine: ", s.host, " (rank ", s.rank, ", stage ", s.stage, ") takes ", s.ratio(),
               "x the stage median per micro-batch", config_.excludeSlow ? "; it leaves at the next morph" : "");
     list.push_back({{"host", s.host}, {"rank", s.rank}, {"stage", s.stage}, {"ratio", s.ratio()}});
-    if (config_.excludeSlow) controller_->excludeHost(s.host);
+    if (config_.excludeSlow) {
+      controller_->excludeHost(s.host);
+      markAbsent(s.host, "slow", Clock::now()).slow = true;  // until the machine list is written
+    }
   }
   events_->write("slow_machines", {{"machines", list}});
 }
@@ -1150,6 +1542,24 @@ void ManagerDaemon::writeStateFile() {
       }
     }
     hosts[m.host] = {{"slots", m.slots}, {"agent", status}, {"preempted", preempted_.count(m.host) > 0}};
+    // Out of the job: why, since when, and what brings it back.
+    json out;
+    if (auto a = absent_.find(m.host); a != absent_.end()) {
+      const HostAbsence& absence = a->second;
+      const auto now = Clock::now();
+      const char* backWhen =
+          absence.slow                                               ? "the machine list is written"
+          : absence.preemptedUntil && now < *absence.preemptedUntil ? "the preemption deadline has passed"
+          : absence.retryAt || (it != agents_.end() && it->second.status == AgentStatus::kStarting)
+              ? "its agent is up"
+              : "the machine list is written";
+      out = {{"why", absence.why},
+             {"for_s", secondsBetween(absence.since, now)},
+             {"attempts", absence.attempts},
+             {"back_when", backWhen},
+             {"retry_in_s", absence.retryAt ? json(std::max(0.0, secondsBetween(now, *absence.retryAt))) : json()}};
+    }
+    hosts[m.host]["out"] = out;
   }
   json state = {
       {"job", config_.job},

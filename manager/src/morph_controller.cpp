@@ -15,6 +15,7 @@ const char* toString(Phase phase) {
     case Phase::kStopping: return "stopping";
     case Phase::kBackoff: return "backoff";
     case Phase::kWaitingForMachines: return "waiting-for-machines";
+    case Phase::kPlanning: return "planning";
     case Phase::kFinished: return "finished";
     case Phase::kFailed: return "failed";
   }
@@ -66,8 +67,12 @@ Plan MorphController::makeNextPlan() const {
 std::vector<Action> MorphController::start(TimePoint now) { return relaunch(now); }
 
 std::vector<Action> MorphController::relaunch(TimePoint now) {
+  recheckPlan_ = false;  // the launch plans anew
   try {
     plan_ = makeNextPlan();
+  } catch (const PlanPending&) {
+    phase_ = Phase::kPlanning;  // planReady() comes back here
+    return {};
   } catch (const ConfigError& e) {
     if (generation_ < options_.firstGeneration || !options_.morphing) {
       phase_ = Phase::kFailed;
@@ -93,13 +98,13 @@ std::vector<Action> MorphController::beginMorph(TimePoint now) {
   return {action::Checkpoint{}};
 }
 
-std::vector<Action> MorphController::failure(const std::string& reason, TimePoint now) {
+std::vector<Action> MorphController::failure(const std::string& reason, TimePoint now, bool counts) {
   if (phase_ == Phase::kFinished || phase_ == Phase::kFailed) return {};
   if (!options_.morphing) {
     phase_ = Phase::kFailed;
     return {action::KillAll{reason}, action::Stop{reason + " (morphing is off: --no_morphing)", 1}};
   }
-  failures_.push_back(now);
+  if (counts) failures_.push_back(now);
   while (!failures_.empty() && now - failures_.front() > options_.failureWindow) failures_.pop_front();
   if (static_cast<int>(failures_.size()) > options_.maxFailures) {
     phase_ = Phase::kFailed;
@@ -133,6 +138,13 @@ std::vector<Action> MorphController::allExited(TimePoint now) {
   return {};
 }
 
+namespace {
+// A rank's own failure, as opposed to the echo of another's: a rank that lost
+// a peer (3) or was ordered out of a superseded generation (76) exits because
+// of something that happened elsewhere, which is counted where it happened.
+bool causedHere(int exitCode) { return exitCode != kExitPeerLost && exitCode != kExitSuperseded; }
+}  // namespace
+
 std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePoint now) {
   if (!running_.erase(rank)) return {};  // an earlier generation's straggler
   if (exitCode == kExitConfigError && phase_ != Phase::kStopping && phase_ != Phase::kBackoff) {
@@ -150,7 +162,7 @@ std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePo
     } else if (exitCode != 0) {
       // Storage faults (74) and a superseded generation (76) land here too: a
       // relaunch from the latest complete checkpoint can succeed.
-      return failure(strCat("rank ", rank, " exited with ", describeExit(exitCode)), now);
+      return failure(strCat("rank ", rank, " exited with ", describeExit(exitCode)), now, causedHere(exitCode));
     } else if (running_.empty()) {
       phase_ = Phase::kFinished;
       return {action::Stop{"training finished", 0}};
@@ -159,7 +171,8 @@ std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePo
     }
   }
   if (phase_ == Phase::kCheckpointing && exitCode != kExitCheckpointed && exitCode != 0) {
-    return failure(strCat("rank ", rank, " exited with ", describeExit(exitCode), " during the on-demand checkpoint"), now);
+    return failure(strCat("rank ", rank, " exited with ", describeExit(exitCode), " during the on-demand checkpoint"), now,
+                   causedHere(exitCode));
   }
   if (running_.empty()) return allExited(now);
   return {};
@@ -178,11 +191,13 @@ std::vector<Action> MorphController::hostLost(const std::string& host, TimePoint
   switch (phase_) {
     case Phase::kRunning:
       if (!hadWorkers) return {};  // e.g. a preempted host leaving after the morph
-      return failure(strCat("host ", host, " was lost"), now);
+      return failure(strCat("host ", host, " was lost"), now, /*counts=*/false);
     case Phase::kCheckpointing:
       // A preempted host may go once its workers are done; any other loss
       // means the checkpoint cannot complete.
-      if (!leaving_.count(host)) return failure(strCat("host ", host, " was lost during the checkpoint"), now);
+      if (!leaving_.count(host)) {
+        return failure(strCat("host ", host, " was lost during the checkpoint"), now, /*counts=*/false);
+      }
       return running_.empty() ? allExited(now) : std::vector<Action>{};
     case Phase::kStopping:
       return running_.empty() ? allExited(now) : std::vector<Action>{};
@@ -217,27 +232,63 @@ std::vector<Action> MorphController::machinesChanged(std::vector<Machine> machin
       lost_.erase(m.host);
     }
   }
-  const bool changed = machines != machines_;
+  const bool changed = machines != machines_ || readmitted_;
+  readmitted_ = false;
   machines_ = std::move(machines);
   if (!changed || !options_.morphing) return {};
-  if (phase_ == Phase::kWaitingForMachines) return relaunch(now);
-  if (phase_ == Phase::kRunning) {
-    try {
-      const Plan next = makeNextPlan();
-      if (next.placement == plan_.placement && next.stageToRankMap == plan_.stageToRankMap &&
-          next.chunkSize == plan_.chunkSize && next.schedule == plan_.schedule && next.pieceCosts == plan_.pieceCosts) {
-        return {};
-      }
-    } catch (const ConfigError&) {
-      // Too few machines for any plan: morph anyway; the relaunch waits for machines.
+  if (phase_ == Phase::kWaitingForMachines || phase_ == Phase::kPlanning) return relaunch(now);
+  if (phase_ == Phase::kRunning) return morphIfPlanChanges(now);
+  return beginMorph(now);
+}
+
+namespace {
+bool sameShape(const Plan& a, const Plan& b) {
+  return a.stages == b.stages && a.replicas == b.replicas && a.stageToRankMap == b.stageToRankMap &&
+         a.chunkSize == b.chunkSize && a.schedule == b.schedule && a.pieceCosts == b.pieceCosts;
+}
+
+// Every host the plan uses is still usable with the slots it takes there.
+bool stillFits(const Plan& plan, const PlanRequest& usable) {
+  for (const auto& host : plan.hosts) {
+    if (usable.excludedHosts.count(host)) return false;
+    auto m = std::find_if(usable.machines.begin(), usable.machines.end(),
+                          [&](const Machine& machine) { return machine.host == host; });
+    if (m == usable.machines.end() || m->slots < static_cast<int>(plan.ranksOn(host).size())) return false;
+  }
+  return true;
+}
+}  // namespace
+
+std::vector<Action> MorphController::morphIfPlanChanges(TimePoint now) {
+  recheckPlan_ = false;
+  try {
+    const Plan next = makeNextPlan();
+    if (sameShape(next, plan_) && (next.placement == plan_.placement || stillFits(plan_, planRequest()))) {
+      return {};  // a host back (or new) that the plan would not use better: no morph for nothing
     }
+  } catch (const PlanPending&) {
+    recheckPlan_ = true;  // keeps running on the current plan until planReady()
+    return {};
+  } catch (const ConfigError&) {
+    // Too few machines for any plan: morph anyway; the relaunch waits for machines.
   }
   return beginMorph(now);
 }
 
-std::vector<Action> MorphController::workerHung(int rank, TimePoint now) {
+std::vector<Action> MorphController::planReady(TimePoint now) {
+  if (phase_ == Phase::kPlanning) return relaunch(now);
+  if (phase_ == Phase::kRunning && recheckPlan_) return morphIfPlanChanges(now);
+  return {};
+}
+
+void MorphController::readmitHost(const std::string& host) {
+  const size_t erased = leaving_.erase(host) + lost_.erase(host) + excluded_.erase(host);
+  readmitted_ |= erased > 0;
+}
+
+std::vector<Action> MorphController::workerHung(int rank, TimePoint now, const std::string& why) {
   if (!running_.count(rank)) return {};
-  return failure(strCat("rank ", rank, " stopped sending heartbeats"), now);
+  return failure(why.empty() ? strCat("rank ", rank, " stopped sending heartbeats") : why, now);
 }
 
 std::vector<Action> MorphController::stop(const std::string& reason, TimePoint now) {

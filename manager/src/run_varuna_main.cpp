@@ -93,7 +93,20 @@ int printStatus(int argc, char** argv) {
   }
   for (const auto& [host, info] : state["hosts"].items()) {
     std::cout << "host           " << host << ": " << info.value("slots", 0) << " slot(s), agent "
-              << info.value("agent", "?") << (info.value("preempted", false) ? ", preempted" : "") << "\n";
+              << info.value("agent", "?") << (info.value("preempted", false) ? ", preempted" : "");
+    if (info.contains("out") && info["out"].is_object()) {
+      const auto& out = info["out"];
+      char text[256];
+      std::snprintf(text, sizeof(text), ", out %.0f s (%s), back when %s", out.value("for_s", 0.0),
+                    out.value("why", std::string("?")).c_str(), out.value("back_when", std::string("?")).c_str());
+      std::cout << text;
+      if (out.contains("retry_in_s") && out["retry_in_s"].is_number()) {
+        std::snprintf(text, sizeof(text), " (next start-up in %.0f s; %d so far)", out["retry_in_s"].get<double>(),
+                      out.value("attempts", 0));
+        std::cout << text;
+      }
+    }
+    std::cout << "\n";
   }
   if (!state["slow_machines"].empty()) std::cout << "slow machines  " << state["slow_machines"].dump() << "\n";
   if (!state.value("stop_reason", "").empty()) std::cout << "stopped        " << state.value("stop_reason", "") << "\n";

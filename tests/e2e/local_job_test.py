@@ -36,7 +36,8 @@ def test_preemption_morphs_2x2_to_2x1_and_resumes_exactly():
     steps = 160
     m = manager("preempt", steps=steps).start()
     m.wait_step(30)
-    r = m.notify_preempt("127.0.0.2", "--in_seconds", "30")
+    # Taken in 120 s: past the job's end (after its deadline the host would be tried again and come back).
+    r = m.notify_preempt("127.0.0.2", "--in_seconds", "120")
     assert r.returncode == 0, r.stderr
     assert m.wait_exit() == 0, m.tail()
     launches = m.events("launch")
@@ -100,7 +101,8 @@ def test_worker_killed_relaunches_from_latest_checkpoint():
 
 def test_every_process_of_a_host_killed():
     """kill -9 of the agent and the workers of 127.0.0.2 (the kernel closes their
-    connections): the manager decides at once and carries on with 127.0.0.1."""
+    connections): the manager decides at once and carries on with 127.0.0.1,
+    starts the host's agent again after --host_retry_s and grows back to both."""
     m = manager("host-killed", steps=300, extra_args=["--restart_backoff_s", "0.2"],
                 train_args=["--checkpoint_every", "20"]).start()
     m.wait_step(45)
@@ -112,10 +114,15 @@ def test_every_process_of_a_host_killed():
         os.kill(pid, signal.SIGKILL)
     m.wait_event("kill_all", timeout=10)
     log("kill -9 of a host's processes -> manager decision: %.2f s" % (time.monotonic() - t0))
+    m.wait_event("host_back", timeout=30)
+    log("kill -9 of a host's processes -> host back: %.2f s" % (time.monotonic() - t0))
     assert m.wait_exit() == 0, m.tail()
     launches = m.events("launch")
-    assert launches[-1]["plan"]["hosts"] == ["127.0.0.1"] and launches[-1]["resume_step"] >= 40, launches
+    assert launches[1]["plan"]["hosts"] == ["127.0.0.1"] and launches[1]["resume_step"] >= 40, launches
+    assert launches[-1]["plan"]["hosts"] == ["127.0.0.1", "127.0.0.2"], launches
     assert m.events("host_lost")[0]["host"] == "127.0.0.2"
+    back = m.events("host_back")[0]
+    assert back["host"] == "127.0.0.2" and back["why"] == "lost" and back["out_s"] >= 2, back
     assert_nothing_left(m.job)
 
 
@@ -127,6 +134,35 @@ def test_host_added_to_machine_list_grows_the_job():
     assert m.wait_exit() == 0, m.tail()
     plans = [(e["plan"]["stages"], e["plan"]["replicas"]) for e in m.events("launch")]
     assert plans == [(2, 1), (2, 2)], plans
+    assert_nothing_left(m.job)
+
+
+def test_preempted_host_comes_back_when_the_list_is_written_again():
+    """A preempted host (taken in 10 min) stays out; the machine list written
+    again with the same text brings it back at once, and the job grows back."""
+    m = manager("preempt-back", steps=300, train_args=["--checkpoint_every", "20"]).start()
+    m.wait_step(20)
+    r = m.notify_preempt("127.0.0.2", "--in_seconds", "600")
+    assert r.returncode == 0, r.stderr
+    m.wait_event("launch", count=2, timeout=60)
+    assert m.events("launch")[1]["plan"]["hosts"] == ["127.0.0.1"], m.events("launch")
+    wait_for("the preempted host's agent released",
+             lambda: m.state().get("hosts", {}).get("127.0.0.2", {}).get("agent") == "gone", 30)
+    status = subprocess.run([str(BIN / "run_varuna"), "status", "--state_dir", str(m.state_dir)],
+                            capture_output=True, text=True, timeout=30)
+    line = [l for l in status.stdout.splitlines() if "127.0.0.2" in l]
+    log("status:", line)
+    assert line and "out" in line[0] and "preempted" in line[0], status.stdout
+    t0 = time.monotonic()
+    m.write_machines(TWO_HOSTS)  # the same text
+    m.wait_event("host_back", timeout=30)
+    log("machine list written -> host back: %.2f s" % (time.monotonic() - t0))
+    assert m.wait_exit() == 0, m.tail()
+    launches = m.events("launch")
+    assert launches[-1]["plan"]["hosts"] == ["127.0.0.1", "127.0.0.2"], launches
+    back = m.events("host_back")[0]
+    assert back["host"] == "127.0.0.2" and back["why"] == "preempted", back
+    assert m.events("hosts_readmitted"), m.events()
     assert_nothing_left(m.job)
 
 
@@ -281,6 +317,7 @@ if __name__ == "__main__":
         test_sigstop_worker_is_detected_by_heartbeat_timeout,
         test_every_process_of_a_host_killed,
         test_host_added_to_machine_list_grows_the_job,
+        test_preempted_host_comes_back_when_the_list_is_written_again,
         test_manager_killed_and_restarted_carries_on,
         test_sigterm_checkpoints_and_stops,
         test_no_morphing_stops_on_the_first_failure,

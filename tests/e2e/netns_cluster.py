@@ -519,7 +519,7 @@ class Cluster:
         except OSError as e:
             return f"<cannot read {host.sshd_log}: {e}>"
 
-    def _wait_ready(self, hosts: list[Host]) -> None:
+    def _wait_ready(self, hosts: list[Host], settle: bool = True) -> None:
         probe = self.popen_in(
             self.head_ns,
             [sys.executable, "-c", _PROBE, str(READY_TIMEOUT_S)]
@@ -543,8 +543,9 @@ class Cluster:
                                    f"{READY_TIMEOUT_S} s: {err.strip()}\n{logs}")
             # The probe's connections leave sshd children that exit once they
             # see the close; wait for them so callers start with only the
-            # listeners in the hosts.
-            for h in hosts:
+            # listeners in the hosts. Not after restart_host: a client that
+            # retries the host (a manager) may connect the moment sshd listens.
+            for h in (hosts if settle else []):
                 listener = self._sshd[h.index].pid
                 while self.pids_in(h) != [listener]:
                     if time.monotonic() > deadline:
@@ -650,10 +651,15 @@ class Cluster:
         if host.cgroup:
             _rmdir_cgroup(host.cgroup)
             host.cgroup = None
+        # The old veth pair would go with the old namespace, but the kernel
+        # frees a deleted namespace asynchronously (later still while sockets
+        # its processes left linger): delete the pair itself, or its name is
+        # still taken when the new one is created.
+        subprocess.run(["ip", "-n", self.head_ns, "link", "del", self._veth(host)], capture_output=True)
         subprocess.run(["ip", "netns", "del", host.name], capture_output=True)
         self._make_host_network(host)
         self._start_sshd(host)
-        self._wait_ready([host])
+        self._wait_ready([host], settle=False)
         log.info("restarted host %s (%s)", host.name, host.addr)
 
     def slow_host(self, host: Host, cpu_fraction: float) -> None:

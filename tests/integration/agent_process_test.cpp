@@ -1,6 +1,9 @@
 // The real varuna_agent against a fake manager: its workers die with it (the
-// parent-death signal: a SIGKILLed or OOM-killed agent takes them along), and
-// an agent that loses the manager kills its workers after its grace and exits.
+// parent-death signal: a SIGKILLed or OOM-killed agent takes them along), an
+// agent that loses the manager kills its workers after its grace and exits,
+// one that hears nothing from a connected manager for --lost_manager_ms does
+// the same (a silent partition), and workers start with SIGUSR1 blocked (a
+// checkpoint request during their start-up waits instead of killing them).
 #include <catch2/catch.hpp>
 
 #include <signal.h>
@@ -32,6 +35,17 @@ std::optional<std::pair<char, pid_t>> processStat(pid_t pid) {
   return std::make_pair(state, parent);
 }
 
+// A signal set of /proc/<pid>/status ("SigBlk", "ShdPnd", ...); 0 once gone.
+uint64_t signalSet(pid_t pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoull(line.substr(field.size() + 1), nullptr, 16);
+  }
+  return 0;
+}
+
+uint64_t bit(int signal) { return uint64_t{1} << (signal - 1); }
+
 // Gone, or a zombie no one reaped yet (it runs nothing).
 bool gone(pid_t pid) {
   const auto stat = processStat(pid);
@@ -56,12 +70,14 @@ struct AgentUnderTest {
   std::optional<test::ChildProcess> agent;
   std::optional<test::FakePeer> link;
 
-  AgentUnderTest(const std::string& name, const std::string& graceS) : dir(test::scratchDir(name)) {
-    agent.emplace(std::vector<std::string>{(test::buildDir() / "bin" / "varuna_agent").string(), "--manager",
-                                           manager.address(), "--host", "127.0.0.1", "--job", "agent-test-" + name,
-                                           "--run_dir", (dir / "run").string(), "--code_dir", dir.string(),
-                                           "--grace_s", graceS},
-                  std::map<std::string, std::string>{{"VARUNA_JOB_TOKEN", "t0k"}}, dir / "agent");
+  AgentUnderTest(const std::string& name, const std::string& graceS, const std::string& lostManagerMs = "")
+      : dir(test::scratchDir(name)) {
+    std::vector<std::string> argv{(test::buildDir() / "bin" / "varuna_agent").string(), "--manager",
+                                  manager.address(), "--host", "127.0.0.1", "--job", "agent-test-" + name,
+                                  "--run_dir", (dir / "run").string(), "--code_dir", dir.string(),
+                                  "--grace_s", graceS};
+    if (!lostManagerMs.empty()) argv.insert(argv.end(), {"--lost_manager_ms", lostManagerMs});
+    agent.emplace(argv, std::map<std::string, std::string>{{"VARUNA_JOB_TOKEN", "t0k"}}, dir / "agent");
     link = manager.accept(20s);
     REQUIRE(link);
     auto hello = link->receive(10s);
@@ -116,4 +132,55 @@ TEST_CASE("agent: losing the manager, it kills its workers after its grace and e
     CHECK(test::waitUntil([&] { return gone(pid); }, 5s));
   }
   CHECK_THAT(t.agent->stderrText() + t.agent->stdoutText(), Catch::Contains("lost the manager"));
+}
+
+TEST_CASE("agent: a manager that stays silent on an open connection is lost after --lost_manager_ms", "[agent]") {
+  // The grace (30 s) cannot be what ends it: the connection stays up.
+  AgentUnderTest t("agent-silent", "30", "1000");
+  // The launch is the manager's last frame: the deadline counts from its arrival.
+  const auto lastFrame = std::chrono::steady_clock::now();
+  const auto workers = t.launchSleepers();
+  const auto code = t.agent->wait(10s);
+  REQUIRE(code);
+  CHECK(*code == 1);
+  const auto elapsed = std::chrono::steady_clock::now() - lastFrame;
+  CHECK(elapsed >= 950ms);  // not before the deadline (timer granularity aside)
+  CHECK(elapsed < 6s);      // the deadline plus reaping, on a loaded machine
+  for (const pid_t pid : workers) {
+    INFO("worker " << pid);
+    CHECK(test::waitUntil([&] { return gone(pid); }, 5s));
+  }
+  CHECK_THAT(t.agent->stderrText() + t.agent->stdoutText(), Catch::Contains("no word from the manager"));
+}
+
+TEST_CASE("agent: the manager's heartbeats keep it alive past --lost_manager_ms; their end is the end", "[agent]") {
+  AgentUnderTest t("agent-heartbeats", "30", "500");
+  const auto workers = t.launchSleepers();
+  // Four deadlines' worth of heartbeats, five per deadline.
+  REQUIRE(t.link->sendHeartbeatsFor(2000ms, 100ms));
+  CHECK_FALSE(t.agent->wait(0ms));
+  for (const pid_t pid : workers) CHECK_FALSE(gone(pid));
+  // The heartbeats stop (a partition): it goes.
+  const auto silent = std::chrono::steady_clock::now();
+  const auto code = t.agent->wait(10s);
+  REQUIRE(code);
+  CHECK(*code == 1);
+  CHECK(std::chrono::steady_clock::now() - silent >= 400ms);
+  for (const pid_t pid : workers) CHECK(test::waitUntil([&] { return gone(pid); }, 5s));
+  CHECK_THAT(t.agent->stderrText() + t.agent->stdoutText(), Catch::Contains("no word from the manager for 500 ms"));
+}
+
+TEST_CASE("agent: workers start with SIGUSR1 blocked, so an early checkpoint request waits for their handler",
+          "[agent]") {
+  AgentUnderTest t("agent-sigusr1", "30");
+  const auto workers = t.launchSleepers();
+  for (const pid_t pid : workers) CHECK((signalSet(pid, "SigBlk") & bit(SIGUSR1)) != 0);
+  REQUIRE(t.link->send(proto::CheckpointAndExit{}));
+  // A program that never installs the runtime's handler (here `sleep`) keeps
+  // the request pending; before, SIGUSR1's default action killed it.
+  for (const pid_t pid : workers) {
+    INFO("worker " << pid);
+    CHECK(test::waitUntil([&] { return (signalSet(pid, "ShdPnd") & bit(SIGUSR1)) != 0; }, 5s));
+    CHECK_FALSE(gone(pid));
+  }
 }

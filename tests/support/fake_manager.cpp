@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -75,6 +76,19 @@ std::optional<proto::Message> FakePeer::receive(std::chrono::milliseconds timeou
     }
     decoder_.feed(std::string_view(buffer, static_cast<size_t>(n)));
   }
+}
+
+bool FakePeer::sendHeartbeatsFor(std::chrono::milliseconds duration, std::chrono::milliseconds interval) {
+  const auto end = Clock::now() + duration;
+  while (Clock::now() < end) {
+    if (!send(proto::Heartbeat{-1, 0})) return false;
+    const auto next = std::min(Clock::now() + interval, end);
+    while (Clock::now() < next) {
+      receive(std::chrono::milliseconds(remainingMs(next) + 1));
+      if (closed_) return false;
+    }
+  }
+  return true;
 }
 
 FakeManager::FakeManager() {

@@ -29,6 +29,11 @@ class FakePeer {
   std::optional<proto::Message> receive(std::chrono::milliseconds timeout);
   bool closed() const { return closed_; }
   void close();
+  // Plays a live manager for `duration`: sends a manager heartbeat
+  // (Heartbeat{-1, 0}) every `interval`, and reads and drops what the peer
+  // sends meanwhile (the waits between heartbeats are those reads). False as
+  // soon as the peer has gone.
+  bool sendHeartbeatsFor(std::chrono::milliseconds duration, std::chrono::milliseconds interval);
 
  private:
   int fd_ = -1;

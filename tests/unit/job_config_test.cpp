@@ -28,7 +28,8 @@ TEST_CASE("job config JSON: every key, and the command line overrides the file",
   std::ofstream(file) << R"({"job": "gpt", "machine_list": "m.txt", "nstages": 2, "batch_size": 16,
                             "chunk_size": 4, "no_morphing": true, "slow_threshold": 0.2,
                             "program": ["./train_gpt", "--steps", "10"]})";
-  auto config = parseArgs({"--config", file.string(), "--nstages", "3", "--heartbeat_timeout_s", "2.5"});
+  auto config = parseArgs({"--config", file.string(), "--nstages", "3", "--heartbeat_timeout_s", "2.5",
+                           "--hang_timeout_s", "1800"});
   REQUIRE(config);
   CHECK(config->job == "gpt");
   CHECK(config->nstages == 3);  // command line wins
@@ -36,6 +37,8 @@ TEST_CASE("job config JSON: every key, and the command line overrides the file",
   CHECK(config->noMorphing);
   CHECK(config->slowThreshold == Approx(0.2));
   CHECK(config->heartbeatTimeoutS == Approx(2.5));
+  CHECK(config->hangTimeoutS == Approx(1800));
+  CHECK(JobConfig{}.hangTimeoutS == Approx(600));  // big models: minutes per step are not a hang
   CHECK(config->program == std::vector<std::string>{"./train_gpt", "--steps", "10"});
 
   auto withProgram = parseArgs({"--config", file.string(), "--", "./other", "--lr", "0.1"});
@@ -90,6 +93,9 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
   REQUIRE_NOTHROW(validateJobConfig(ok, "/opt/varuna/bin/run_varuna"));
   CHECK(ok.agentPath == "/opt/varuna/bin/varuna_agent");
   CHECK(std::filesystem::path(ok.codeDir).is_absolute());
+  JobConfig noHangDetection = valid();
+  noHangDetection.hangTimeoutS = 0;  // off
+  REQUIRE_NOTHROW(validateJobConfig(noHangDetection, "/opt/varuna/bin/run_varuna"));
 
   // With a profile, AutoConfig may choose P and the micro-batch.
   std::ofstream(dir / "profile.json") << "{}";
@@ -116,6 +122,7 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
       {[](JobConfig& c) { c.globalStore.clear(); }, "--global_store is required"},
       {[](JobConfig& c) { c.port = 70000; }, "--port"},
       {[](JobConfig& c) { c.heartbeatTimeoutS = 0; }, "--heartbeat_timeout_s must be > 0"},
+      {[](JobConfig& c) { c.hangTimeoutS = -1; }, "--hang_timeout_s must be >= 0 (0 turns hang detection off)"},
       {[](JobConfig& c) { c.slowThreshold = -1; }, "--slow_threshold"},
       {[](JobConfig& c) { c.job = "a/b"; }, "--job"},
       {[](JobConfig& c) { c.envFile = "/nonexistent/env"; }, "--env_file /nonexistent/env does not exist"},

@@ -4,6 +4,7 @@
 // blocking client, local commands, shell quoting, the event log and the
 // agent's helpers.
 #include <catch2/catch.hpp>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -12,6 +13,8 @@
 #include "test_env.h"
 #include "varuna/common/control_client.h"
 #include "varuna/manager/agent.h"
+#include "varuna/manager/async_planner.h"
+#include "varuna/manager/background_worker.h"
 #include "varuna/manager/event_log.h"
 #include "varuna/manager/framed_connection.h"
 #include "varuna/manager/handler_guard.h"
@@ -506,4 +509,110 @@ TEST_CASE("event log: never throws; bytes that are not UTF-8 are replaced", "[ru
   const auto j = nlohmann::json::parse(line);
   CHECK(j["reason"] == "bad \xEF\xBF\xBD\xEF\xBF\xBD byte");  // U+FFFD twice
   CHECK(log.lost() == 0);
+}
+
+// --- work off the event loop -------------------------------------------------------
+
+TEST_CASE("background worker: results come back on the loop, in order; destruction drops the rest", "[runtime]") {
+  asio::io_context io;
+  std::vector<int> results;
+  std::thread::id loopThread = std::this_thread::get_id(), workThread;
+  {
+    BackgroundWorker worker(io, "test-worker");
+    for (int i = 0; i < 3; ++i) {
+      worker.run(
+          [i, &workThread] {
+            workThread = std::this_thread::get_id();
+            return i * 10;
+          },
+          [&results, loopThread](int value) {
+            CHECK(std::this_thread::get_id() == loopThread);
+            results.push_back(value);
+          });
+    }
+    CHECK(worker.pending() == 3);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (results.size() < 3 && std::chrono::steady_clock::now() < deadline) {
+      io.run_for(std::chrono::milliseconds(10));
+      io.restart();
+    }
+    CHECK(results == std::vector<int>{0, 10, 20});
+    CHECK(worker.pending() == 0);
+    CHECK(workThread != loopThread);
+    // A job that throws: logged, no completion, not counted as pending.
+    bool ran = false;
+    worker.run([]() -> int { throw std::runtime_error("boom"); }, [&ran](int) { ran = true; });
+    while (worker.pending() > 0 && std::chrono::steady_clock::now() < deadline) {
+      io.run_for(std::chrono::milliseconds(10));
+      io.restart();
+    }
+    CHECK(worker.pending() == 0);
+    CHECK_FALSE(ran);
+    // A slow job, then one queued behind it: the worker goes before either result is read.
+    worker.run(
+        [] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          return 1;
+        },
+        [&results](int v) { results.push_back(v); });
+    worker.run([] { return 2; }, [&results](int v) { results.push_back(v); });
+  }
+  io.run_for(std::chrono::milliseconds(50));  // anything it had posted is dropped, not run on it
+  CHECK(results.size() == 3);
+}
+
+TEST_CASE("async planner: AutoConfig off the loop, the controller waits and is told when the plan is there",
+          "[runtime]") {
+  asio::io_context io;
+  BackgroundWorker worker(io, "test-plan");
+  std::atomic<int> computed{0};
+  std::vector<std::string> chosen;
+  bool readyCalled = false;
+  AsyncPlanner planner(
+      worker,
+      [&computed](const PlanRequest& request) {
+        ++computed;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a big cluster's simulations
+        AutoConfigResult result;
+        result.best.plan = makePlan(request);
+        return result;
+      },
+      [&chosen](const AutoConfigResult& result) { chosen.push_back(result.best.plan.describe()); },
+      [&readyCalled] { readyCalled = true; });
+  ControllerOptions options;
+  options.stages = 1;
+  options.globalBatch = 4;
+  options.chunkSize = 1;
+  options.planner = planner.planner();
+  MorphController controller(options, {{"a", 2, 1}}, [] { return std::optional<int64_t>(); });
+  const auto now = std::chrono::steady_clock::now();
+  const auto started = std::chrono::steady_clock::now();
+  CHECK(controller.start(now).empty());  // at once, without waiting for AutoConfig
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::milliseconds(50));
+  CHECK(controller.phase() == Phase::kPlanning);
+  CHECK(planner.computing() == 1);
+  CHECK_THROWS_AS(planner.plan(PlanRequest{{{"a", 2, 1}}, 1, 4, 1, {}}), PlanPending);  // the same request: not again
+  CHECK(planner.computing() == 1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!readyCalled && std::chrono::steady_clock::now() < deadline) {
+    io.run_for(std::chrono::milliseconds(10));
+    io.restart();
+  }
+  REQUIRE(readyCalled);
+  CHECK(chosen.size() == 1);
+  auto actions = controller.planReady(now);
+  REQUIRE(actions.size() == 1);
+  CHECK(std::get<action::Launch>(actions[0]).plan.replicas == 2);
+  CHECK(computed == 1);  // the relaunch's question was answered from the result
+  // No plan fits: the ConfigError comes back as such.
+  AsyncPlanner failing(
+      worker, [](const PlanRequest&) -> AutoConfigResult { throw ConfigError("no plan fits in 0 B"); }, {},
+      [&readyCalled] { readyCalled = true; });
+  readyCalled = false;
+  CHECK_THROWS_AS(failing.plan(PlanRequest{}), PlanPending);
+  while (!readyCalled && std::chrono::steady_clock::now() < deadline) {
+    io.run_for(std::chrono::milliseconds(10));
+    io.restart();
+  }
+  CHECK_THROWS_WITH(failing.plan(PlanRequest{}), Catch::Contains("no plan fits in 0 B"));
 }

@@ -1,8 +1,10 @@
 // The manager's decisions, driven by a fake clock and fake events.
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include "varuna/common/errors.h"
 #include "varuna/manager/morph_controller.h"
+#include "varuna/manager/morph_timer.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
@@ -129,6 +131,35 @@ TEST_CASE("repeated failures stop the manager instead of looping", "[morph]") {
   CHECK(h.controller.phase() == Phase::kFailed);
 }
 
+TEST_CASE("hosts lost and ranks that lost a peer never stop the job; their own crashes do", "[morph]") {
+  // maxFailures 2 in 10 min: ten losses of the environment in a minute are
+  // survived, each relaunched after the base backoff.
+  Harness h({{"a", 2, 1}, {"b", 2, 2}, {"c", 2, 3}});
+  h.controller.start(h.now);
+  for (int i = 0; i < 10; ++i) {
+    const std::string second = h.controller.plan().placement.back().host;  // holds the last replica
+    const auto actions = i % 2 == 0 ? h.controller.hostLost(second, h.now)
+                                    : h.controller.workerExited(*h.controller.runningRanks().begin(), kExitPeerLost, h.now);
+    only<action::KillAll>(actions);
+    h.allExit(i % 3 == 0 ? kExitSuperseded : kExitPeerLost);
+    h.now += 1s;  // the base backoff: none of these counted
+    only<action::Launch>(h.controller.tick(h.now));
+    if (i % 2 == 0) h.controller.readmitHost(second);
+    h.now += 5s;
+  }
+  CHECK(h.controller.phase() == Phase::kRunning);
+  // A rank crashing by itself (a signal, code 1) counts: the third stops it.
+  for (int i = 0; i < 2; ++i) {
+    only<action::KillAll>(h.controller.workerExited(*h.controller.runningRanks().begin(), -1, h.now));
+    h.allExit(kExitPeerLost);
+    h.now += 10s;
+    only<action::Launch>(h.controller.tick(h.now));
+  }
+  const auto stop = h.controller.workerExited(*h.controller.runningRanks().begin(), 1, h.now);
+  REQUIRE(stop.size() == 2);
+  CHECK_THAT(std::get<action::Stop>(stop[1]).reason, Catch::Contains("3 failures within 10 min"));
+}
+
 TEST_CASE("the backoff doubles with each recent failure", "[morph]") {
   auto options = Harness::defaults();
   options.maxFailures = 5;
@@ -245,6 +276,23 @@ TEST_CASE("a machine change that leaves the plan as it is does not morph", "[mor
   CHECK(h.controller.phase() == Phase::kRunning);
   // Losing b does change the plan.
   only<action::Checkpoint>(h.controller.machinesChanged({{"a", 2, 1}}, h.now));
+}
+
+TEST_CASE("a host back that the plan would only move onto does not morph; one it needs does", "[morph]") {
+  // Three hosts of 2 slots, batch 16: two 2-stage replicas on a and b.
+  Harness h({{"a", 2, 1}, {"b", 2, 2}, {"c", 2, 3}});
+  only<action::Launch>(h.controller.start(h.now));
+  only<action::KillAll>(h.controller.hostLost("b", h.now));
+  h.allExit(kExitPeerLost);
+  h.now += 1s;
+  const auto onAC = only<action::Launch>(h.controller.tick(h.now));
+  CHECK(onAC.plan.hosts == std::vector<std::string>{"a", "c"});
+  // b is back: the next plan would be a and b, the same shape: stay on a and c.
+  h.controller.readmitHost("b");
+  CHECK(h.controller.machinesChanged({{"a", 2, 1}, {"b", 2, 2}, {"c", 2, 3}}, h.now).empty());
+  CHECK(h.controller.phase() == Phase::kRunning);
+  // c removed from the list: the plan must move (onto b), though its shape is the same.
+  only<action::Checkpoint>(h.controller.machinesChanged({{"a", 2, 1}, {"b", 2, 2}}, h.now));
 }
 
 TEST_CASE("a stop request checkpoints, then stops with success instead of relaunching", "[morph]") {
@@ -393,4 +441,129 @@ TEST_CASE("a launch that cannot be carried out backs off and retries; repeated o
   CHECK_THAT(std::get<action::Stop>(last[1]).reason, Catch::Contains("still full"));
   CHECK(std::get<action::Stop>(last[1]).exitCode == 1);
   CHECK(h.controller.launchFailed("after the end", h.now + 4s).empty());  // not running: nothing to do
+}
+
+TEST_CASE("a readmitted host is planned on again, with the same machines, only if the plan improves", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  // b preempted: the job goes on without it; its machine stays in the list.
+  only<action::Checkpoint>(h.controller.preemptNotice("b", h.now));
+  CHECK(only<action::Launch>(h.allExit(kExitCheckpointed)).plan.hosts == std::vector<std::string>{"a"});
+  CHECK(h.controller.machinesChanged(twoHosts(), h.now).empty());  // the same machines: nothing
+  // b is back (its agent answered after the deadline, or the list was written).
+  h.controller.readmitHost("b");
+  only<action::Checkpoint>(h.controller.machinesChanged(twoHosts(), h.now));
+  CHECK(only<action::Launch>(h.allExit(kExitCheckpointed)).plan.hosts == std::vector<std::string>{"a", "b"});
+  // Slow and excluded, then readmitted while still in the plan: nothing changes.
+  h.controller.excludeHost("b");
+  h.controller.readmitHost("b");
+  CHECK(h.controller.machinesChanged(twoHosts(), h.now).empty());
+  // Readmitting a host that was never out does not re-plan.
+  h.controller.readmitHost("a");
+  CHECK(h.controller.machinesChanged(twoHosts(), h.now).empty());
+}
+
+TEST_CASE("a lost host readmitted comes back in the next plan", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  only<action::KillAll>(h.controller.hostLost("b", h.now));
+  h.allExit(-1);
+  CHECK(only<action::Launch>(h.controller.tick(h.now + 1s)).plan.hosts == std::vector<std::string>{"a"});
+  h.controller.readmitHost("b");
+  only<action::Checkpoint>(h.controller.machinesChanged(twoHosts(), h.now + 2s));
+  CHECK(only<action::Launch>(h.allExit(kExitCheckpointed)).plan.hosts == std::vector<std::string>{"a", "b"});
+}
+
+// --- an asynchronous planner (AutoConfig off the event loop) ---------------------
+
+TEST_CASE("a planner that is still computing: the launch waits for planReady", "[morph][plan]") {
+  bool ready = false;
+  ControllerOptions options = Harness::defaults();
+  options.planner = [&](const PlanRequest& request) {
+    if (!ready) throw PlanPending();
+    return makePlan(request);
+  };
+  Harness h(twoHosts(), options);
+  CHECK(h.controller.start(h.now).empty());
+  CHECK(h.controller.phase() == Phase::kPlanning);
+  CHECK(std::string(toString(Phase::kPlanning)) == "planning");
+  CHECK(h.controller.tick(h.now + 1s).empty());  // nothing else moves it
+  ready = true;
+  auto launch = only<action::Launch>(h.controller.planReady(h.now));
+  CHECK(launch.plan.replicas == 2);
+  CHECK(launch.generation == 1);
+  CHECK(h.controller.phase() == Phase::kRunning);
+  CHECK(h.controller.planReady(h.now).empty());  // nothing waits any more
+
+  // Running: a machine change asks whether the plan changes; while that is
+  // computed the job runs on, and it morphs once the answer says so.
+  ready = false;
+  CHECK(h.controller.machinesChanged({{"a", 2, 1}}, h.now).empty());
+  CHECK(h.controller.phase() == Phase::kRunning);
+  ready = true;
+  only<action::Checkpoint>(h.controller.planReady(h.now));
+  ready = false;
+  CHECK(h.allExit(kExitCheckpointed).empty());  // the relaunch waits for its plan
+  CHECK(h.controller.phase() == Phase::kPlanning);
+  // A stop while planning stops at once (nothing runs).
+  auto stop = h.controller.stop("operator", h.now);
+  REQUIRE(stop.size() == 2);
+  CHECK(std::get<action::Stop>(stop[1]).exitCode == 0);
+}
+
+TEST_CASE("a planner's answer that no plan fits stops a first launch and waits later", "[morph][plan]") {
+  bool ready = false;
+  ControllerOptions options = Harness::defaults();
+  options.planner = [&](const PlanRequest&) -> Plan {
+    if (!ready) throw PlanPending();
+    throw ConfigError("no plan fits in 1 GiB");
+  };
+  Harness h(twoHosts(), options);
+  CHECK(h.controller.start(h.now).empty());
+  ready = true;
+  auto actions = h.controller.planReady(h.now);
+  REQUIRE(actions.size() == 1);
+  CHECK(std::get<action::Stop>(actions[0]).exitCode == kExitConfigError);
+}
+
+TEST_CASE("a hang names its cause in the kill", "[morph]") {
+  Harness h(twoHosts());
+  h.controller.start(h.now);
+  CHECK(only<action::KillAll>(h.controller.workerHung(1, h.now, "rank(s) 1 hung: no progress")).reason ==
+        "rank(s) 1 hung: no progress");
+  Harness silent(twoHosts());
+  silent.controller.start(silent.now);
+  CHECK_THAT(only<action::KillAll>(silent.controller.workerHung(1, silent.now)).reason,
+             Catch::Contains("stopped sending heartbeats"));
+}
+
+TEST_CASE("morph timer: phases from the cause to the first step; events during a morph fold in", "[morph]") {
+  MorphTimer timer;
+  const TimePoint t0{};
+  CHECK_FALSE(timer.finish(t0 + 1s));  // no morph
+  timer.launched(t0 + 1s);             // no-ops without one
+  timer.start("preemption of b", t0 + 10s);
+  timer.start("loss of host a", t0 + 11s);  // folded in: the first cause stays
+  CHECK(timer.active());
+  CHECK(timer.cause() == "preemption of b");
+  timer.launched(t0 + 14s);
+  timer.connected(t0 + 15s);
+  const auto phases = timer.finish(t0 + 20s);
+  REQUIRE(phases);
+  CHECK(phases->cause == "preemption of b");
+  CHECK(phases->checkpointAndTeardownS == Approx(4));
+  CHECK(phases->launchAndConnectS == Approx(1));
+  CHECK(phases->rendezvousLoadFirstStepS == Approx(5));
+  CHECK(phases->totalS == Approx(10));
+  const auto json = phases->toJson();
+  CHECK(json["total_s"] == Approx(10));
+  CHECK(json["cause"] == "preemption of b");
+  CHECK_FALSE(timer.active());
+  // Never connected: those phases are 0, not negative.
+  timer.start("rank 3 failed", t0 + 30s);
+  timer.launched(t0 + 31s);
+  const auto unconnected = timer.finish(t0 + 32s);
+  REQUIRE(unconnected);
+  CHECK(unconnected->launchAndConnectS == 0);
+  CHECK(unconnected->rendezvousLoadFirstStepS == 0);
 }

@@ -1,6 +1,8 @@
 // The worker's ManagerLink against a fake manager: it exits the process on an
 // exit order of its generation, after the grace when refused, unanswered or
-// unable to connect, never without a manager; its heartbeat carries the step.
+// unable to connect, never without a manager; its heartbeat carries the step
+// and whether the training thread waits on a peer. And the runtime's SIGUSR1
+// handler takes a request that was pending (blocked) before it was installed.
 // Each link runs in a forked child (its exit is the process's), the test
 // process plays the manager.
 // libtorch's headers (through manager_link.h) define a CHECK of their own:
@@ -12,6 +14,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <atomic>
 #include <thread>
 
 #include "fake_manager.h"
@@ -96,6 +99,19 @@ test::FakePeer acceptHello(test::FakeManager& manager) {
   return std::move(*peer);
 }
 
+// The next heartbeat within `timeout` for which `match` holds (others, and
+// other messages, are skipped); nullopt if none came.
+template <typename F>
+std::optional<proto::Heartbeat> heartbeatWhere(test::FakePeer& peer, F&& match, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    auto m = peer.receive(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    if (!m) break;
+    if (auto* h = std::get_if<proto::Heartbeat>(&*m); h && match(*h)) return *h;
+  }
+  return std::nullopt;
+}
+
 double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 }  // namespace
@@ -106,7 +122,7 @@ TEST_CASE("manager link: an exit order of its generation ends the process at onc
   auto peer = acceptHello(manager);
   REQUIRE(peer.send(proto::Welcome{kGeneration, 30000}));
   // The heartbeat carries the step (set just after the link started: the
-  // first heartbeat may still say 0); reading does not hold it back.
+  // first heartbeat may still say -1); reading does not hold it back.
   std::optional<proto::Heartbeat> heartbeat;
   for (int i = 0; i < 100 && !(heartbeat && heartbeat->step == 7); ++i) {
     auto m = peer.receive(5s);
@@ -188,4 +204,80 @@ TEST_CASE("manager link: answered pings keep it alive past the grace; silence en
 TEST_CASE("manager link: without a manager address it never exits the process", "[manager_link]") {
   LinkChild child("", fastTimings(200ms), 1500ms);
   CHECK(child.wait(10s) == 0);  // lived its whole life
+}
+
+TEST_CASE("manager link: heartbeats carry the last finished step and whether the training thread waits",
+          "[manager_link]") {
+  test::FakeManager manager;
+  int commands[2];
+  REQUIRE(::pipe(commands) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    // The "training thread": each byte from the test advances one phase.
+    ::close(commands[1]);
+    ManagerLinkOptions options;
+    options.address = manager.address();
+    options.token = "t0k";
+    options.generation = kGeneration;
+    options.host = "127.0.0.1";
+    options.heartbeatInterval = 50ms;
+    static std::atomic<bool> waiting{false};
+    auto* link = new ManagerLink(options, kRank, fastTimings(30s), &waiting);  // the process ends first
+    char command = 0;
+    while (::read(commands[0], &command, 1) == 1) {
+      if (command == 'w') {
+        link->setStep(7);
+        waiting.store(true);  // e.g. blocked in an all-reduce
+      } else if (command == 'c') {
+        link->setStep(8);
+        waiting.store(false);  // computing
+      }
+    }
+    ::_exit(0);
+  }
+  ::close(commands[0]);
+  auto peer = acceptHello(manager);
+  // Before any step finished: -1, not waiting.
+  auto first = heartbeatWhere(peer, [](const proto::Heartbeat&) { return true; }, 5s);
+  REQUIRE(first);
+  CHECK(first->rank == kRank);
+  CHECK(first->step == -1);
+  CHECK_FALSE(first->waiting);
+  REQUIRE(::write(commands[1], "w", 1) == 1);
+  auto waiting = heartbeatWhere(peer, [](const proto::Heartbeat& h) { return h.step == 7; }, 5s);
+  REQUIRE(waiting);
+  CHECK(waiting->waiting);
+  REQUIRE(::write(commands[1], "c", 1) == 1);
+  auto computing = heartbeatWhere(peer, [](const proto::Heartbeat& h) { return h.step == 8; }, 5s);
+  REQUIRE(computing);
+  CHECK_FALSE(computing->waiting);
+  ::close(commands[1]);  // the child ends
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+}
+
+TEST_CASE("the checkpoint signal handler takes a SIGUSR1 that was pending before it was installed",
+          "[manager_link][signal]") {
+  // What a worker started by varuna_agent (SIGUSR1 blocked) sees when a
+  // checkpoint request arrives during its start-up. In a child: it changes
+  // the process's signal state.
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    sigset_t usr1;
+    sigemptyset(&usr1);
+    sigaddset(&usr1, SIGUSR1);
+    ::sigprocmask(SIG_BLOCK, &usr1, nullptr);
+    ::kill(::getpid(), SIGUSR1);  // pending: blocked, so not the default action's death
+    if (checkpointSignalled()) ::_exit(1);
+    installCheckpointSignalHandler();
+    ::_exit(checkpointSignalled() ? 0 : 2);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  INFO("status " << status);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "blocked_on_peers.h"
 #include "varuna/common/log.h"
 
 namespace varuna {
@@ -157,6 +158,7 @@ c10::intrusive_ptr<c10d::Backend> Communicator::makeBackend(const std::string& p
   opts->timeout = options_.timeout;
   opts->devices = {device};
   opts->threads = 2;
+  BlockedOnPeers blocked(options_.waitingOnPeers);  // Gloo's rendezvous waits for every member
   try {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, groupRank, groupSize, opts);
   } catch (const std::exception& e) {
@@ -192,6 +194,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::recv(torch::Tensor& tensor, int src
 }
 
 void Communicator::waitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* during) {
+  BlockedOnPeers blocked(options_.waitingOnPeers);
   try {
     if (!work->wait(options_.timeout)) throw std::runtime_error("timed out");
   } catch (const PeerLostError&) {
@@ -207,6 +210,7 @@ void Communicator::agreeOnStartup(const std::string& key, const std::string& myE
   const std::string prefix = "varuna/startup/" + key + "/";
   store_->set(prefix + std::to_string(options_.rank), std::vector<uint8_t>(myError.begin(), myError.end()));
   if (!myError.empty()) throw ConfigError(myError);
+  BlockedOnPeers blocked(options_.waitingOnPeers);
   for (int r = 0; r < options_.worldSize; ++r) {
     const std::string k = prefix + std::to_string(r);
     try {

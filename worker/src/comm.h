@@ -40,6 +40,9 @@ struct CommOptions {
   torch::Device device = torch::kCPU;
   std::chrono::milliseconds timeout{60000};
   std::chrono::milliseconds heartbeatInterval{200};
+  // Set while the calling (training) thread waits on peers (BlockedOnPeers);
+  // null: not tracked. Must outlive the Communicator.
+  std::atomic<bool>* waitingOnPeers = nullptr;
 };
 
 // Heartbeats and post-mortem diagnosis through the rendezvous store.
@@ -92,7 +95,13 @@ class Communicator {
   c10::intrusive_ptr<c10d::Work> recv(torch::Tensor& tensor, int srcRank, int tag);
 
   // Waits; converts any c10d failure into PeerLostError (see header comment).
+  // The training thread counts as blocked on peers meanwhile (CommOptions::
+  // waitingOnPeers), as it does in agreeOnStartup and while joining a group.
   void waitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* during);
+
+  // For waits on peers outside this class (a store read another rank must
+  // write first): holds CommOptions::waitingOnPeers for the scope.
+  std::atomic<bool>* waitingOnPeersFlag() const { return options_.waitingOnPeers; }
 
   // Store-based all-ranks check used at start-up: every rank publishes "" (ok)
   // or an error message; throws ConfigError with the first error found.

@@ -12,10 +12,12 @@ double seconds(std::chrono::milliseconds duration) { return static_cast<double>(
 
 }  // namespace
 
-ManagerLink::ManagerLink(ManagerLinkOptions options, int rank, ManagerLinkTimings timings)
+ManagerLink::ManagerLink(ManagerLinkOptions options, int rank, ManagerLinkTimings timings,
+                         const std::atomic<bool>* waitingOnPeers)
     : options_(std::move(options)),
       rank_(rank),
       timings_(timings),
+      waitingOnPeers_(waitingOnPeers),
       lastHeard_(Clock::now()),
       retryAt_(lastHeard_),
       thread_([this] { run(); }) {}
@@ -110,7 +112,8 @@ void ManagerLink::run() {
           const auto now = Clock::now();
           const bool heartbeatDue = now - lastSent >= options_.heartbeatInterval;
           if (reports.empty() && failures.empty() && heartbeatDue && !stopping) {
-            client->send(proto::Heartbeat{rank_, step}, timings_.sendTimeout);
+            const bool waiting = waitingOnPeers_ && waitingOnPeers_->load(std::memory_order_relaxed);
+            client->send(proto::Heartbeat{rank_, step, waiting}, timings_.sendTimeout);
             lastSent = now;
           }
           for (const auto& r : reports) client->send(r, timings_.sendTimeout);

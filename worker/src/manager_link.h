@@ -1,6 +1,8 @@
 // ManagerLink: the worker's connection to run_varuna. A background thread says
-// hello (job token, rank, generation), sends a heartbeat (carrying the step)
-// whenever nothing else went out for an interval, forwards the step reports
+// hello (job token, rank, generation), sends a heartbeat whenever nothing else
+// went out for an interval (carrying the last finished step, -1 before this
+// process finished one, and whether the training thread is blocked on a peer
+// right then: `waiting`, see blocked_on_peers.h), forwards the step reports
 // and checkpoint failures queued by the runtime, and reads what the manager
 // sends (every `readInterval`):
 //  - Welcome: the hello was accepted; it carries the lost-manager grace;
@@ -22,6 +24,7 @@
 // public functions, under `mutex_` where marked.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -55,14 +58,18 @@ struct ManagerLinkTimings {
 
 class ManagerLink {
  public:
-  ManagerLink(ManagerLinkOptions options, int rank, ManagerLinkTimings timings = {});
+  // `waitingOnPeers` (may be null: never waiting) is read by the link thread
+  // for each heartbeat; it must outlive the link.
+  ManagerLink(ManagerLinkOptions options, int rank, ManagerLinkTimings timings = {},
+              const std::atomic<bool>* waitingOnPeers = nullptr);
   ~ManagerLink();
   ManagerLink(const ManagerLink&) = delete;
   ManagerLink& operator=(const ManagerLink&) = delete;
 
   // Called from the training thread after each step; never blocks on I/O.
+  // The report's step (steps done) is what later heartbeats carry.
   void reportStep(const proto::StepReport& report);
-  void setStep(int64_t step);
+  void setStep(int64_t step);  // the same without a report
   // A periodic checkpoint of `step` failed (ENOSPC, EIO) and training goes on.
   // Callable from any thread (the training thread or a background checkpoint
   // copy); never blocks on I/O. `error` is cut to proto::kMaxErrorTextBytes.
@@ -83,6 +90,7 @@ class ManagerLink {
   ManagerLinkOptions options_;
   int rank_;
   ManagerLinkTimings timings_;
+  const std::atomic<bool>* waitingOnPeers_;  // written by the training thread (relaxed)
   // Link thread only.
   Clock::time_point lastHeard_;  // the last frame from the manager that was not a refusal (or the start)
   Clock::time_point retryAt_;
@@ -93,7 +101,7 @@ class ManagerLink {
   std::condition_variable wake_;
   std::deque<proto::StepReport> queue_;
   std::deque<proto::CheckpointFailed> failures_;
-  int64_t step_ = 0;
+  int64_t step_ = -1;  // the last finished step; -1 until this process finished one
   bool stop_ = false;
   std::thread thread_;  // last: starts after every member above is initialised
 };

@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "autocast_scope.h"
+#include "blocked_on_peers.h"
 #include "checkpoint_io.h"
 #include "checkpoint_writer.h"
 #include "manager_link.h"
@@ -39,6 +40,15 @@ void installCheckpointSignalHandler() {
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
   sigaction(SIGUSR1, &action, nullptr);
+  // varuna_agent starts workers with SIGUSR1 blocked, so a request that came
+  // during start-up is pending rather than fatal: unblocking it now, with the
+  // handler in place, delivers it (the flag is set before this returns) and
+  // the first step honours it. Threads started before this keep it blocked;
+  // this one takes the signal.
+  sigset_t usr1;
+  sigemptyset(&usr1);
+  sigaddset(&usr1, SIGUSR1);
+  pthread_sigmask(SIG_UNBLOCK, &usr1, nullptr);
 }
 
 bool checkpointSignalled() { return gCheckpointSignal.load(); }
@@ -152,6 +162,9 @@ class Varuna::Impl {
   StageToRankMap map_;
   int stage_ = 0, replica_ = 0, P_ = 1, D_ = 1;
   Partition partition_;
+  // The training thread waits on peers (BlockedOnPeers); the link's
+  // heartbeats carry it. Declared before the link and comm_, which point at it.
+  std::atomic<bool> waitingOnPeers_{false};
   // Declared before comm_ so it is destroyed after it: c10d's teardown can take
   // seconds, and the link's heartbeats must cover them (a silent exiting rank
   // would look hung to run_varuna).
@@ -234,7 +247,9 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   }
   log::setStage(stage_);
   partition_ = partitionPieces(pieceCosts(), P_);
-  if (!opt_.manager.address.empty()) managerLink_ = std::make_unique<ManagerLink>(opt_.manager, opt_.rank);
+  if (!opt_.manager.address.empty()) {
+    managerLink_ = std::make_unique<ManagerLink>(opt_.manager, opt_.rank, ManagerLinkTimings{}, &waitingOnPeers_);
+  }
 
   CommOptions comm;
   comm.masterAddr = opt_.rendezvous.masterAddr;
@@ -245,6 +260,7 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   comm.worldSize = map_.worldSize();
   comm.device = opt_.device;
   comm.timeout = opt_.peerTimeout;
+  comm.waitingOnPeers = &waitingOnPeers_;
   comm_ = std::make_unique<Communicator>(comm, map_);
 
   std::string error;
@@ -739,6 +755,7 @@ std::string Varuna::Impl::agreeOnRunTag() {
     tag = strCat(std::hex, random(), random());
     comm_->store()->set(key, std::vector<uint8_t>(tag.begin(), tag.end()));
   } else {
+    BlockedOnPeers blocked(&waitingOnPeers_);  // until rank 0 has drawn it
     const auto bytes = comm_->store()->get(key);
     tag.assign(bytes.begin(), bytes.end());
   }
@@ -758,6 +775,7 @@ void Varuna::Impl::waitUntilComplete(const std::filesystem::path& dir) {
   // Exit code kExitCheckpointed promises a complete checkpoint: wait for the
   // other ranks' parts (the last one to land completes it).
   const auto deadline = std::chrono::steady_clock::now() + opt_.peerTimeout;
+  BlockedOnPeers blocked(&waitingOnPeers_);
   while (!ckpt::isIntact(dir)) {
     if (std::chrono::steady_clock::now() > deadline) {
       throw ckpt::CheckpointError(strCat("on-demand checkpoint '", dir.string(), "' did not complete within ",

@@ -7,7 +7,13 @@
 //  - forwards CheckpointAndExit as SIGUSR1, kills on KillWorkers, exits on
 //    Shutdown or SIGTERM/SIGINT (killing its workers first),
 //  - kills its workers and exits when the manager connection has been gone
-//    for `grace`, so no orphan keeps a device busy,
+//    for `grace`, or when no frame at all came from the manager for
+//    `lostManager` (a silent partition: the connection stays up but nothing
+//    arrives; the manager sends a heartbeat every second), so no orphan keeps
+//    a device busy,
+//  - starts every worker with SIGUSR1 blocked: a checkpoint request that
+//    arrives before the worker's program installed its handler stays pending
+//    instead of killing it (installCheckpointSignalHandler unblocks it),
 //  - spawns every worker with a parent-death signal (SIGKILL): an agent that
 //    dies without cleaning up (OOM-killed, SIGKILL, a crash) takes its
 //    workers along. (A frozen agent cannot act: run_varuna then orders its
@@ -37,6 +43,12 @@ struct AgentOptions {
   std::string token;
   std::string runDir;      // logs, pid file, connection.json
   std::chrono::milliseconds grace{5000};
+  // No frame (heartbeat, order, ack, pong) from the manager for this long:
+  // the manager is lost even though the connection is up. run_varuna passes
+  // (heartbeat_timeout_s + agent_grace_s) * 1000 (--lost_manager_ms). It
+  // relies on the manager's heartbeats: manager and agent come from the same
+  // build (an older manager that sends none would make idle agents exit).
+  std::chrono::milliseconds lostManager{15000};
   std::chrono::milliseconds heartbeatInterval{1000};
   std::chrono::milliseconds killWait{3000};  // SIGTERM -> SIGKILL
 };
@@ -67,6 +79,8 @@ class Agent {
   void reapChildren();
   void waitSignals();
   void scheduleHeartbeat();
+  // The read deadline: fires lostManager after the last frame from the manager.
+  void scheduleReadDeadline();
   void finish(int exitCode, const std::string& reason);
   void maybeExit();
 
@@ -77,6 +91,11 @@ class Agent {
   boost::asio::signal_set signals_;
   boost::asio::steady_timer heartbeatTimer_;
   boost::asio::steady_timer graceTimer_;
+  boost::asio::steady_timer readDeadlineTimer_;
+  // When the last frame from the manager arrived (or start()): the read
+  // deadline counts from it. Set per frame; the timer re-arms only when it
+  // fires, so a frame costs no timer operation.
+  std::chrono::steady_clock::time_point lastFrame_;
   boost::asio::steady_timer killTimer_;
   std::map<pid_t, Worker> workers_;
   bool exiting_ = false;

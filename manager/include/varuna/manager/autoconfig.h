@@ -2,8 +2,10 @@
 // schedule) for the machines at hand by simulating the plans on the model's
 // profile (all but those a lower bound rules out) and taking the fastest. No
 // I/O, and the result depends on the inputs only (apart from the measured
-// planning time), so run_varuna can call it at launch and at every morph, from
-// the controller's thread (MorphController's `planner`, see autoConfigPlanner).
+// planning time), so run_varuna can call it at launch and at every morph. It
+// may take seconds on a big cluster: run_varuna runs it on a background thread
+// (AsyncPlanner); autoConfigPlanner runs it on the caller's thread (tests,
+// tools whose controller may wait).
 //
 // Enumerated (docs/profile.md, "AutoConfig"): every P from 1 to min(pieces,
 // slots); every D with P*D <= slots that divides the global batch; every
@@ -80,6 +82,11 @@ struct AutoConfigResult {
 // micro-batch pinned to something impossible, unprofiled sizes, memory), and
 // ProfileError-class ConfigErrors for an empty profile.
 AutoConfigResult autoConfigure(const profile::Profile& profile, const AutoConfigRequest& request);
+
+// AutoConfig's request for a MorphController plan request: the request's
+// machines, exclusions and global batch, `settings` for the rest; the
+// request's stages / chunkSize pin P / the micro-batch when > 0.
+AutoConfigRequest autoConfigRequestFor(const AutoConfigRequest& settings, const PlanRequest& request);
 
 // A MorphController planner running AutoConfig over the request's machines,
 // exclusions and global batch, with `settings` for the rest. The request's

@@ -35,12 +35,15 @@ struct JobConfig {
   int keepCheckpoints = 3;          // complete checkpoints the workers keep (0: all); VARUNA_KEEP_CHECKPOINTS
   std::string stateDir;             // state.json, events.jsonl, slow_machines.out, token
   double heartbeatTimeoutS = 10;    // a worker silent this long is hung
+  double hangTimeoutS = 600;        // no rank finished a step this long: the generation is hung (0: off)
   double startupTimeoutS = 120;     // launch -> first heartbeat of a worker
   double checkpointTimeoutS = 120;  // preemption notice -> all workers checkpointed
   double agentGraceS = 5;           // agents kill their workers when the manager is gone this long
   int maxFailures = 3;              // within failureWindowS; one more stops the job
   double failureWindowS = 600;
   double restartBackoffS = 1;
+  double hostRetryS = 2;            // a lost host's agent is started again after this, doubling (0: never)
+  double hostRetryMaxS = 60;        // up to this
   bool excludeSlow = false;         // leave machines in slow_machines.out out of the next plan
   double slowThreshold = 0.15;      // slower than the stage median by this fraction
   int slowWindow = 20;              // steps per slow-machine verdict (two in a row flag a machine)

@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <set>
@@ -51,10 +52,21 @@ struct Stop {  // the manager is done
 }  // namespace action
 using Action = std::variant<action::Launch, action::Checkpoint, action::KillAll, action::Stop>;
 
-enum class Phase { kIdle, kRunning, kCheckpointing, kStopping, kBackoff, kWaitingForMachines, kFinished, kFailed };
+// kPlanning: waiting for an asynchronous planner's plan (see PlanPending).
+enum class Phase { kIdle, kRunning, kCheckpointing, kStopping, kBackoff, kWaitingForMachines, kPlanning, kFinished, kFailed };
 const char* toString(Phase phase);
 // "code 74 (checkpoint storage failed)", "a signal", ...: a worker's exit for messages.
 std::string describeExit(int exitCode);
+
+// Thrown by an asynchronous planner (run_varuna's AsyncPlanner, which runs
+// AutoConfig off the event loop): the plan for this request is being
+// computed. The controller waits for it (Phase::kPlanning, or keeps running
+// when it was only asking whether a machine change alters the plan) and its
+// owner calls planReady() when the planner has the answer; the planner then
+// returns it (or throws its ConfigError) for the same request.
+struct PlanPending : std::exception {
+  const char* what() const noexcept override { return "the plan is being computed"; }
+};
 
 struct ControllerOptions {
   int stages = 1;
@@ -70,7 +82,8 @@ struct ControllerOptions {
   // throw ConfigError (no plan fits: wait for machines). Null: makePlan with
   // `stages` and `chunkSize`. AutoConfig plugs in here (autoConfigPlanner),
   // choosing P and the micro-batch itself; it is called on the controller's
-  // thread, so it must be quick and must not block.
+  // thread, so it must be quick and must not block: a slow planner computes
+  // elsewhere and throws PlanPending until it has the plan.
   std::function<Plan(const PlanRequest&)> planner;
 };
 
@@ -95,13 +108,23 @@ class MorphController {
   // The usable machines changed (list file edited, an agent came up or went).
   // A running job morphs only if the plan would change.
   std::vector<Action> machinesChanged(std::vector<Machine> machines, TimePoint now);
-  std::vector<Action> workerHung(int rank, TimePoint now);
+  // `why`: what showed it (default: its heartbeats stopped), for the KillAll's reason.
+  std::vector<Action> workerHung(int rank, TimePoint now, const std::string& why = {});
+  // The asynchronous planner has a plan (or an error) for a request it threw
+  // PlanPending for: a launch waiting for it goes ahead, a machine change
+  // that was waiting for it morphs if the plan changes.
+  std::vector<Action> planReady(TimePoint now);
   std::vector<Action> tick(TimePoint now);
   // The operator stops the job (SIGTERM to the manager): checkpoint if running,
   // then Stop with code 0; kill at once otherwise.
   std::vector<Action> stop(const std::string& reason, TimePoint now);
   // Keeps `host` out of every later plan (slow machine flagged by the detector).
   void excludeHost(const std::string& host) { excluded_.insert(host); }
+  // `host` may be planned on again (it was lost, preempted or excluded as
+  // slow, and is back): forgets all three. The next machinesChanged then
+  // plans even if the machines are the same (the host may never have left
+  // them), and morphs only if the plan improves.
+  void readmitHost(const std::string& host);
 
   Phase phase() const { return phase_; }
   const Plan& plan() const { return plan_; }
@@ -110,9 +133,16 @@ class MorphController {
 
  private:
   std::vector<Action> relaunch(TimePoint now);
-  std::vector<Action> failure(const std::string& reason, TimePoint now);
+  // Kill-all, backoff, relaunch. `counts`: whether it counts towards
+  // --max_failures. A job is given up only for failures that would repeat
+  // (a rank crashing or hanging); consequences of the environment (a host
+  // lost, a rank that lost a peer or was superseded) do not count: machines
+  // that come and go must never stop an unattended job.
+  std::vector<Action> failure(const std::string& reason, TimePoint now, bool counts = true);
   std::vector<Action> beginMorph(TimePoint now);
   std::vector<Action> allExited(TimePoint now);
+  // Running, the machines changed: morph if the plan would change.
+  std::vector<Action> morphIfPlanChanges(TimePoint now);
   std::set<std::string> unavailable() const;
   PlanRequest planRequest() const;
   Plan makeNextPlan() const;
@@ -125,11 +155,13 @@ class MorphController {
   int generation_ = 0;
   std::set<int> running_;
   std::set<std::string> leaving_;   // preempted: out of the next plans
-  std::set<std::string> lost_;      // agent gone: out until the machine list changes
-  std::set<std::string> excluded_;  // slow: out for good
+  std::set<std::string> lost_;      // agent gone: out until it is back in the machines or readmitted
+  std::set<std::string> excluded_;  // slow: out until readmitted
+  bool readmitted_ = false;         // a host was readmitted: the next machinesChanged plans again
   std::deque<TimePoint> failures_;
   TimePoint deadline_{};  // checkpointing: give up; backoff: relaunch
   std::string stopReason_;  // non-empty: stop once the checkpoint is done
+  bool recheckPlan_ = false;  // running: a machine change waits for the planner (planReady)
 };
 
 }  // namespace varuna

@@ -26,6 +26,7 @@ struct PlanRequest {
   int64_t chunkSize = 0;
   std::set<std::string> excludedHosts;  // preempted or flagged slow
   int replicas = 0;  // 0: as many as fit and divide the global batch; else exactly this many
+  bool operator==(const PlanRequest&) const = default;
 };
 
 struct RankPlacement {

@@ -205,6 +205,10 @@ class Varuna {
 
 // Installs a SIGUSR1 handler that only sets a flag (async-signal-safe); the
 // next step() turns it into StepResult::checkpointRequested on every rank.
+// Then unblocks SIGUSR1 for the calling thread (call it from the training
+// thread, as early as possible): varuna_agent starts workers with it blocked,
+// so a request that arrived before this is delivered now, not lost, and one
+// that arrives before it never kills the process.
 void installCheckpointSignalHandler();
 bool checkpointSignalled();
 

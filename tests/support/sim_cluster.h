@@ -1,0 +1,295 @@
+// SimCluster: simulated varuna_agents and their workers, speaking the control
+// protocol (docs/protocol.md) to a real run_varuna over loopback TCP: the
+// ManagerDaemon in-process (SimHostLauncher starts an agent here instead of
+// running the agent command), or a run_varuna process
+// (bench/manager_scale: a shim hands each host, address and token over).
+//
+// What a simulated agent does, as varuna_agent does it:
+//  - hello {role agent, host, job token}, then Heartbeat{-1} every
+//    `agentHeartbeat`;
+//  - LaunchWorkers: kills what still runs of an earlier launch (reported as
+//    signal 9), then starts one simulated worker per rank;
+//  - CheckpointAndExit: each worker exits 75 after `checkpointDelay` (none
+//    does while a rank of its generation is frozen: no step finishes);
+//    KillWorkers: they exit by signal 9; Shutdown: that, then the agent
+//    closes; an Ack{ok: false}: the agent closes at once (its workers die);
+//  - WorkerExited {host, rank, code, signal, generation} the moment one of its
+//    workers exits, however it exits (a frozen agent sends its reports when
+//    thawed; a gone one never);
+//  - the manager's connection gone: its workers are killed after `agentGrace`.
+// What a simulated worker does, as a worker's ManagerLink does:
+//  - hello {role worker, host, rank, generation}; Heartbeat{rank, step,
+//    waiting} every `workerHeartbeat` (rank r's at r/N of the period);
+//  - once every rank of its generation is connected (the rendezvous), a
+//    StepReport every `step` (rank r's at r/N of the period, beats re-phased
+//    the same way from there, as the bench always paced them); step counts
+//    from the launch's resume_step;
+//  - ExitNow of its generation: exits at once with 76 (its agent reports it);
+//    one of another generation is ignored; the manager's connection closed
+//    without an order: exits 76 after the Welcome's lost-manager grace.
+// Faults: dropAgent, freezeAgent/thawAgent (a stopped process: nothing read or
+// sent, the socket kept), freezeProgress (heartbeats go on with the step
+// stuck and waiting=false while every other rank of the generation waits:
+// waiting=true, no steps), freezeWorker (a stopped worker process),
+// exitWorker (any exit code), connectStaleWorker (a hello of any
+// generation), sendPreemptNotice (role notifier + PreemptNotice), and for
+// SimHostLauncher setHostReachable (the agent command fails as an
+// unreachable host's would).
+// Every frame the manager sends to a simulated peer is recorded as an Order
+// (who, type, time, the message) and every WorkerExited sent as an
+// ExitReport, for tests to assert on.
+// Single-threaded: every member runs on the io_context's thread (the daemon's
+// own, when in-process); SimHostLauncher posts to it from launch threads.
+#pragma once
+
+#include <utility>  // before Asio: its headers miss it with this GCC
+#include <boost/asio.hpp>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <queue>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "sim_peer.h"
+#include "varuna/common/protocol.h"
+#include "varuna/common/stage_map.h"
+
+namespace varuna::sim {
+
+using Clock = std::chrono::steady_clock;
+
+enum class PeerKind { kAgent, kWorker, kNotifier };
+const char* toString(PeerKind kind);
+
+// One frame the manager sent to a simulated peer.
+struct Order {
+  PeerKind to = PeerKind::kAgent;
+  std::string host;
+  int rank = -1;        // workers
+  int generation = -1;  // workers: theirs; agents: of their latest launch (-1 before one)
+  std::string type;     // proto::typeName: "launch_workers", "exit_now", ...
+  Clock::time_point at;
+  proto::Message message;
+};
+
+// A WorkerExited a simulated agent sent.
+struct ExitReport {
+  std::string host;
+  int rank = 0;
+  int exitCode = 0;  // -1: by a signal
+  int signal = 0;
+  int generation = 0;
+  Clock::time_point at;
+};
+
+struct SimOptions {
+  std::chrono::milliseconds tick{5};  // the one timer that paces everything below
+  std::chrono::milliseconds agentHeartbeat{1000};
+  std::chrono::milliseconds workerHeartbeat{500};  // 0: none
+  std::chrono::milliseconds step{200};             // a step report this often per rank; 0: none
+  std::chrono::milliseconds checkpointDelay{0};    // CheckpointAndExit -> exit 75 this much later
+  std::chrono::milliseconds agentGrace{5000};      // an agent that lost the manager kills its workers after this
+  std::chrono::milliseconds workerStartDelay{0};   // LaunchWorkers -> the worker dials
+  int microbatches = 8;                            // step_seconds = compute x (microbatches + stages - 1)
+  // Non-empty: a checkpoint order makes every rank write its part of a
+  // checkpoint of the step all ranks have finished into this store
+  // (checkpoint_files.h: part, finalize with the generation's fencing) before
+  // it exits 75, so relaunches resume from it; a superseded writer exits 76,
+  // a failing store 74. Empty: nothing is written (a relaunch starts fresh).
+  std::string globalStore;
+};
+
+// Hands agent start-ups from a launcher's threads to the cluster's thread
+// (SimHostLauncher). `closed` once the cluster is shutting down: a start-up
+// waiting for its result gives up.
+struct LaunchGate {
+  std::atomic<bool> closed{false};
+  class SimCluster* cluster = nullptr;  // touched on the cluster's thread only
+};
+
+class SimCluster {
+ public:
+  struct Callbacks {
+    std::function<void(const Order&)> onOrder;  // after it was recorded and acted on
+    std::function<void(const std::string& host)> onAgentUp;
+    // Every rank of a launch is connected (the bench's load starts here).
+    std::function<void(int generation, int worldSize)> onAllWorkersConnected;
+    // The manager closed a connection without an order that explains it
+    // (an ExitNow, a Shutdown, a refusal), or a connect failed.
+    std::function<void(const std::string& who, const std::string& reason)> onConnectionLost;
+    // After each tick's sends: a driver's own paced traffic (the bench's
+    // pings) goes out in the same burst, so the manager wakes once for both.
+    std::function<void(Clock::time_point now)> onTick;
+  };
+
+  explicit SimCluster(boost::asio::io_context& io, SimOptions options = {});
+  ~SimCluster();  // shutdown()
+  SimCluster(const SimCluster&) = delete;
+  SimCluster& operator=(const SimCluster&) = delete;
+
+  void setCallbacks(Callbacks callbacks) { callbacks_ = std::move(callbacks); }
+  const SimOptions& options() const { return options_; }
+
+  // Starts the agent of `host`: dials `managerAddress` ("ip:port") and says
+  // hello with `token`. An agent of the host still running is replaced (its
+  // workers die unreported, as the real agent kills an earlier one through
+  // agent.pid). onResult(ok, error) once connected or failed.
+  void startAgent(const std::string& host, const std::string& managerAddress, const std::string& token,
+                  std::function<void(bool ok, const std::string& error)> onResult = {});
+  // Closes every simulated connection and stops the tick; start-ups waiting
+  // in a launcher fail. Idempotent.
+  void shutdown();
+
+  // --- faults -------------------------------------------------------------------------------
+  // The agent's connection closes. withWorkers: its workers die with it
+  // (unreported: an agent killed, PDEATHSIG takes them); otherwise they run on
+  // until the manager orders them out (a cut agent link, a crashed agent
+  // whose workers survived).
+  void dropAgent(const std::string& host, bool withWorkers = false);
+  // A stopped agent process (SIGSTOP): it reads nothing, sends nothing, keeps
+  // its socket; its workers run on. Exits of its workers are reported when
+  // it is thawed, with the orders that arrived meanwhile.
+  void freezeAgent(const std::string& host);
+  void thawAgent(const std::string& host);
+  // `rank` of the newest generation stops finishing steps while it computes
+  // (heartbeats go on: step stuck, waiting=false); every other rank of the
+  // generation blocks on it (waiting=true, no steps).
+  void freezeProgress(int rank);
+  void thawProgress(int rank);
+  // A stopped worker process: reads and sends nothing; its peers block on it.
+  void freezeWorker(int rank);
+  void thawWorker(int rank);
+  // `rank` of the newest generation exits with `exitCode` (or by `signal`
+  // when exitCode is -1); its agent reports it.
+  void exitWorker(int rank, int exitCode, int signal = 0);
+  // A worker that belongs to no launch of this cluster (a straggler of an
+  // earlier generation or an earlier manager) dials and says hello.
+  void connectStaleWorker(const std::string& host, int rank, int generation);
+  // notify_manager_preempt: role notifier, one PreemptNotice (deadline 0: unknown).
+  void sendPreemptNotice(const std::string& host, int64_t deadlineUnixMs = 0);
+  // For SimHostLauncher: an unreachable host's agent command fails (no agent starts).
+  void setHostReachable(const std::string& host, bool reachable);
+  bool hostReachable(const std::string& host) const { return !unreachable_.count(host); }
+
+  // --- what happened ------------------------------------------------------------------------
+  const std::vector<Order>& orders() const { return orders_; }
+  // Orders of `type` ("" any) to peers of `kind` on `host` ("" any).
+  std::vector<Order> ordersTo(PeerKind kind, const std::string& host = "", const std::string& type = "") const;
+  size_t count(PeerKind kind, const std::string& type, const std::string& host = "") const;
+  // The LaunchWorkers `host`'s agents received, oldest first.
+  std::vector<proto::LaunchWorkers> launchesTo(const std::string& host) const;
+  // True if rank `rank` of `generation` received a frame of `type`.
+  bool workerGot(const std::string& type, int rank, int generation) const;
+  const std::vector<ExitReport>& exitReports() const { return exitReports_; }
+
+  // --- state --------------------------------------------------------------------------------
+  bool agentUp(const std::string& host) const;
+  // Agent start-ups asked for (SimHostLauncher counts unreachable ones too).
+  int agentStarts(const std::string& host) const;
+  void countStartAttempt(const std::string& host) { ++startAttempts_[host]; }
+  // The newest generation launched (-1: none) and how many were.
+  int generation() const { return newestGeneration_; }
+  int launches() const { return static_cast<int>(generations_.size()); }
+  int worldSize(int generation) const;
+  // Workers of `generation` alive / connected (hello sent) / welcomed.
+  int liveWorkers(int generation) const;
+  int connectedWorkers(int generation) const;
+  int welcomedWorkers(int generation) const;
+  // The newest step every live rank of `generation` has finished (-2: none live).
+  int64_t minStep(int generation) const;
+  std::vector<int> liveRanks(int generation) const;
+  // Frames every simulated peer sent; connections lost (Callbacks::onConnectionLost).
+  uint64_t framesSent() const { return framesSent_; }
+  int lostConnections() const { return lostConnections_; }
+  // Sends a frame from rank `rank` of the newest generation (the bench's
+  // pings); false if that worker is not connected.
+  bool sendFromWorker(int rank, std::string_view frame);
+  std::shared_ptr<LaunchGate> launchGate() const { return gate_; }
+  boost::asio::io_context& io() { return io_; }
+
+ private:
+  struct Agent;
+  struct Worker;
+  struct Generation {
+    int worldSize = 0;
+    int connected = 0;  // ranks that have connected (once each)
+    bool training = false;
+    bool peerLost = false;  // a rank left otherwise than by a checkpoint: the rest block
+    Clock::time_point epoch;  // the launch: heartbeats are phased from it
+    std::optional<StageToRankMap> map;
+    std::set<int> frozenRanks;
+    std::optional<int64_t> checkpointStep;  // of the on-demand checkpoint under way
+    bool stalled() const { return peerLost || !frozenRanks.empty(); }
+  };
+
+  void scheduleTick();
+  void onTick();
+  void tickAgent(Agent& agent, Clock::time_point now);
+  // The agents' loop runs at the next tick at or after `at` (a beat or a grace due).
+  void wakeAgentsBy(Clock::time_point at) { agentsWakeAt_ = std::min(agentsWakeAt_, at); }
+  // (Re)queues the worker's next wake-up: the earliest of its start, beat,
+  // step and exit. Called whenever one of them changes.
+  void schedule(const std::shared_ptr<Worker>& worker);
+  void tickWorker(const std::shared_ptr<Worker>& worker, Clock::time_point now);
+  void onAgentMessage(const std::shared_ptr<Agent>& agent, const proto::Message& message);
+  void onAgentClosed(const std::shared_ptr<Agent>& agent, const std::string& reason);
+  void launch(const std::shared_ptr<Agent>& agent, const proto::LaunchWorkers& launch);
+  void connectWorker(const std::shared_ptr<Worker>& worker);
+  void onWorkerMessage(const std::shared_ptr<Worker>& worker, const proto::Message& message);
+  void onWorkerClosed(const std::shared_ptr<Worker>& worker, const std::string& reason);
+  // The worker's process ends: its connection closes, its agent reports it.
+  void exitWorker(const std::shared_ptr<Worker>& worker, int exitCode, int signal, bool report = true);
+  void report(Agent& agent, const proto::WorkerExited& exited);
+  // The worker's part of the on-demand checkpoint (SimOptions::globalStore);
+  // returns the exit code: 75, or 76 / 74 when the store refused or failed.
+  int writeCheckpoint(const Worker& worker);
+  void killAgentWorkers(Agent& agent, bool report);
+  void closeAgent(Agent& agent);
+  void record(PeerKind to, const std::string& host, int rank, int generation, const proto::Message& message);
+  void lost(const std::string& who, const std::string& reason);
+  bool send(SimPeer& peer, std::string_view frame);
+  std::shared_ptr<Worker> find(int rank, int generation) const;
+  std::shared_ptr<Agent> findAgent(const std::string& host) const;
+  Generation* generationOf(int generation);
+  void setManager(const std::string& managerAddress, const std::string& token);
+
+  boost::asio::io_context& io_;
+  SimOptions options_;
+  Callbacks callbacks_;
+  boost::asio::steady_timer tickTimer_;
+  boost::asio::ip::tcp::endpoint manager_;
+  std::string token_;
+  std::shared_ptr<LaunchGate> gate_;
+  bool shutDown_ = false;
+
+  std::map<std::string, std::shared_ptr<Agent>> agents_;  // the newest of each host
+  Clock::time_point agentsWakeAt_ = Clock::time_point::max();
+  std::map<std::pair<int, int>, std::shared_ptr<Worker>> workers_;  // live, by (generation, rank)
+  std::vector<std::shared_ptr<Worker>> strays_;  // connectStaleWorker's, until they close
+  struct Wake {
+    Clock::time_point at;
+    std::shared_ptr<Worker> worker;  // stale once worker->wakeAt != at
+    bool operator>(const Wake& other) const { return at > other.at; }
+  };
+  std::priority_queue<Wake, std::vector<Wake>, std::greater<Wake>> wakes_;
+  std::vector<std::shared_ptr<Worker>> due_;  // the tick's, reused
+  std::vector<std::shared_ptr<SimPeer>> notifiers_;
+  std::map<int, Generation> generations_;
+  int newestGeneration_ = -1;
+  std::set<std::string> unreachable_;
+  std::map<std::string, int> startAttempts_;
+  uint64_t agentsConnected_ = 0;
+
+  std::vector<Order> orders_;
+  std::vector<ExitReport> exitReports_;
+  uint64_t framesSent_ = 0;
+  int lostConnections_ = 0;
+};
+
+}  // namespace varuna::sim

@@ -1,0 +1,152 @@
+#include "sim_peer.h"
+
+namespace varuna::sim {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+void SimPeer::connect(const tcp::endpoint& endpoint, const proto::Hello& hello, OnMessage onMessage, OnClose onClose,
+                      std::function<void()> onConnected) {
+  onMessage_ = std::move(onMessage);
+  onClose_ = std::move(onClose);
+  socket_.async_connect(endpoint, [self = shared_from_this(), hello, onConnected = std::move(onConnected)](
+                                      const boost::system::error_code& ec) {
+    if (self->closed_) return;  // closed by the simulation meanwhile
+    if (ec) {
+      self->fail("connect: " + ec.message());
+      return;
+    }
+    boost::system::error_code ignored;
+    self->socket_.set_option(tcp::no_delay(true), ignored);
+    self->socket_.non_blocking(true, ignored);
+    self->open_ = true;
+    self->send(proto::encode(hello));
+    self->doRead();
+    if (onConnected) onConnected();
+  });
+}
+
+bool SimPeer::send(std::string_view frame) {
+  if (!open_ || paused_ || closing_) return false;
+  ++framesSent_;
+  if (!outbox_.empty()) {
+    outbox_.append(frame);
+    return true;
+  }
+  boost::system::error_code ec;
+  size_t n = socket_.write_some(asio::buffer(frame.data(), frame.size()), ec);
+  if (ec == asio::error::would_block || ec == asio::error::try_again) {
+    n = 0;
+  } else if (ec) {
+    fail("write: " + ec.message());
+    return false;
+  }
+  if (n < frame.size()) {
+    outbox_.append(frame.substr(n));
+    waitWritable();
+  }
+  return true;
+}
+
+void SimPeer::close() {
+  closed_ = true;
+  onClose_ = nullptr;
+  onMessage_ = nullptr;
+  shutdown();
+}
+
+void SimPeer::closeAfterSending() {
+  onClose_ = nullptr;
+  onMessage_ = nullptr;
+  if (outbox_.empty() || !open_) return close();
+  closing_ = true;
+}
+
+void SimPeer::pause() { paused_ = true; }
+
+void SimPeer::resume() {
+  if (!paused_) return;
+  paused_ = false;
+  if (!open_) return;
+  deliver();
+  if (!open_ || paused_) return;
+  if (!closedWhilePaused_.empty()) return fail(closedWhilePaused_);
+  if (!outbox_.empty()) waitWritable();
+  if (!reading_) doRead();
+}
+
+void SimPeer::doRead() {
+  reading_ = true;
+  socket_.async_read_some(asio::buffer(readBuffer_), [self = shared_from_this()](const boost::system::error_code& ec,
+                                                                                size_t bytes) {
+    self->reading_ = false;
+    self->onRead(ec, bytes);
+  });
+}
+
+void SimPeer::onRead(const boost::system::error_code& ec, size_t bytes) {
+  if (!open_) return;
+  if (ec) {
+    const std::string reason = ec == asio::error::eof ? "closed by the manager" : ec.message();
+    if (paused_) {
+      closedWhilePaused_ = reason;  // a frozen process learns of it when it runs again
+      return;
+    }
+    fail(reason);
+    return;
+  }
+  decoder_.feed(std::string_view(readBuffer_.data(), bytes));
+  if (paused_) return;  // kept; no further read: the kernel's buffer fills as for a stopped process
+  deliver();
+  if (open_ && !paused_) doRead();
+}
+
+void SimPeer::deliver() {
+  try {
+    while (open_ && !paused_) {
+      auto message = decoder_.next();
+      if (!message) break;
+      if (onMessage_) onMessage_(*message);
+    }
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
+}
+
+void SimPeer::waitWritable() {
+  socket_.async_wait(tcp::socket::wait_write, [self = shared_from_this()](const boost::system::error_code& ec) {
+    if (!self->open_ || self->paused_ || self->outbox_.empty()) return;  // resume() re-arms
+    if (ec) {
+      self->fail("write: " + ec.message());
+      return;
+    }
+    boost::system::error_code writeError;
+    const size_t n = self->socket_.write_some(asio::buffer(self->outbox_), writeError);
+    if (writeError && writeError != asio::error::would_block && writeError != asio::error::try_again) {
+      self->fail("write: " + writeError.message());
+      return;
+    }
+    self->outbox_.erase(0, writeError ? 0 : n);
+    if (!self->outbox_.empty()) return self->waitWritable();
+    if (self->closing_) self->close();
+  });
+}
+
+void SimPeer::fail(const std::string& reason) {
+  shutdown();
+  if (onClose_) {
+    auto callback = std::move(onClose_);
+    onClose_ = nullptr;
+    onMessage_ = nullptr;
+    callback(reason);
+  }
+}
+
+void SimPeer::shutdown() {
+  open_ = false;
+  outbox_.clear();
+  boost::system::error_code ignored;
+  socket_.close(ignored);
+}
+
+}  // namespace varuna::sim
