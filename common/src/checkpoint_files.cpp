@@ -483,6 +483,16 @@ std::vector<fs::path> applyRetention(const fs::path& globalStore, int keep, int6
     fs::remove_all(path, ec);
     if (!ec) removed.push_back(path);
   };
+  // A checkpoint is first renamed out of its place (atomic: a reader sees it
+  // whole or not at all, never complete-looking with files gone), then removed.
+  auto retire = [&](const fs::path& dir) {
+    fs::path aside = dir;
+    aside += strCat(".stale.retired.", ::getpid());
+    std::error_code ec;
+    fs::rename(dir, aside, ec);
+    remove(ec ? dir : aside);
+    if (!ec && !removed.empty() && removed.back() == aside) removed.back() = dir;
+  };
   const auto complete = completeCheckpoints(globalStore);
   const std::optional<int64_t> newest = complete.empty() ? std::nullopt : std::optional<int64_t>(complete.front());
   std::set<int64_t> kept(complete.begin(), complete.end());
@@ -492,7 +502,7 @@ std::vector<fs::path> applyRetention(const fs::path& globalStore, int keep, int6
   for (int64_t step : listCheckpoints(globalStore)) {
     // Older than the newest complete checkpoint and not kept: old, damaged or
     // interrupted. Newer ones may still be in progress (or are the newest).
-    if (newest && step < *newest && !kept.count(step)) remove(checkpointDir(globalStore, step));
+    if (newest && step < *newest && !kept.count(step)) retire(checkpointDir(globalStore, step));
   }
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(globalStore, ec)) {
