@@ -14,7 +14,6 @@
   (`stale_worker` events) before anything else could stop them.
 In both, nothing is left at the end.
 """
-import json
 import os
 import re
 import shutil
@@ -22,12 +21,12 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from varuna_e2e import Manager, assert_nothing_left, log, processes_of_job, run_tests, wait_for  # noqa: E402
+from varuna_e2e import (Manager, StoreWatcher, assert_nothing_left, log, processes_of_job, run_tests,  # noqa: E402
+                        wait_for)
 
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-generation-end-")))
 shutil.rmtree(ROOT, ignore_errors=True)
@@ -77,51 +76,6 @@ def running(pid):
     except OSError:
         return False
     return stat[stat.rfind(")") + 2] not in "ZX"
-
-
-class StoreWatcher(threading.Thread):
-    """Records, every 0.1 s, the newest modification time of each file a
-    given generation has in the store: its partial folders (`.g<G>.partial`)
-    and the complete checkpoints whose manifest names it. Retention removes
-    files as the job goes on; polling sees them before that."""
-
-    def __init__(self, store, generation):
-        super().__init__(daemon=True)
-        self.store, self.tag, self.generation = Path(store), ".g%d.partial" % generation, generation
-        self.writes = {}  # path -> newest mtime (s)
-        self.done = threading.Event()
-
-    def owned(self, folder):
-        if self.tag in folder.name:
-            return True
-        try:
-            return json.loads((folder / "manifest.json").read_text()).get("generation") == self.generation
-        except (OSError, ValueError):
-            return False
-
-    def scan(self):
-        if not self.store.exists():
-            return
-        for folder in list(self.store.glob("varuna_ckpt_*")):
-            try:
-                if not folder.is_dir() or not self.owned(folder):
-                    continue
-                for f in folder.rglob("*"):
-                    if not f.is_file():
-                        continue  # a folder's time changes when retention empties it
-                    mtime = f.stat().st_mtime
-                    self.writes[str(f)] = max(mtime, self.writes.get(str(f), 0))
-            except OSError:
-                continue  # removed while looking
-
-    def run(self):
-        while not self.done.is_set():
-            self.scan()
-            time.sleep(0.1)
-        self.scan()
-
-    def latest(self):
-        return max(self.writes.values(), default=0)
 
 
 def test_frozen_agent_workers_are_gone_within_the_bound():

@@ -5,12 +5,10 @@ and the instruments that judge the outcome:
 - JobSampler: every 0.2 s, which generations have live workers (what a
   worker is and its generation come from its environment: VARUNA_JOB,
   VARUNA_GENERATION), to measure how long two generations coexist;
-- StoreWatcher: the newest write of one generation into the global store;
 - rank-0 losses per generation, read from the workers' logs
   (/tmp/varuna/JOB/HOST/logs/g<G>_rank0.log), to check that a step trained
   more than once gives the same loss each time.
 """
-import json
 import os
 import re
 import signal
@@ -165,57 +163,6 @@ class JobSampler(threading.Thread):
             return 0.0, None, None
         pair, (first, last, n, pids) = max(self.together.items(), key=lambda kv: kv[1][1] - kv[1][0])
         return last - first + self.period, pair, {"samples": n, "older_pids": sorted(pids)}
-
-
-class StoreWatcher(threading.Thread):
-    """Records, every 0.1 s, the newest modification time of each file a
-    given generation has in the store: its partial folders (`.g<G>.partial`)
-    and the complete checkpoints whose manifest names it. Retention removes
-    files as the job goes on; polling sees them before that.
-    (The same instrument as generation_end_test.py's, which cannot be imported:
-    that module clears its temporary folder when loaded.)"""
-
-    def __init__(self, store, generation):
-        super().__init__(daemon=True)
-        self.store, self.tag, self.generation = Path(store), ".g%d.partial" % generation, generation
-        self.writes = {}  # path -> newest mtime (s)
-        self.done = threading.Event()
-
-    def owned(self, folder):
-        if self.tag in folder.name:
-            return True
-        try:
-            return json.loads((folder / "manifest.json").read_text()).get("generation") == self.generation
-        except (OSError, ValueError):
-            return False
-
-    def scan(self):
-        if not self.store.exists():
-            return
-        for folder in list(self.store.glob("varuna_ckpt_*")):
-            try:
-                if not folder.is_dir() or not self.owned(folder):
-                    continue
-                for f in folder.rglob("*"):
-                    if not f.is_file():
-                        continue  # a folder's time changes when retention empties it
-                    mtime = f.stat().st_mtime
-                    self.writes[str(f)] = max(mtime, self.writes.get(str(f), 0))
-            except OSError:
-                continue  # removed while looking
-
-    def run(self):
-        while not self.done.is_set():
-            self.scan()
-            time.sleep(0.1)
-        self.scan()
-
-    def stop(self):
-        self.done.set()
-        self.join()
-
-    def latest(self):
-        return max(self.writes.values(), default=0)
 
 
 # ----------------------------------------------------------------- network

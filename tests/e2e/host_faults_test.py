@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_faults_common import (  # noqa: E402
-    AGENT_GRACE_S, HEARTBEAT_TIMEOUT_S, ORDERED_EXIT_BOUND_S, SLACK_S, SUPERSEDED_BOUND_S, StoreWatcher,
+    AGENT_GRACE_S, HEARTBEAT_TIMEOUT_S, ORDERED_EXIT_BOUND_S, SLACK_S, SUPERSEDED_BOUND_S,
     hosts_of, job_processes_on, launches_since, notify_preempt_from, running, set_link, ssh_manager,
     stop_and_check_clean, wait_generation_steps)
 from netns_cluster import Cluster  # noqa: E402
-from varuna_e2e import TRAIN_DIR, log, run_tests, wait_for  # noqa: E402
+from varuna_e2e import TRAIN_DIR, StoreWatcher, log, run_tests, wait_for  # noqa: E402
 
 if os.geteuid() != 0:
     print("skipped: network namespaces and sshd need root")

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -229,3 +230,52 @@ def run_tests(tests):
         _kill_leftovers()
     log("%d/%d passed" % (len(tests) - len(failed), len(tests)), "failed: %s" % failed if failed else "")
     sys.exit(1 if failed else 0)
+
+
+class StoreWatcher(threading.Thread):
+    """Records, every 0.1 s, the newest modification time of each file a
+    given generation has in the store: its partial folders (`.g<G>.partial`)
+    and the complete checkpoints whose manifest names it. Retention removes
+    files as the job goes on; polling sees them before that."""
+
+    def __init__(self, store, generation):
+        super().__init__(daemon=True)
+        self.store, self.tag, self.generation = Path(store), ".g%d.partial" % generation, generation
+        self.writes = {}  # path -> newest mtime (s)
+        self.done = threading.Event()
+
+    def owned(self, folder):
+        if self.tag in folder.name:
+            return True
+        try:
+            return json.loads((folder / "manifest.json").read_text()).get("generation") == self.generation
+        except (OSError, ValueError):
+            return False
+
+    def scan(self):
+        if not self.store.exists():
+            return
+        for folder in list(self.store.glob("varuna_ckpt_*")):
+            try:
+                if not folder.is_dir() or not self.owned(folder):
+                    continue
+                for f in folder.rglob("*"):
+                    if not f.is_file():
+                        continue  # a folder's time changes when retention empties it
+                    mtime = f.stat().st_mtime
+                    self.writes[str(f)] = max(mtime, self.writes.get(str(f), 0))
+            except OSError:
+                continue  # removed while looking
+
+    def run(self):
+        while not self.done.is_set():
+            self.scan()
+            time.sleep(0.1)
+        self.scan()
+
+    def latest(self):
+        return max(self.writes.values(), default=0)
+
+    def stop(self):
+        self.done.set()
+        self.join()
