@@ -26,8 +26,14 @@ Plan AsyncPlanner::plan(const PlanRequest& request) {
           try {
             computed.result = compute(request);
             computed.outcome.plan = computed.result->best.plan;
-          } catch (const std::exception& e) {  // ConfigError: no plan fits; anything else the same for the job
+          } catch (const ConfigError& e) {  // no plan fits these machines
             computed.outcome.error = e.what();
+          } catch (const std::exception& e) {
+            // Not a verdict on the machines but a failure of AutoConfig itself
+            // (out of memory, a bad profile value): the job treats it alike
+            // (no plan now; the next machine change asks again), but the
+            // reason says which it was.
+            computed.outcome.error = strCat("AutoConfig failed: ", e.what());
           }
           return computed;
         },

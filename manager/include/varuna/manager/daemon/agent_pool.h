@@ -1,0 +1,164 @@
+// AgentPool: run_varuna's host agents. For every listed host it keeps the
+// agent's state and connection, starts the agent (one start-up at a time per
+// host, each on a launch thread whose result is posted back to the loop and
+// which is joined then), answers and sends heartbeats, closes agents that went
+// silent, and knows which hosts are out and when they come back
+// (HostAbsences). What the job makes of it (the usable machines changed, a
+// host was lost) goes to its Observer, the daemon.
+//
+// Runs on the daemon's io_context thread, like everything of the daemon.
+#pragma once
+
+#include <utility>  // before Asio: its headers miss it with this GCC
+#include <boost/asio.hpp>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "varuna/common/machine_list.h"
+#include "varuna/common/protocol.h"
+#include "varuna/manager/daemon/host_absences.h"
+#include "varuna/manager/event_log.h"
+#include "varuna/manager/framed_connection.h"
+#include "varuna/manager/handler_guard.h"
+#include "varuna/manager/host_launcher.h"
+
+namespace varuna {
+
+class AgentPool {
+ public:
+  using TimePoint = std::chrono::steady_clock::time_point;
+
+  class Observer {
+   public:
+    virtual ~Observer() = default;
+    // A host became usable or stopped being usable (an agent up, back, failed).
+    virtual void hostsChanged() = 0;
+    // A host that was out is usable again (the controller forgets its exclusion).
+    virtual void hostBack(const std::string& host) = 0;
+    // The agent of a host in use was lost unexpectedly (the pool has marked it out).
+    virtual void agentLost(const std::string& host, const std::string& reason) = 0;
+    // An agent's start-up failed with a configuration error no host will fix.
+    virtual void agentConfigError(const std::string& host, const std::string& reason) = 0;
+    // What an agent reports about its workers (WorkerExited).
+    virtual void agentMessage(const std::string& host, const proto::Message& message) = 0;
+  };
+
+  enum class Status { kStarting, kUp, kFailed, kGone };
+
+  struct Settings {
+    std::string advertisedAddress;  // host:port agents dial
+    std::string token;              // sent on the agent command's stdin
+    std::chrono::milliseconds heartbeatTimeout{10000};  // an agent silent this long is closed
+    std::chrono::milliseconds helloWait{10000};  // after a reported start-up, the wait for its hello
+    RetryPolicy retry;
+  };
+
+  AgentPool(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard, EventLog& events,
+            std::unique_ptr<HostLauncher> launcher, Settings settings, Observer& observer);
+  ~AgentPool();  // joins start-ups still under way (their results are never read)
+
+  // The command that starts the agent on `host` (set by the daemon: it knows the job).
+  void setAgentCommand(std::function<std::string(const std::string& host)> command) {
+    agentCommand_ = std::move(command);
+  }
+
+  // The machine list as last read.
+  void setListed(std::vector<Machine> machines) { listed_ = std::move(machines); }
+  const std::vector<Machine>& listed() const { return listed_; }
+  bool isListed(const std::string& host) const;
+
+  // Starts the agent on `host` unless one is starting or up.
+  void startAgent(const std::string& host);
+  // An agent's hello (already authenticated): false if refused (unknown host,
+  // or one with an agent already), with the reason sent to it.
+  bool admit(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+
+  // The tick: closes agents silent for the heartbeat timeout, sends the
+  // manager's heartbeat once a second, and (unless `retry` is false: the job
+  // is not running yet or is stopping) starts the agents of hosts whose
+  // retry is due and readmits preempted hosts whose agent still answers.
+  void tick(TimePoint now, bool retry);
+
+  // A preemption notice for `host`, taken at `until` (a listed host only).
+  bool known(const std::string& host) const { return agents_.count(host) > 0; }
+  void preempted(const std::string& host, TimePoint until, TimePoint now) {
+    absences_.markPreempted(host, until, now);
+  }
+  // Excluded as slow (--exclude_slow).
+  void slow(const std::string& host, TimePoint now) { absences_.markSlow(host, now); }
+  // The machine list was written: listed hosts that are out get another
+  // chance now. Returns the hosts readmitted (each with why it was out) and
+  // calls the observer's hostBack for those whose agent is up.
+  nlohmann::json readmitListed(TimePoint now, bool* anyBack);
+  // Hosts newly listed: their agents start (unless up).
+  void listedAdded(const std::string& host);
+
+  // Machines the job may use: listed, agent up and not released.
+  std::vector<Machine> usable() const;
+  // True while some agent's first start-up is under way.
+  bool anyStarting() const;
+  size_t startingCount() const;
+
+  // Sends `message` to the agent of each host (those connected).
+  void send(const std::vector<std::string>& hosts, const proto::Message& message);
+  void send(const std::string& host, const proto::Message& message);
+  bool connected(const std::string& host) const;
+  // After a launch: hosts preempted or no longer listed are told to shut down.
+  void releaseDeparted();
+  // The job stopped: every agent is told so (its loss is then expected) and
+  // no start-up result counts any more.
+  void shutdownAll(const std::string& reason);
+  // Leaving the loop: every connection is closed after what it has queued.
+  void closeAll(const std::string& reason);
+
+  // state.json's "hosts".
+  nlohmann::json describe(TimePoint now) const;
+  size_t launchThreads() const { return launchThreads_.size(); }
+  const HostAbsences& absences() const { return absences_; }
+
+ private:
+  struct Agent {
+    Status status = Status::kStarting;
+    std::shared_ptr<FramedConnection> connection;
+    TimePoint lastSeen{};
+    bool released = false;  // sent Shutdown: its loss is expected
+    // Kept across start-ups: which one is under way, and whether its launch
+    // thread still runs (one at a time per host).
+    uint64_t attempt = 0;
+    bool launching = false;
+  };
+
+  void onMessage(const std::string& host, const proto::Message& message);
+  void onClosed(const std::string& host, const std::string& reason);
+  void onStartupDone(const std::string& host, const HostCommandResult& result);
+  void startupFailed(const std::string& host, const std::string& message);
+  void reapLaunchThread(uint64_t id);
+  void closeSilentAgents(TimePoint now);
+  void sendHeartbeats(TimePoint now);
+  void retryAbsentHosts(TimePoint now);
+  void back(const std::string& host, const std::string& how);
+  bool usableAgent(const std::string& host) const;
+
+  boost::asio::io_context& io_;
+  std::shared_ptr<HandlerGuard> guard_;
+  EventLog& events_;
+  std::unique_ptr<HostLauncher> launcher_;
+  Settings settings_;
+  Observer& observer_;
+  std::function<std::string(const std::string&)> agentCommand_;
+  std::vector<Machine> listed_;
+  std::map<std::string, Agent> agents_;
+  HostAbsences absences_;
+  std::map<uint64_t, std::thread> launchThreads_;
+  uint64_t nextLaunchThread_ = 0;
+  TimePoint lastHeartbeat_{};
+  bool shutDown_ = false;
+};
+
+const char* toString(AgentPool::Status status);
+
+}  // namespace varuna

@@ -1,0 +1,92 @@
+// ControlListener: run_varuna's TCP listener for agents, workers and
+// notify_manager_preempt. It accepts connections, holds each one until its
+// first frame (capped and with a deadline: PendingConnections), checks that
+// frame is a hello with the job's token and hands the connection to the
+// daemon by role; anything else is refused (bounded, escaped text in the
+// log). A failing accept backs off instead of spinning (EMFILE), freeing the
+// oldest connection without a hello so that the next peer (perhaps a notice)
+// gets a descriptor. docs/run_varuna.md ("Connections and limits").
+#pragma once
+
+#include <utility>  // before Asio: its headers miss it with this GCC
+#include <boost/asio.hpp>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "varuna/common/protocol.h"
+#include "varuna/manager/event_log.h"
+#include "varuna/manager/framed_connection.h"
+#include "varuna/manager/handler_guard.h"
+#include "varuna/manager/pending_connections.h"
+#include "varuna/manager/rate_limiter.h"
+
+namespace varuna {
+
+class ControlListener {
+ public:
+  using TimePoint = std::chrono::steady_clock::time_point;
+  // A hello with the right token, by role; throws proto::ProtocolError to refuse it.
+  using OnHello = std::function<void(const std::shared_ptr<FramedConnection>&, const proto::Hello&)>;
+  // How many peers the manager waits for (agents starting, launched workers
+  // without a hello): a burst of connections from them may exceed the cap.
+  using ExpectedHellos = std::function<size_t()>;
+
+  // Accept errors that mean "out of descriptors or memory" back off from
+  // this, doubling, to kAcceptBackoffMax.
+  static constexpr std::chrono::milliseconds kAcceptBackoffMin{50};
+  static constexpr std::chrono::milliseconds kAcceptBackoffMax{1000};
+
+  ControlListener(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits);
+
+  // Binds and listens; an empty string, or why it could not.
+  std::string listen(const boost::asio::ip::tcp::endpoint& endpoint);
+  uint16_t port() const { return port_; }
+  // Starts accepting. `token` is the job's; `events` gets refusals and drop counts.
+  void start(std::string token, EventLog& events, OnHello onHello, ExpectedHellos expected);
+  // The tick: expires connections past their hello deadline, reports drops.
+  void tick(TimePoint now);
+  // Leaving the loop: no more accepts, pending connections closed.
+  void close();
+
+  size_t pendingConnections() const { return pending_.size(); }
+  uint64_t acceptFailures() const { return acceptFailures_; }
+  nlohmann::json stats() const;  // state.json's "connections" (without the handler failures)
+
+ private:
+  void doAccept();
+  void onAccept(const boost::system::error_code& ec, boost::asio::ip::tcp::socket socket);
+  // At once again for an error of that one connection, after a backoff for a
+  // lack of descriptors or memory.
+  void onAcceptFailed(const boost::system::error_code& ec);
+  void onFirstMessage(const std::shared_ptr<FramedConnection>& connection, const proto::Message& message);
+  // Rate-limited summary of connections closed before their hello.
+  void reportDrops(TimePoint now);
+
+  boost::asio::io_context& io_;
+  std::shared_ptr<HandlerGuard> guard_;
+  boost::asio::ip::tcp::acceptor acceptor_;
+  boost::asio::steady_timer retryTimer_;
+  uint16_t port_ = 0;
+  std::string token_;
+  EventLog* events_ = nullptr;
+  OnHello onHello_;
+  ExpectedHellos expected_;
+  bool closed_ = false;
+  std::chrono::milliseconds backoff_{0};  // 0: the last accept worked
+  uint64_t acceptFailures_ = 0;
+  RateLimiter failureLog_{std::chrono::seconds(10), 1};
+  PendingConnections pending_;      // before their hello: capped, with a deadline
+  uint64_t closedBeforeHello_ = 0;  // by the peer, or for a bad or oversized first frame
+  struct DropCounts {
+    uint64_t closed = 0, expired = 0, evicted = 0;
+    bool operator==(const DropCounts&) const = default;
+  };
+  DropCounts dropsLogged_, dropsRecorded_;  // totals when last logged / written to the event log
+  TimePoint dropsLoggedAt_{}, dropsRecordedAt_{};
+};
+
+}  // namespace varuna

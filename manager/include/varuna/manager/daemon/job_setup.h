@@ -1,0 +1,45 @@
+// What run_varuna sets up once, at start-up, before its loop runs: the job's
+// token, its claim on the checkpoint store, the generation to continue from,
+// the address agents and workers dial. Each throws ConfigError for a setup
+// the operator must fix (the message names the flag and the fix).
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "varuna/common/machine_list.h"
+#include "varuna/manager/event_log.h"
+#include "varuna/manager/job_config.h"
+
+namespace varuna {
+
+// The per-job secret every connection must present. Kept in the state folder
+// (mode 0600) so a restarted manager and the notifiers keep using it.
+std::string loadOrCreateToken(const std::filesystem::path& stateDir);
+
+// A checkpoint folder belongs to one job: a new job pointed at another job's
+// store would silently resume that job's weights. The first manager to use a
+// store writes its job name there; later managers of the same job continue,
+// others are refused. (A store without the file, e.g. filled by
+// scripts/varuna_launch.py, is adopted.)
+void claimGlobalStore(const std::filesystem::path& store, const std::string& job);
+
+// A JSON file, or null if it is missing or not JSON.
+nlohmann::json readJsonFile(const std::filesystem::path& path);
+
+// state.json of an earlier manager, checked to be this job's (else ConfigError).
+nlohmann::json previousState(const JobConfig& config);
+
+// The first generation this manager launches: past the earlier manager's
+// (state.json) and past the store's generation record (fencing), so that no
+// worker of this manager counts as superseded.
+int firstGeneration(const JobConfig& config, const nlohmann::json& previous, EventLog& events);
+
+// host:port the agents and workers dial, from --manager_ip (required unless
+// every listed machine is this one).
+std::string advertisedAddress(const JobConfig& config, const std::vector<Machine>& listed, uint16_t port);
+
+}  // namespace varuna

@@ -1,0 +1,378 @@
+#include "varuna/manager/daemon/agent_pool.h"
+
+#include <algorithm>
+
+#include "varuna/common/log.h"
+#include "varuna/manager/job_config.h"
+
+namespace varuna {
+namespace {
+
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+// The manager's heartbeat to its agents (as often as theirs to it).
+constexpr auto kHeartbeatInterval = std::chrono::seconds(1);
+
+double secondsBetween(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+}  // namespace
+
+const char* toString(AgentPool::Status status) {
+  switch (status) {
+    case AgentPool::Status::kStarting: return "starting";
+    case AgentPool::Status::kUp: return "up";
+    case AgentPool::Status::kFailed: return "failed";
+    case AgentPool::Status::kGone: return "gone";
+  }
+  return "unknown";
+}
+
+AgentPool::AgentPool(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, EventLog& events,
+                     std::unique_ptr<HostLauncher> launcher, Settings settings, Observer& observer)
+    : io_(io),
+      guard_(std::move(guard)),
+      events_(events),
+      launcher_(std::move(launcher)),
+      settings_(std::move(settings)),
+      observer_(observer),
+      absences_(settings_.retry) {}
+
+AgentPool::~AgentPool() {
+  // Start-ups still under way (the loop stopped first): their results are
+  // never read, but the threads use this pool's launcher.
+  for (auto& [id, t] : launchThreads_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+bool AgentPool::isListed(const std::string& host) const {
+  return std::any_of(listed_.begin(), listed_.end(), [&](const Machine& m) { return m.host == host; });
+}
+
+// --- start-ups ------------------------------------------------------------------
+
+void AgentPool::startAgent(const std::string& host) {
+  auto [entry, fresh] = agents_.try_emplace(host);
+  Agent& agent = entry->second;
+  // One start-up per host at a time: a retry or a list write while one is
+  // under way leaves it to that one.
+  if (!fresh && (agent.status == Status::kStarting || agent.launching)) return;
+  const uint64_t attempt = agent.attempt + 1;
+  agent = Agent{};
+  agent.status = Status::kStarting;
+  agent.attempt = attempt;
+  agent.launching = true;
+  absences_.noteAttempt(host);
+  const std::string command = agentCommand_(host);
+  log::debug("starting the agent on ", host);
+  HostLauncher* launcher = launcher_.get();
+  const uint64_t id = nextLaunchThread_++;
+  // The token travels on the command's stdin, never in the command (the
+  // remote shell's command line is visible to `ps`).
+  launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input = settings_.token + "\n"] {
+    HostCommandResult result;
+    try {
+      result = launcher->run(host, command, input);
+    } catch (const std::exception& e) {  // out of a thread it would end the process
+      result.ok = false;
+      result.message = strCat("starting the agent failed: ", e.what());
+    }
+    asio::post(io_, guard_->wrap("an agent start-up's result", [this, id, host, result] {
+      reapLaunchThread(id);
+      if (auto a = agents_.find(host); a != agents_.end()) a->second.launching = false;
+      onStartupDone(host, result);
+    }));
+  }));
+}
+
+void AgentPool::reapLaunchThread(uint64_t id) {
+  auto it = launchThreads_.find(id);
+  if (it == launchThreads_.end()) return;
+  if (it->second.joinable()) it->second.join();  // it posted its result and is returning: no wait to speak of
+  launchThreads_.erase(it);
+}
+
+void AgentPool::onStartupDone(const std::string& host, const HostCommandResult& result) {
+  if (shutDown_) return;
+  auto it = agents_.find(host);
+  if (it == agents_.end() || it->second.status != Status::kStarting) return;  // up already (or gone)
+  if (!result.ok) {
+    if (result.exitStatus == kExitConfigError && !absences_.find(host)) {
+      // The same program and code_dir are used everywhere: no host will do
+      // better. (A host coming back that says so is only that host's
+      // trouble, e.g. a re-imaged machine: it stays out, retried.)
+      const std::string reason = strCat("host ", host, ": ", result.output.empty() ? result.message : result.output);
+      events_.write("agent_failed", {{"host", host}, {"reason", reason}, {"config_error", true}});
+      observer_.agentConfigError(host, reason);
+      return;
+    }
+    startupFailed(host, result.message);
+    return;
+  }
+  // The agent reported success after saying hello; the hello may still be in
+  // flight on its socket. Give it a moment.
+  auto timer = std::make_shared<asio::steady_timer>(io_, settings_.helloWait);
+  const uint64_t attempt = it->second.attempt;  // a later start-up of the host is not this one's to fail
+  timer->async_wait(guard_->wrap("waiting for an agent's hello", [this, timer, host,
+                                                                  attempt](const boost::system::error_code& ec) {
+    auto a = agents_.find(host);
+    if (!ec && !shutDown_ && a != agents_.end() && a->second.status == Status::kStarting &&
+        a->second.attempt == attempt) {
+      startupFailed(host, "the agent started but never reached the manager at " + settings_.advertisedAddress);
+    }
+  }));
+}
+
+void AgentPool::startupFailed(const std::string& host, const std::string& message) {
+  const auto now = Clock::now();
+  HostAbsence& absence = absences_.markAbsent(host, "agent_failed", now);
+  absences_.scheduleRetry(host, now);
+  const std::string retry =
+      absence.retryAt && isListed(host)
+          ? strCat("; retrying in ", std::chrono::duration<double>(*absence.retryAt - now).count(), " s")
+          : std::string();
+  log::error("cannot start the agent on ", host, ": ", message, retry);
+  events_.write("agent_failed", {{"host", host}, {"reason", message}, {"attempts", absence.attempts}});
+  agents_.at(host).status = Status::kFailed;
+  observer_.hostsChanged();
+}
+
+// --- connections ------------------------------------------------------------------
+
+bool AgentPool::admit(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+  auto it = agents_.find(hello.host);
+  if (it == agents_.end() || it->second.status == Status::kUp) {
+    const std::string why = it == agents_.end() ? "is not in the machine list" : "already has an agent";
+    const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
+    log::warn("agent from ", connection->peer(), " for host ", host, " refused: the host ", why);
+    connection->send(proto::Ack{false, strCat("host ", host, " ", why)});
+    connection->closeAfterSending("refused");
+    return false;
+  }
+  Agent& agent = it->second;
+  agent.status = Status::kUp;
+  agent.connection = connection;
+  agent.lastSeen = Clock::now();
+  agent.released = false;
+  const std::string host = hello.host;
+  std::weak_ptr<FramedConnection> weak = connection;
+  connection->start([this, host](const proto::Message& m) { onMessage(host, m); },
+                    [this, host, weak](const std::string& reason) {
+                      auto a = agents_.find(host);
+                      if (a != agents_.end() && a->second.connection == weak.lock()) onClosed(host, reason);
+                    });
+  log::info("agent up on ", host, " (", connection->peer(), ")");
+  events_.write("agent_up", {{"host", host}});
+  if (absences_.mayComeBack(host, Clock::now())) back(host, "its agent is up again");
+  observer_.hostsChanged();
+  return true;
+}
+
+void AgentPool::onMessage(const std::string& host, const proto::Message& message) {
+  auto& agent = agents_.at(host);
+  agent.lastSeen = Clock::now();
+  if (const auto* ping = std::get_if<proto::Ping>(&message)) {
+    if (agent.connection) agent.connection->send(proto::Pong{ping->sequence, ping->sentNs});
+    return;
+  }
+  observer_.agentMessage(host, message);
+}
+
+void AgentPool::onClosed(const std::string& host, const std::string& reason) {
+  Agent& agent = agents_.at(host);
+  const bool expected = agent.released || shutDown_;
+  agent.status = Status::kGone;
+  agent.connection.reset();
+  const auto now = Clock::now();
+  if (expected) {
+    // Released because it was preempted (it waits for the notice's deadline)
+    // or removed from the list; if it is listed again by now, it comes back.
+    if (!shutDown_ && isListed(host) && !absences_.preempted(host)) {
+      absences_.markAbsent(host, "released", now).retryAt = now;
+    }
+    return;
+  }
+  log::error("lost the agent on ", host, " (", reason, ")");
+  events_.write("host_lost", {{"host", host}, {"reason", reason}});
+  absences_.markAbsent(host, "lost", now);
+  absences_.scheduleRetry(host, now);
+  observer_.agentLost(host, reason);
+}
+
+bool AgentPool::connected(const std::string& host) const {
+  auto it = agents_.find(host);
+  return it != agents_.end() && it->second.connection && it->second.connection->open();
+}
+
+void AgentPool::send(const std::string& host, const proto::Message& message) {
+  if (connected(host)) agents_.at(host).connection->send(message);
+}
+
+void AgentPool::send(const std::vector<std::string>& hosts, const proto::Message& message) {
+  for (const auto& host : hosts) send(host, message);
+}
+
+void AgentPool::releaseDeparted() {
+  for (auto& [host, agent] : agents_) {
+    const bool preempted = absences_.preempted(host);
+    const bool gone = preempted || !isListed(host);
+    if (gone && agent.connection && agent.connection->open() && !agent.released) {
+      agent.released = true;
+      agent.connection->send(proto::Shutdown{preempted ? "preempted" : "removed from the machine list"});
+      events_.write("host_released", {{"host", host}});
+    }
+  }
+}
+
+void AgentPool::shutdownAll(const std::string& reason) {
+  shutDown_ = true;
+  for (auto& [host, agent] : agents_) {
+    if (agent.connection && agent.connection->open()) {
+      agent.released = true;
+      agent.connection->send(proto::Shutdown{reason});
+    }
+  }
+}
+
+void AgentPool::closeAll(const std::string& reason) {
+  for (auto& [host, agent] : agents_) {
+    if (agent.connection) agent.connection->closeAfterSending(reason);
+  }
+}
+
+// --- the tick ------------------------------------------------------------------------
+
+void AgentPool::tick(TimePoint now, bool retry) {
+  closeSilentAgents(now);
+  sendHeartbeats(now);
+  if (retry && !shutDown_) retryAbsentHosts(now);
+}
+
+void AgentPool::closeSilentAgents(TimePoint now) {
+  for (auto& [host, agent] : agents_) {
+    if (agent.status == Status::kUp && agent.connection && now - agent.lastSeen > settings_.heartbeatTimeout) {
+      agent.connection->close(strCat("no heartbeat for ", std::chrono::duration<double>(settings_.heartbeatTimeout).count(), " s"));
+    }
+  }
+}
+
+void AgentPool::sendHeartbeats(TimePoint now) {
+  // An agent that hears nothing from the manager for heartbeat_timeout_s +
+  // agent_grace_s takes it as gone (--lost_manager_ms).
+  if (now - lastHeartbeat_ < kHeartbeatInterval) return;
+  lastHeartbeat_ = now;
+  for (auto& [host, agent] : agents_) {
+    if (agent.status == Status::kUp && agent.connection && agent.connection->open()) {
+      agent.connection->send(proto::Heartbeat{-1, 0});
+    }
+  }
+}
+
+void AgentPool::retryAbsentHosts(TimePoint now) {
+  if (absences_.empty()) return;
+  std::vector<std::string> answered, due;
+  for (const auto& [host, absence] : absences_.all()) {
+    auto a = agents_.find(host);
+    // A host no longer listed keeps its record (a slow host re-listed is
+    // still readmitted by that write) but is not tried.
+    if (a == agents_.end() || !isListed(host) || !absences_.mayComeBack(host, now)) continue;
+    const Agent& agent = a->second;
+    if (agent.status == Status::kUp) {
+      // Preempted, yet its agent still answers after the notice's deadline:
+      // the host was not taken. (A released agent is on its way out.)
+      if (!agent.released && (!absence.preemptedUntil || agent.lastSeen >= *absence.preemptedUntil)) {
+        answered.push_back(host);
+      }
+      continue;
+    }
+    if (agent.status == Status::kStarting || agent.launching) continue;  // one start-up at a time
+    if (absences_.retryDue(host, now)) due.push_back(host);
+  }
+  for (const auto& host : answered) back(host, "its agent still answers after the preemption notice's deadline");
+  if (!answered.empty()) observer_.hostsChanged();
+  for (const auto& host : due) {
+    if (shutDown_) return;
+    HostAbsence& absence = *absences_.find(host);
+    absence.retryAt.reset();  // a failure of this start-up schedules the next
+    log::info("starting the agent on ", host, " again (out for ", static_cast<int>(secondsBetween(absence.since, now)),
+              " s: ", absence.why, "; attempt ", absence.attempts + 1, ")");
+    startAgent(host);
+  }
+}
+
+void AgentPool::back(const std::string& host, const std::string& how) {
+  const auto now = Clock::now();
+  const auto absence = absences_.back(host, now);
+  if (!absence) return;
+  observer_.hostBack(host);
+  const double out = secondsBetween(absence->since, now);
+  log::info("host ", host, " is back after ", static_cast<int>(out), " s out (", absence->why, "): ", how);
+  events_.write("host_back",
+                {{"host", host}, {"why", absence->why}, {"out_s", out}, {"attempts", absence->attempts}, {"how", how}});
+}
+
+nlohmann::json AgentPool::readmitListed(TimePoint now, bool* anyBack) {
+  json retried = json::array();
+  for (const auto& m : listed_) {
+    const HostAbsence* absence = absences_.find(m.host);
+    if (!absence) continue;
+    retried.push_back({{"host", m.host}, {"why", absence->why}, {"slow", absence->slow}});
+    absences_.readmit(m.host, now);
+    if (usableAgent(m.host)) {
+      back(m.host, "the machine list was written");
+      if (anyBack) *anyBack = true;
+    }
+  }
+  if (!retried.empty()) {
+    log::info("the machine list was written: ", retried.size(), " host(s) that were out get another chance now");
+    events_.write("hosts_readmitted", {{"hosts", retried}});
+  }
+  return retried;
+}
+
+void AgentPool::listedAdded(const std::string& host) {
+  auto it = agents_.find(host);
+  if (it == agents_.end() || it->second.status != Status::kUp) startAgent(host);
+}
+
+// --- what the job may use --------------------------------------------------------------
+
+bool AgentPool::usableAgent(const std::string& host) const {
+  auto it = agents_.find(host);
+  // A released agent (told to shut down) is on its way out.
+  return it != agents_.end() && it->second.status == Status::kUp && !it->second.released;
+}
+
+std::vector<Machine> AgentPool::usable() const {
+  std::vector<Machine> usable;
+  for (const auto& m : listed_) {
+    if (usableAgent(m.host)) usable.push_back(m);
+  }
+  return usable;
+}
+
+bool AgentPool::anyStarting() const { return startingCount() > 0; }
+
+size_t AgentPool::startingCount() const {
+  size_t starting = 0;
+  for (const auto& [host, agent] : agents_) starting += agent.status == Status::kStarting ? 1 : 0;
+  return starting;
+}
+
+nlohmann::json AgentPool::describe(TimePoint now) const {
+  json hosts = json::object();
+  for (const auto& m : listed_) {
+    auto it = agents_.find(m.host);
+    const bool starting = it != agents_.end() && it->second.status == Status::kStarting;
+    hosts[m.host] = {{"slots", m.slots},
+                     {"agent", it != agents_.end() ? toString(it->second.status) : "unknown"},
+                     {"preempted", absences_.preempted(m.host)},
+                     // Out of the job: why, since when, and what brings it back.
+                     {"out", absences_.describe(m.host, starting, now)}};
+  }
+  return hosts;
+}
+
+}  // namespace varuna

@@ -1,0 +1,168 @@
+#include "varuna/manager/daemon/control_listener.h"
+
+#include <fcntl.h>
+
+#include "varuna/common/log.h"
+
+namespace varuna {
+namespace {
+
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+ControlListener::ControlListener(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits)
+    : io_(io), guard_(std::move(guard)), acceptor_(io), retryTimer_(io), pending_(limits) {}
+
+std::string ControlListener::listen(const asio::ip::tcp::endpoint& endpoint) {
+  boost::system::error_code ec;
+  acceptor_.open(endpoint.protocol(), ec);
+  if (!ec) acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor_.bind(endpoint, ec);
+  if (!ec) acceptor_.listen(1024, ec);
+  if (ec) return ec.message();
+  ::fcntl(acceptor_.native_handle(), F_SETFD, FD_CLOEXEC);
+  port_ = acceptor_.local_endpoint().port();
+  return "";
+}
+
+void ControlListener::start(std::string token, EventLog& events, OnHello onHello, ExpectedHellos expected) {
+  token_ = std::move(token);
+  events_ = &events;
+  onHello_ = std::move(onHello);
+  expected_ = std::move(expected);
+  doAccept();
+}
+
+void ControlListener::close() {
+  closed_ = true;
+  boost::system::error_code ignored;
+  acceptor_.close(ignored);
+  retryTimer_.cancel();
+  pending_.closeAll("manager exiting");
+}
+
+void ControlListener::doAccept() {
+  acceptor_.async_accept(guard_->wrap("accepting a connection", [this](const boost::system::error_code& ec,
+                                                                      asio::ip::tcp::socket socket) {
+    onAccept(ec, std::move(socket));
+  }));
+}
+
+void ControlListener::onAccept(const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
+  if (ec == asio::error::operation_aborted || closed_) return;
+  if (ec) return onAcceptFailed(ec);
+  backoff_ = std::chrono::milliseconds(0);
+  // Whatever goes wrong with this one connection, the next accept is armed.
+  guard_->run("admitting a connection", [&] {
+    ::fcntl(socket.native_handle(), F_SETFD, FD_CLOEXEC);
+    auto connection = std::make_shared<FramedConnection>(std::move(socket));
+    connection->setGuard(guard_);
+    // At the cap, the peers this manager is waiting for raise it (a launch's
+    // burst of workers); counted only then: it walks every worker.
+    const size_t expected = pending_.size() >= pending_.limits().maxPending ? expected_() : 0;
+    pending_.add(connection, Clock::now(), expected);  // may close the oldest pending one
+    std::weak_ptr<FramedConnection> weak = connection;
+    connection->start(
+        [this, weak](const proto::Message& m) {
+          if (auto c = weak.lock()) onFirstMessage(c, m);
+        },
+        [this, weak](const std::string&) {
+          // Closed before a hello: by the peer, or for a bad or oversized
+          // first frame (the deadline and the cap are counted by pending_).
+          auto c = weak.lock();
+          if (!c) return;
+          const size_t before = pending_.size();
+          pending_.erase(c);
+          if (pending_.size() < before) ++closedBeforeHello_;
+        });
+  });
+  doAccept();
+}
+
+void ControlListener::onAcceptFailed(const boost::system::error_code& ec) {
+  ++acceptFailures_;
+  const int code = ec.value();
+  // Errors of the one connection being accepted (Linux hands pending network
+  // errors to accept, see accept(2)): the next accept can work at once.
+  const bool thatConnection = ec == asio::error::connection_aborted || code == EPROTO || code == ENETDOWN ||
+                              code == ENOPROTOOPT || code == EHOSTDOWN || code == ENONET || code == EHOSTUNREACH ||
+                              code == EOPNOTSUPP || code == ENETUNREACH || code == EPERM;
+  if (thatConnection) {
+    doAccept();
+    return;
+  }
+  // Out of descriptors (EMFILE, ENFILE) or memory (ENOBUFS, ENOMEM), or
+  // anything else that would fail again at once: re-arming now would spin.
+  // Back off, and free a descriptor from the oldest connection that has not
+  // said hello, so that the next peer (perhaps a notice) gets one.
+  backoff_ = backoff_.count() == 0 ? kAcceptBackoffMin : std::min(2 * backoff_, kAcceptBackoffMax);
+  const bool shed = (code == EMFILE || code == ENFILE) && pending_.shedOldest("out of file descriptors");
+  uint64_t suppressed = 0;
+  if (failureLog_.allow(Clock::now(), &suppressed)) {
+    log::error("accepting a connection failed: ", ec.message(),
+               shed ? " (closed the oldest connection without a hello)" : "", "; retrying in ", backoff_.count(), " ms",
+               suppressed ? strCat(" (", suppressed + 1, " failures since the last line)") : std::string(),
+               code == EMFILE ? strCat("; the open-file limit is too low for the ", pending_.size(),
+                                       " pending and the job's connections (docs/run_varuna.md)")
+                              : std::string());
+  }
+  retryTimer_.expires_after(backoff_);
+  retryTimer_.async_wait(guard_->wrap("retrying accept", [this](const boost::system::error_code& timerError) {
+    if (timerError || closed_) return;
+    doAccept();
+  }));
+}
+
+void ControlListener::onFirstMessage(const std::shared_ptr<FramedConnection>& connection,
+                                     const proto::Message& message) {
+  pending_.erase(connection);
+  try {
+    onHello_(connection, proto::checkHello(message, token_));
+  } catch (const proto::ProtocolError& e) {
+    // What a refused peer sent is its own: bounded and valid UTF-8 before it
+    // reaches the log and the event log (checkHello bounds the host it quotes).
+    const std::string reason = proto::boundedText(e.what(), 2 * proto::kMaxLoggedPeerTextBytes);
+    log::warn("refused a connection from ", connection->peer(), ": ", reason);
+    events_->write("connection_refused", {{"peer", connection->peer()}, {"reason", reason}});
+    connection->send(proto::Ack{false, reason});
+    connection->closeAfterSending("refused");
+  }
+}
+
+void ControlListener::tick(TimePoint now) {
+  pending_.expire(now);
+  reportDrops(now);
+}
+
+void ControlListener::reportDrops(TimePoint now) {
+  const DropCounts totals{closedBeforeHello_, pending_.expired(), pending_.evicted()};
+  const auto limits = pending_.limits();
+  if (totals != dropsLogged_ && now - dropsLoggedAt_ >= std::chrono::seconds(10)) {
+    log::warn("connections closed before their hello since the last report: ", totals.expired - dropsLogged_.expired,
+              " sent none within ", limits.helloDeadline.count(), " ms, ", totals.evicted - dropsLogged_.evicted,
+              " were the oldest of more than ", limits.maxPending, " waiting, ", totals.closed - dropsLogged_.closed,
+              " closed by the peer or for a bad first frame (", pending_.size(), " waiting now)");
+    dropsLogged_ = totals;
+    dropsLoggedAt_ = now;
+  }
+  // The event log gets one line a minute at most: a flood must not fill it.
+  if (totals != dropsRecorded_ && now - dropsRecordedAt_ >= std::chrono::seconds(60)) {
+    events_->write("connections_dropped", {{"no_hello_in_time", totals.expired - dropsRecorded_.expired},
+                                           {"over_the_cap", totals.evicted - dropsRecorded_.evicted},
+                                           {"closed_before_hello", totals.closed - dropsRecorded_.closed}});
+    dropsRecorded_ = totals;
+    dropsRecordedAt_ = now;
+  }
+}
+
+nlohmann::json ControlListener::stats() const {
+  return {{"pending", pending_.size()},
+          {"closed_before_hello", closedBeforeHello_},
+          {"no_hello_in_time", pending_.expired()},
+          {"over_the_cap", pending_.evicted()},
+          {"accept_failures", acceptFailures_}};
+}
+
+}  // namespace varuna

@@ -1,0 +1,96 @@
+#include "varuna/manager/daemon/liveness_watchdog.h"
+
+#include <algorithm>
+
+#include "varuna/common/errors.h"
+
+namespace varuna {
+namespace {
+
+using nlohmann::json;
+
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+}  // namespace
+
+void LivenessWatchdog::launched(TimePoint now) {
+  launchedAt_ = now;
+  progressAt_.reset();
+}
+
+void LivenessWatchdog::noteStep(WorkerState& worker, int64_t step, bool report, TimePoint now) {
+  if (report && !progressAt_) progressAt_ = now;  // the generation's first step: the hang timeout applies from here
+  if (step <= worker.step) return;
+  worker.step = step;
+  if (progressAt_) progressAt_ = now;  // before the generation's first step, a step is only the resume point
+}
+
+std::vector<LivenessWatchdog::SilentRank> LivenessWatchdog::silentRanks(const std::set<int>& running,
+                                                                        const WorkerRegistry& workers,
+                                                                        TimePoint now) const {
+  std::vector<SilentRank> silent;
+  for (const int rank : running) {
+    const WorkerState* w = workers.find(rank);
+    if (!w) continue;
+    if (w->connected && now - w->lastSeen > millis(limits_.heartbeatTimeoutS)) {
+      silent.push_back({rank, strCat("no heartbeat for ", limits_.heartbeatTimeoutS, " s")});
+    } else if (!w->connected && now - launchedAt_ > millis(limits_.startupTimeoutS)) {
+      silent.push_back({rank, strCat("never connected within ", limits_.startupTimeoutS, " s of the launch")});
+    }
+  }
+  return silent;
+}
+
+std::optional<LivenessWatchdog::Hang> LivenessWatchdog::findHang(const std::set<int>& running,
+                                                                 const WorkerRegistry& workers, const Plan& plan,
+                                                                 TimePoint now) const {
+  if (limits_.hangTimeoutS <= 0) return std::nullopt;
+  std::vector<int> ranks;
+  for (const int rank : running) {
+    const WorkerState* w = workers.find(rank);
+    if (!w || !w->connected) return std::nullopt;
+    ranks.push_back(rank);
+  }
+  if (ranks.empty()) return std::nullopt;
+  // Before the first step (rendezvous, loading a checkpoint, the first step
+  // itself, all slow on a big model) the larger of the startup and hang
+  // timeouts counts from the launch; from the first step on, the hang
+  // timeout from the last step.
+  const bool started = progressAt_.has_value();
+  const TimePoint since = started ? *progressAt_ : launchedAt_;
+  const double timeoutS = started ? limits_.hangTimeoutS : std::max(limits_.startupTimeoutS, limits_.hangTimeoutS);
+  if (now - since <= millis(timeoutS)) return std::nullopt;
+  // The culprit computes (or is stuck in its own code) while its peers wait
+  // for it; if none or all wait, every rank is named.
+  std::vector<int> computing, waiting;
+  for (const int rank : ranks) (workers.find(rank)->waiting ? waiting : computing).push_back(rank);
+  Hang hang;
+  hang.ranks = !waiting.empty() && !computing.empty() ? computing : ranks;
+  const double stalledS = std::chrono::duration<double>(now - since).count();
+  json named = json::array();
+  int64_t lastStep = -1;
+  for (const int rank : ranks) lastStep = std::max(lastStep, workers.find(rank)->step);
+  for (const int rank : hang.ranks) {
+    const WorkerState& w = *workers.find(rank);
+    const std::string host = rank < static_cast<int>(plan.placement.size()) ? plan.placement[rank].host : "?";
+    named.push_back({{"rank", rank}, {"host", host}, {"step", w.step}, {"waiting", w.waiting}});
+    hang.summary += strCat(hang.summary.empty() ? "" : ", ", rank, " on ", host, " (step ", w.step, ")");
+  }
+  const std::string what =
+      started ? strCat("no rank finished a step for ", static_cast<int>(stalledS), " s (--hang_timeout_s ", timeoutS, ")")
+              : strCat("no step finished within ", static_cast<int>(stalledS), " s of the launch (the larger of "
+                       "--startup_timeout_s and --hang_timeout_s: ", timeoutS, ")");
+  const std::string whose = hang.ranks.size() == ranks.size()
+                                ? std::string(waiting.empty() ? "none of the ranks waits on a peer"
+                                                              : "every rank waits on a peer")
+                                : strCat(waiting.size(), " rank(s) wait on it");
+  hang.reason = strCat("rank(s) ", hang.summary, " hung: ", what, "; ", whose);
+  hang.event = {{"ranks", named},       {"stalled_s", stalledS},   {"timeout_s", timeoutS},
+                {"before_first_step", !started}, {"last_step", lastStep}, {"waiting_ranks", waiting},
+                {"reason", hang.reason}};
+  return hang;
+}
+
+}  // namespace varuna

@@ -1,0 +1,219 @@
+// The daemon's pure parts on a fake clock: when hosts that are out come back
+// (HostAbsences), when ranks are hung (LivenessWatchdog), when a step counts
+// (StepProgress), what a machine-list write means (MachineListWatcher).
+// Their wiring into the real daemon is daemon_sequences_test's.
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "test_env.h"
+#include "varuna/manager/daemon/host_absences.h"
+#include "varuna/manager/daemon/liveness_watchdog.h"
+#include "varuna/manager/daemon/machine_list_watcher.h"
+#include "varuna/manager/daemon/step_progress.h"
+#include "varuna/manager/daemon/worker_registry.h"
+#include "varuna/manager/framed_connection.h"
+
+using namespace varuna;
+using namespace std::chrono_literals;
+
+namespace {
+
+using TimePoint = std::chrono::steady_clock::time_point;
+const TimePoint t0 = TimePoint{} + 1h;
+
+Plan twoRankPlan() {
+  Plan plan;
+  plan.stages = 2;
+  plan.replicas = 1;
+  plan.placement = {{0, "a", 0}, {1, "b", 0}};
+  plan.hosts = {"a", "b"};
+  return plan;
+}
+
+}  // namespace
+
+TEST_CASE("a lost host is retried with a backoff that doubles up to the most") {
+  HostAbsences absences({2s, 10s});
+  absences.markAbsent("h", "lost", t0);
+  absences.scheduleRetry("h", t0);
+  CHECK_FALSE(absences.retryDue("h", t0 + 1s));
+  CHECK(absences.retryDue("h", t0 + 2s));
+  absences.scheduleRetry("h", t0 + 2s);  // that start-up failed
+  CHECK(absences.find("h")->backoff == 4s);
+  absences.scheduleRetry("h", t0 + 6s);
+  absences.scheduleRetry("h", t0 + 14s);
+  CHECK(absences.find("h")->backoff == 10s);  // capped
+  CHECK(absences.find("h")->why == "lost");   // the first reason stays
+  absences.markAbsent("h", "agent_failed", t0 + 20s);
+  CHECK(absences.find("h")->why == "lost");
+}
+
+TEST_CASE("a host that flaps continues its backoff; one back for long starts over") {
+  HostAbsences absences({2s, 60s});
+  absences.markAbsent("h", "lost", t0);
+  absences.scheduleRetry("h", t0);
+  absences.scheduleRetry("h", t0 + 2s);  // 4 s
+  REQUIRE(absences.back("h", t0 + 6s));
+  CHECK_FALSE(absences.find("h"));
+  absences.markAbsent("h", "lost", t0 + 10s);  // lost again 4 s after it came back
+  absences.scheduleRetry("h", t0 + 10s);
+  CHECK(absences.find("h")->backoff == 8s);
+  REQUIRE(absences.back("h", t0 + 20s));
+  absences.markAbsent("h", "lost", t0 + 200s);  // long after
+  absences.scheduleRetry("h", t0 + 200s);
+  CHECK(absences.find("h")->backoff == 2s);
+}
+
+TEST_CASE("a preempted host is out until the notice's deadline, then tried like a lost one") {
+  HostAbsences absences({2s, 60s});
+  absences.markPreempted("p", t0 + 30s, t0);
+  CHECK(absences.preempted("p"));
+  CHECK_FALSE(absences.mayComeBack("p", t0 + 29s));
+  CHECK(absences.mayComeBack("p", t0 + 30s));
+  CHECK_FALSE(absences.retryDue("p", t0 + 29s));
+  CHECK(absences.retryDue("p", t0 + 30s));
+  CHECK(absences.describe("p", false, t0 + 1s)["back_when"] == "the preemption deadline has passed");
+}
+
+TEST_CASE("a slow host comes back only when the machine list is written") {
+  HostAbsences absences({2s, 60s});
+  absences.markSlow("s", t0);
+  CHECK_FALSE(absences.mayComeBack("s", t0 + 1h));
+  CHECK(absences.describe("s", false, t0)["back_when"] == "the machine list is written");
+  REQUIRE(absences.readmit("s", t0 + 1h) == std::optional<std::string>("slow"));
+  CHECK(absences.mayComeBack("s", t0 + 1h));
+  CHECK(absences.retryDue("s", t0 + 1h));
+  CHECK_FALSE(absences.readmit("not-out", t0));
+}
+
+TEST_CASE("without retries (--host_retry_s 0) a lost host waits for a list write") {
+  HostAbsences absences({0ms, 60s});
+  absences.markAbsent("h", "lost", t0);
+  absences.scheduleRetry("h", t0);
+  CHECK_FALSE(absences.retryDue("h", t0 + 1h));
+  CHECK(absences.describe("h", false, t0)["back_when"] == "the machine list is written");
+  absences.readmit("h", t0 + 1h);
+  CHECK(absences.retryDue("h", t0 + 1h));
+  CHECK(absences.describe("in", false, t0).is_null());
+}
+
+TEST_CASE("a silent rank and one that never connected are named; others are not") {
+  LivenessWatchdog watchdog({/*heartbeat*/ 10, /*startup*/ 60, /*hang*/ 600});
+  const Plan plan = twoRankPlan();
+  WorkerRegistry workers;
+  workers.expect(plan);
+  watchdog.launched(t0);
+  workers.connect(0, nullptr, t0 + 5s);
+  CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 14s).empty());
+  const auto silent = watchdog.silentRanks({0, 1}, workers, t0 + 61s);
+  REQUIRE(silent.size() == 2);
+  CHECK(silent[0].rank == 0);
+  CHECK_THAT(silent[0].why, Catch::Contains("no heartbeat for 10"));
+  CHECK_THAT(silent[1].why, Catch::Contains("never connected within 60"));
+}
+
+TEST_CASE("no progress: the rank computing while its peers wait is named hung") {
+  LivenessWatchdog watchdog({10, 60, 100});
+  const Plan plan = twoRankPlan();
+  WorkerRegistry workers;
+  workers.expect(plan);
+  watchdog.launched(t0);
+  workers.connect(0, nullptr, t0);
+  CHECK_FALSE(watchdog.findHang({0, 1}, workers, plan, t0 + 1h));  // rank 1 never said hello: silentRanks' case
+  workers.connect(1, nullptr, t0);
+  // Before the first step: the larger of the startup and hang timeouts, from the launch.
+  CHECK_FALSE(watchdog.findHang({0, 1}, workers, plan, t0 + 100s));
+  auto hang = watchdog.findHang({0, 1}, workers, plan, t0 + 101s);
+  REQUIRE(hang);
+  CHECK(hang->event["before_first_step"] == true);
+  CHECK(hang->ranks == std::vector<int>{0, 1});  // none waits: both named
+  // The first step report starts the hang clock; steps that advance are progress.
+  watchdog.noteStep(*workers.find(0), 5, /*report=*/true, t0 + 50s);
+  watchdog.noteStep(*workers.find(1), 5, /*report=*/true, t0 + 50s);
+  watchdog.noteStep(*workers.find(1), 6, /*report=*/false, t0 + 80s);
+  CHECK_FALSE(watchdog.findHang({0, 1}, workers, plan, t0 + 180s));
+  watchdog.noteStep(*workers.find(1), 6, /*report=*/false, t0 + 170s);  // no advance: not progress
+  workers.find(0)->waiting = true;
+  hang = watchdog.findHang({0, 1}, workers, plan, t0 + 181s);
+  REQUIRE(hang);
+  CHECK(hang->ranks == std::vector<int>{1});
+  CHECK(hang->event["last_step"] == 6);
+  CHECK_THAT(hang->reason, Catch::Contains("1 on b (step 6)") && Catch::Contains("1 rank(s) wait on it"));
+  CHECK_FALSE(LivenessWatchdog({10, 60, 0}).findHang({0, 1}, workers, plan, t0 + 10h));  // 0: rule off
+}
+
+TEST_CASE("a step counts once every rank reported it, with its slowest rank's time") {
+  StepProgress progress(16);
+  proto::StepReport report;
+  report.step = 7;
+  report.stepSeconds = 0.5;
+  report.loss = 2.5;
+  CHECK_FALSE(progress.add(report, 2));
+  report.stepSeconds = 2.0;
+  const auto step = progress.add(report, 2);
+  REQUIRE(step);
+  CHECK(step->maxStepSeconds == 2.0);
+  CHECK(step->firstOfGeneration);
+  CHECK(progress.toJson()["samples_per_s"] == 8.0);
+  report.step = 8;
+  CHECK_FALSE(progress.add(report, 2));
+  CHECK_FALSE(progress.add(report, 2)->firstOfGeneration);
+  CHECK(progress.lastStep() == 8);
+  progress.newGeneration();
+  report.step = 8;
+  CHECK(progress.add(report, 1)->firstOfGeneration);  // a new generation's first step ends its morph
+}
+
+TEST_CASE("the machine list watcher tells an edit from a write of the same text") {
+  const std::string path = (varuna::test::scratchDir("machine-list-watcher") / "machines.txt").string();
+  auto write = [&](const std::string& text) {
+    std::ofstream(path, std::ios::trunc) << text;
+  };
+  write("a\nb\n");
+  MachineListWatcher watcher(path, 1);
+  REQUIRE(watcher.read().size() == 2);
+  auto change = watcher.poll();
+  CHECK_FALSE(change.written);
+  CHECK_FALSE(change.edited);
+  // The same text again, with another modification time.
+  std::filesystem::last_write_time(path, std::filesystem::last_write_time(path) + 1s);
+  change = watcher.poll();
+  CHECK(change.written);
+  CHECK_FALSE(change.edited);
+  write("b\nc\n");
+  change = watcher.poll();
+  CHECK(change.edited);
+  CHECK(change.added == std::vector<std::string>{"c"});
+  CHECK(change.removed == std::vector<std::string>{"a"});
+  write("b\nc:notanumber\n");  // invalid: reported once, ignored
+  change = watcher.poll();
+  CHECK_FALSE(change.edited);
+  CHECK(watcher.machines().size() == 2);
+}
+
+TEST_CASE("a second hello of a connected rank replaces its connection and closes the old one") {
+  boost::asio::io_context io;
+  boost::asio::ip::tcp::acceptor acceptor(io, {boost::asio::ip::make_address("127.0.0.1"), 0});
+  auto accepted = [&] {
+    boost::asio::ip::tcp::socket client(io);
+    client.connect(acceptor.local_endpoint());
+    auto server = std::make_shared<FramedConnection>(acceptor.accept());
+    return std::make_pair(std::move(client), server);
+  };
+  auto [client1, first] = accepted();
+  auto [client2, second] = accepted();
+  std::string closedWhy;
+  first->start([](const proto::Message&) {}, [&](const std::string& why) { closedWhy = why; });
+  WorkerRegistry workers;
+  workers.expect(twoRankPlan());
+  CHECK_FALSE(workers.connect(0, first, t0));
+  CHECK_FALSE(workers.connect(0, second, t0 + 1s));
+  CHECK_FALSE(first->open());
+  CHECK_THAT(closedWhy, Catch::Contains("replaced by a newer connection"));
+  CHECK(workers.find(0)->connection == second);
+  CHECK(second->open());
+  auto [client3, third] = accepted();
+  CHECK(workers.connect(1, third, t0 + 1s));  // every rank connected
+}
