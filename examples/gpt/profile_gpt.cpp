@@ -11,6 +11,7 @@
 #include <iostream>
 
 #include "char_dataset.h"
+#include "gpt_main.h"
 #include "gpt_model.h"
 #include "gpt_options.h"
 #include "varuna/common/log.h"
@@ -67,16 +68,8 @@ void parseOptions(const std::vector<std::string>& args, ProfileGptOptions& o) {
   app.add_option("--peer_timeout_s", o.peerTimeoutSeconds, "declare a silent peer lost after this long");
   app.add_option("--log_level", o.logLevel, "debug, info, warn, error");
   gpt::addModelOptions(app, o.model);
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  try {
-    app.parse(reversed);
-    p.profileCommunication = !noComm;
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help() << std::endl;
-    std::exit(0);
-  } catch (const CLI::ParseError& e) {
-    throw varuna::ConfigError(varuna::strCat("profile_gpt: ", e.what(), " (see --help)"));
-  }
+  gpt::parseCommandLine(app, args, "profile_gpt");
+  p.profileCommunication = !noComm;
 }
 
 void printSummary(const varuna::profile::Profile& profile) {
@@ -138,10 +131,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    varuna::exitAfterFailure(e);
-  }
-}
+int main(int argc, char** argv) { return gpt::runMain(run, argc, argv); }

@@ -15,6 +15,7 @@
 #include <iostream>
 
 #include "char_dataset.h"
+#include "gpt_main.h"
 #include "gpt_model.h"
 #include "gpt_options.h"
 #include "varuna/common/checkpoint_files.h"
@@ -100,15 +101,7 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
                  "forever, outside c10d: its heartbeats go on with its step stalled while its peers wait");
   app.add_option("--test_busy_loop_rank", o.testBusyLoopRank, "test hook: the rank of --test_busy_loop_at_step");
   gpt::addModelOptions(app, o.model);
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  try {
-    app.parse(reversed);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help() << std::endl;
-    std::exit(0);
-  } catch (const CLI::ParseError& e) {
-    throw varuna::ConfigError(varuna::strCat("train_gpt: ", e.what(), " (see --help)"));
-  }
+  gpt::parseCommandLine(app, args, "train_gpt");
 }
 
 // Writes named tensors of this rank (torch.load-able) and a plain-JSON summary
@@ -298,10 +291,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    varuna::exitAfterFailure(e);
-  }
-}
+int main(int argc, char** argv) { return gpt::runMain(run, argc, argv); }

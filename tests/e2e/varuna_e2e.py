@@ -279,3 +279,15 @@ class StoreWatcher(threading.Thread):
     def stop(self):
         self.done.set()
         self.join()
+
+    def assert_none_after(self, next_launch):
+        """Stops watching, then fails unless the generation wrote files into
+        the store (else the test proves nothing) and none of them after
+        `next_launch`, the next generation's launch event."""
+        self.stop()
+        launched_at = next_launch["unix_ms"] / 1000
+        assert self.writes, "generation %d wrote no checkpoint: the test proves nothing" % self.generation
+        late = {p: t for p, t in self.writes.items() if t > launched_at}
+        log("generation %d: %d files in the store, the newest %.2f s before the next launch"
+            % (self.generation, len(self.writes), launched_at - self.latest()))
+        assert not late, "generation %d wrote after the next generation was launched: %s" % (self.generation, late)

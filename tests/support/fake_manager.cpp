@@ -13,68 +13,23 @@
 #include <utility>
 
 namespace varuna::test {
-namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int remainingMs(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left < 0 ? 0 : static_cast<int>(left);
-}
-
-}  // namespace
-
-FakePeer::FakePeer(FakePeer&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)), closed_(other.closed_), decoder_(std::move(other.decoder_)) {}
-
-FakePeer& FakePeer::operator=(FakePeer&& other) noexcept {
-  if (this != &other) {
-    close();
-    fd_ = std::exchange(other.fd_, -1);
-    closed_ = other.closed_;
-    decoder_ = std::move(other.decoder_);
-  }
-  return *this;
-}
-
-FakePeer::~FakePeer() { close(); }
-
-void FakePeer::close() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-  closed_ = true;
-}
-
 bool FakePeer::send(const proto::Message& message) {
-  if (fd_ < 0) return false;
-  const std::string frame = proto::encode(message);
-  size_t sent = 0;
-  while (sent < frame.size()) {
-    const ssize_t n = ::send(fd_, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    sent += static_cast<size_t>(n);
+  try {
+    client_.send(message);
+    return true;
+  } catch (const proto::ConnectionError&) {
+    return false;
   }
-  return true;
 }
 
 std::optional<proto::Message> FakePeer::receive(std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (true) {
-    if (auto message = decoder_.next()) return message;
-    if (fd_ < 0) return std::nullopt;
-    pollfd p{fd_, POLLIN, 0};
-    const int rc = ::poll(&p, 1, remainingMs(deadline));
-    if (rc < 0 && errno == EINTR) continue;
-    if (rc == 0) return std::nullopt;
-    char buffer[4096];
-    const ssize_t n = ::recv(fd_, buffer, sizeof(buffer), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      close();
-      return std::nullopt;
-    }
-    decoder_.feed(std::string_view(buffer, static_cast<size_t>(n)));
+  try {
+    return client_.receive(timeout);
+  } catch (const proto::ConnectionError&) {
+    return std::nullopt;  // the peer closed (the client is closed now)
   }
 }
 
@@ -84,8 +39,9 @@ bool FakePeer::sendHeartbeatsFor(std::chrono::milliseconds duration, std::chrono
     if (!send(proto::Heartbeat{-1, 0})) return false;
     const auto next = std::min(Clock::now() + interval, end);
     while (Clock::now() < next) {
-      receive(std::chrono::milliseconds(remainingMs(next) + 1));
-      if (closed_) return false;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now());
+      receive(std::max(left, std::chrono::milliseconds(0)) + std::chrono::milliseconds(1));
+      if (closed()) return false;
     }
   }
   return true;

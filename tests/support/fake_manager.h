@@ -9,26 +9,23 @@
 #include <optional>
 #include <string>
 
-#include "varuna/common/protocol.h"
+#include "varuna/common/control_client.h"
 
 namespace varuna::test {
 
-// One accepted connection. Closes on destruction.
+// One accepted connection: a ControlClient on the accepted socket, its
+// failures turned into return values. Closes on destruction.
 class FakePeer {
  public:
-  explicit FakePeer(int fd) : fd_(fd) {}
-  FakePeer(FakePeer&& other) noexcept;
-  FakePeer& operator=(FakePeer&& other) noexcept;
-  FakePeer(const FakePeer&) = delete;
-  ~FakePeer();
+  explicit FakePeer(int fd) : client_(proto::ControlClient::adopt(fd, "the fake manager's peer")) {}
 
   // False if the peer has gone.
   bool send(const proto::Message& message);
   // The next message within `timeout`; nullopt on timeout or once the peer
   // closed (closed() says which). Throws ProtocolError on a bad frame.
   std::optional<proto::Message> receive(std::chrono::milliseconds timeout);
-  bool closed() const { return closed_; }
-  void close();
+  bool closed() const { return !client_.connected(); }
+  void close() { client_.close(); }
   // Plays a live manager for `duration`: sends a manager heartbeat
   // (Heartbeat{-1, 0}) every `interval`, and reads and drops what the peer
   // sends meanwhile (the waits between heartbeats are those reads). False as
@@ -36,9 +33,7 @@ class FakePeer {
   bool sendHeartbeatsFor(std::chrono::milliseconds duration, std::chrono::milliseconds interval);
 
  private:
-  int fd_ = -1;
-  bool closed_ = false;
-  proto::FrameDecoder decoder_;
+  proto::ControlClient client_;
 };
 
 class FakeManager {

@@ -2,28 +2,23 @@
 // SimHostLauncher starts a simulated agent (tests/support/sim_cluster.h) for
 // every host of the machine list; the agents start simulated workers that
 // say hello, heartbeat and report steps. The daemon and the cluster share one
-// io_context, polled by the test thread (runUntil): every wait is on a
-// condition with a deadline, never a bare sleep. Timeouts are short
-// (JobConfig) so each case takes a few seconds.
+// io_context, polled by the test thread (DaemonHarness::runUntil,
+// daemon_harness.h): every wait is on a condition with a deadline, never a
+// bare sleep. Timeouts are short (JobConfig) so each case takes a few seconds.
 #include <catch2/catch.hpp>
 
-#include <algorithm>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 
 #include <nlohmann/json.hpp>
 
+#include "daemon_harness.h"
 #include "sim_cluster.h"
 #include "sim_host_launcher.h"
-#include "test_env.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/manager/manager_daemon.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
-namespace asio = boost::asio;
-namespace fs = std::filesystem;
 using sim::PeerKind;
 
 namespace {
@@ -48,30 +43,15 @@ struct Job {
 };
 
 // run_varuna in-process on `job`'s hosts, its agents and workers simulated.
-struct SimDaemon {
-  asio::io_context io;  // first: destroyed last
+struct SimDaemon : test::DaemonHarness {
   std::unique_ptr<sim::SimCluster> cluster;
-  std::unique_ptr<ManagerDaemon> daemon;
-  fs::path dir;
 
   SimDaemon(const std::string& name, const Job& job, const std::function<void(JobConfig&)>& tweak = {},
             sim::SimOptions simOptions = fastSim())
-      : dir(test::scratchDir(name)) {
-    std::ofstream machines(dir / "machines.txt");
-    for (const auto& host : job.hosts) machines << host << " slots=" << job.slots << "\n";
-    machines.close();
-    JobConfig config;
-    config.job = "sequences";
-    config.machineList = (dir / "machines.txt").string();
-    config.nstages = job.stages;
-    config.batchSize = job.batch;
-    config.chunkSize = 1;
-    config.codeDir = dir.string();
-    config.managerIp = "127.0.0.1";
-    config.globalStore = (dir / "store").string();
-    config.stateDir = (dir / "state").string();
-    config.agentPath = "/bin/false";  // never run: SimHostLauncher starts a simulated agent
-    config.program = {"./train"};
+      : DaemonHarness(name, 10s) {
+    test::writeMachineList(dir / "machines.txt", job.hosts, job.slots);
+    // agentPath never runs: SimHostLauncher starts a simulated agent.
+    JobConfig config = test::daemonTestConfig(dir, "sequences", job.batch, job.stages);
     config.heartbeatTimeoutS = 2;  // agents: max(this, 3) s
     config.startupTimeoutS = 10;
     config.checkpointTimeoutS = 10;
@@ -81,26 +61,12 @@ struct SimDaemon {
     if (tweak) tweak(config);
     simOptions.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
     cluster = std::make_unique<sim::SimCluster>(io, simOptions);
-    daemon = std::make_unique<ManagerDaemon>(io, config, std::make_unique<sim::SimHostLauncher>(*cluster));
-    daemon->start();
+    startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
   }
   ~SimDaemon() {
     cluster->shutdown();  // first: a launch thread waiting for its agent gives up
     daemon.reset();       // joins the launch threads
     cluster.reset();
-  }
-
-  template <typename Pred>
-  bool runUntil(Pred done, std::chrono::milliseconds limit = 10s) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    while (!done() && std::chrono::steady_clock::now() < deadline) {
-      io.run_for(10ms);
-      io.restart();
-    }
-    return done();
-  }
-  void runFor(std::chrono::milliseconds duration) {
-    runUntil([] { return false; }, duration);
   }
 
   // Every rank of `generation` has been welcomed and finished `steps` steps.
@@ -111,18 +77,6 @@ struct SimDaemon {
   }
   bool waitTraining(int generation, std::chrono::milliseconds limit = 15s) {
     return runUntil([&] { return cluster->generation() == generation && training(generation); }, limit);
-  }
-
-  // events.jsonl's lines of `type`.
-  std::vector<nlohmann::json> events(const std::string& type) const {
-    std::vector<nlohmann::json> out;
-    std::ifstream in(dir / "state" / "events.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      if (line.empty()) continue;
-      auto event = nlohmann::json::parse(line, nullptr, false);
-      if (!event.is_discarded() && event.value("event", "") == type) out.push_back(event);
-    }
-    return out;
   }
 };
 

@@ -26,6 +26,9 @@ class ControlClient {
  public:
   // Connects within `timeout`. Throws Error saying which address failed and why.
   static ControlClient connect(const std::string& address, std::chrono::milliseconds timeout);
+  // Takes over a connected socket (the inverse of release()), e.g. one a
+  // listener accepted; `address` names the peer in errors.
+  static ControlClient adopt(int fd, std::string address) { return ControlClient(fd, std::move(address)); }
 
   ControlClient(ControlClient&& other) noexcept;
   ControlClient& operator=(ControlClient&& other) noexcept;

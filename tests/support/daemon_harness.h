@@ -1,0 +1,153 @@
+// DaemonHarness: the real ManagerDaemon in-process, for the unit tests that
+// drive it (manager_daemon_*_test.cpp with fake launchers,
+// daemon_sequences_test.cpp with a simulated cluster). The daemon and whatever
+// plays its agents and workers share one io_context, which the test thread
+// polls (runUntil): every wait is on a condition with a deadline, never a bare
+// sleep. Also the job such a test starts from (daemonTestConfig and a machine
+// list in the test's scratch folder) and readers of what the daemon writes
+// there (state.json, events.jsonl, the job token).
+// Single-threaded: members are called on the test thread only (preemptNotice
+// runs its notifier on a thread of its own while the test thread polls).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "test_env.h"
+#include "varuna/common/control_client.h"
+#include "varuna/manager/manager_daemon.h"
+
+namespace varuna::test {
+
+// Writes the machine list `file`: every host with `slots` slots. Truncates
+// and rewrites in place, so writing the same hosts again is a rewrite with
+// the same text (what brings a preempted host back).
+inline void writeMachineList(const std::filesystem::path& file, const std::vector<std::string>& hosts, int slots) {
+  std::ofstream out(file, std::ios::trunc);
+  for (const auto& host : hosts) out << host << " slots=" << slots << "\n";
+}
+
+// A job of `nstages` stages, chunk size 1, global batch `batchSize`, on
+// `dir`/machines.txt, with its store and state folder in `dir`. The agent
+// command never runs: the tests' launchers start fake or simulated agents.
+inline JobConfig daemonTestConfig(const std::filesystem::path& dir, const std::string& job, int64_t batchSize,
+                                  int nstages = 1) {
+  JobConfig config;
+  config.job = job;
+  config.machineList = (dir / "machines.txt").string();
+  config.nstages = nstages;
+  config.batchSize = batchSize;
+  config.chunkSize = 1;
+  config.codeDir = dir.string();
+  config.managerIp = "127.0.0.1";
+  config.globalStore = (dir / "store").string();
+  config.stateDir = (dir / "state").string();
+  config.agentPath = "/bin/false";
+  config.program = {"./train"};
+  return config;
+}
+
+// The events of `type` in `stateDir`/events.jsonl, oldest first. A line still
+// being written (cut short) is skipped: it is read whole the next time.
+inline std::vector<nlohmann::json> readEvents(const std::filesystem::path& stateDir, const std::string& type) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(stateDir / "events.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto event = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (event.is_object() && event.value("event", "") == type) out.push_back(std::move(event));
+  }
+  return out;
+}
+
+struct DaemonHarness {
+  boost::asio::io_context io;  // first: destroyed last (the daemon and the test's peers use it)
+  std::filesystem::path dir;   // the test's scratch folder: machines.txt, store/, state/
+  std::unique_ptr<ManagerDaemon> daemon;
+  std::chrono::milliseconds defaultLimit;  // how long runUntil waits when not told
+
+  explicit DaemonHarness(const std::string& name, std::chrono::milliseconds defaultLimit = std::chrono::seconds(10))
+      : dir(scratchDir(name)), defaultLimit(defaultLimit) {}
+  DaemonHarness(const DaemonHarness&) = delete;
+  DaemonHarness& operator=(const DaemonHarness&) = delete;
+  ~DaemonHarness() { daemon.reset(); }  // before the io_context: it joins its launch threads
+
+  // Creates and starts the daemon on `io`. `scanner`, if given, replaces the
+  // checkpoint store scan (e.g. a slow one).
+  void startDaemon(const JobConfig& config, std::unique_ptr<HostLauncher> launcher, PendingLimits limits = {},
+                   StoreScanner scanner = {}) {
+    daemon = std::make_unique<ManagerDaemon>(io, config, std::move(launcher), limits);
+    if (scanner) daemon->setStoreScanner(std::move(scanner));
+    daemon->start();
+  }
+
+  // Runs the loop until done() or `limit` has passed; done()'s last value.
+  template <typename Pred>
+  bool runUntil(Pred done, std::chrono::milliseconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (!done() && std::chrono::steady_clock::now() < deadline) {
+      io.run_for(std::chrono::milliseconds(10));
+      io.restart();
+    }
+    return done();
+  }
+  template <typename Pred>
+  bool runUntil(Pred done) {
+    return runUntil(std::move(done), defaultLimit);
+  }
+  void runFor(std::chrono::milliseconds duration) {
+    runUntil([] { return false; }, duration);
+  }
+
+  std::vector<nlohmann::json> events(const std::string& type) const { return readEvents(dir / "state", type); }
+  nlohmann::json state() const {
+    std::ifstream in(dir / "state" / "state.json");
+    return nlohmann::json::parse(in);
+  }
+  // The job token the daemon wrote for its peers' hellos.
+  std::string token() const {
+    std::ifstream in(dir / "state" / "token");
+    std::string t;
+    std::getline(in, t);
+    return t;
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(daemon->port()); }
+
+  // notify_manager_preempt from `host`, on a thread of its own while the loop
+  // runs: hello as a notifier, then PreemptNotice{host, deadlineUnixMs}. The
+  // daemon's reply, or nullopt if none came (within defaultLimit).
+  std::optional<proto::Message> preemptNotice(const std::string& host, int64_t deadlineUnixMs) {
+    std::optional<proto::Message> reply;
+    std::atomic<bool> done{false};
+    std::thread notifier([&, tokenText = token(), managerAddress = address()] {
+      try {
+        auto client = proto::ControlClient::connect(managerAddress, std::chrono::seconds(5));
+        proto::Hello hello;
+        hello.token = tokenText;
+        hello.role = "notifier";
+        hello.host = host;
+        client.send(hello);
+        client.send(proto::PreemptNotice{host, deadlineUnixMs});
+        reply = client.receive(std::chrono::seconds(5));
+      } catch (const std::exception&) {
+        // No reply: the caller's check fails.
+      }
+      done = true;
+    });
+    runUntil([&] { return done.load(); });
+    notifier.join();
+    return reply;
+  }
+};
+
+}  // namespace varuna::test
