@@ -1,0 +1,146 @@
+// Varuna::Impl: the state and steps behind the public Varuna class, shared by
+// the two files that implement it. Private to the worker library: include it
+// only from varuna.cpp and varuna_checkpoint.cpp.
+//
+// varuna.cpp builds the stage, wires gradients and ties, and runs step() and
+// evaluate(); varuna_checkpoint.cpp writes and loads checkpoints. Both work
+// on the same state (model, optimizer, loss scale, step count), but
+// checkpoints are a concern of their own (file contents, the writer, agreeing
+// on what to load) and one file holding both was too long to read.
+//
+// Like Varuna, Impl runs on the training thread, with one exception: the
+// checkpoint writer's thread calls reportCheckpointFailure() (through
+// CheckpointWriterOptions::onFailure).
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <atomic>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint_io.h"
+#include "checkpoint_writer.h"
+#include "comm.h"
+#include "grad_buckets.h"
+#include "manager_link.h"
+#include "stage_model.h"
+#include "varuna/common/checkpoint_files.h"
+#include "varuna/common/errors.h"
+#include "varuna/worker/varuna.h"
+
+namespace varuna {
+
+// The shape of what crosses a cut, without the micro-batch dimension.
+struct CutShape {
+  std::vector<int64_t> trailing;
+  at::ScalarType dtype = at::kFloat;
+  bool known = false;
+
+  std::vector<int64_t> withBatch(int64_t b) const {
+    std::vector<int64_t> sizes{b};
+    sizes.insert(sizes.end(), trailing.begin(), trailing.end());
+    return sizes;
+  }
+};
+
+class Varuna::Impl {
+ public:
+  explicit Impl(VarunaOptions options);
+
+  StepResult step(const Batch& inputs, std::optional<double> clip);
+  double evaluate(const Batch& inputs);
+  void setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale);
+  void synchroniseReplicaBuffers();
+  // In varuna_checkpoint.cpp.
+  bool checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
+                  bool shard, bool onDemand);
+  int64_t loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete);
+  std::optional<int64_t> loadLatestCheckpoint(const std::string& globalStore, std::optional<int64_t> atMost);
+
+  // Runs `body`; a local failure is recorded for the peers before it propagates.
+  template <typename F>
+  auto guarded(F&& body) -> decltype(body()) {
+    try {
+      return body();
+    } catch (const PeerLostError&) {
+      throw;
+    } catch (const std::exception& e) {
+      if (comm_) comm_->recordFailure(e.what());
+      throw;
+    }
+  }
+
+  VarunaOptions opt_;
+  StageToRankMap map_;
+  int stage_ = 0, replica_ = 0, P_ = 1, D_ = 1;
+  Partition partition_;
+  // The training thread waits on peers (BlockedOnPeers); the link's
+  // heartbeats carry it. Declared before the link and comm_, which point at it.
+  std::atomic<bool> waitingOnPeers_{false};
+  // Declared before comm_ so it is destroyed after it: c10d's teardown can take
+  // seconds, and the link's heartbeats must cover them (a silent exiting rank
+  // would look hung to run_varuna).
+  std::unique_ptr<ManagerLink> managerLink_;  // run_varuna reporting (null without a manager)
+  std::unique_ptr<Communicator> comm_;
+  std::shared_ptr<StageModel> model_;
+  GradBuckets buckets_;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  LossScaler scaler_;
+  CutShape inShape_, outShape_;
+  std::map<int, Schedule> schedules_;
+  std::unique_ptr<CheckpointWriter> writer_;
+  std::string runTag_;  // names this run's partial checkpoint folders (ckpt::runTag)
+  int64_t stepsDone_ = 0;
+
+ private:
+  bool first() const { return stage_ == 0; }
+  bool last() const { return stage_ == P_ - 1; }
+  int prevRank() const { return map_.rankOf(stage_ - 1, replica_); }
+  int nextRank() const { return map_.rankOf(stage_ + 1, replica_); }
+  int64_t localBatch() const { return opt_.batchSize / D_; }
+
+  std::vector<double> pieceCosts() const;
+  std::string checkSharedWeights() const;
+  void setUpGradients();
+  void synchroniseTiedWeights();
+  void learnCutShapes();
+  std::vector<Batch> splitMicrobatches(const Batch& inputs, int64_t expected, const char* what) const;
+  const StageSchedule& scheduleFor(int microbatches);
+  torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
+  void checkOutgoing(const torch::Tensor& out, int64_t b) const;
+  std::string checkAgainstProfile() const;
+
+  // Tied pairs whose two parameters live on different stages, and this
+  // rank's role: the stage holding the first name counts it in the norm.
+  struct CrossStageTie {
+    std::string localName;
+    bool primary;
+    std::string groupName;
+    std::vector<int> groupRanks;
+    int rootRank;
+  };
+  std::vector<CrossStageTie> crossTies_;
+  std::vector<SharedWeight> localTies_;  // both names on this stage
+
+  // Writing and loading checkpoints (varuna_checkpoint.cpp).
+  NamedTensors pieceParams(int local) const;
+  NamedTensors pieceState(int local) const;  // parameters and persistent buffers
+  std::string pieceFile(int local, const char* kind) const;
+  nlohmann::json checkpointMeta(int64_t step);
+  std::string agreeOnRunTag();
+  ckpt::WriterIdentity writerIdentity() const;
+  void reportCheckpointFailure(int64_t step, const std::string& error);
+  void waitUntilComplete(const std::filesystem::path& dir);
+  struct LoadedCheckpoint;
+  LoadedCheckpoint readCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete);
+  void applyCheckpoint(LoadedCheckpoint loaded, int64_t iteration);
+  int64_t allReduceMax(int64_t value, const char* during);
+};
+
+}  // namespace varuna
