@@ -195,8 +195,14 @@ std::string ManagerDaemon::agentCommand(const std::string& host) const {
                 " --grace_s ", config_.agentGraceS,
                 // Not hearing from the manager this long, the agent takes it as gone: as long as the
                 // manager waits for a silent agent, plus the grace.
-                " --lost_manager_ms ", millis(config_.heartbeatTimeoutS + config_.agentGraceS).count(),
+                " --lost_manager_ms ", lostManagerAfter().count(),
                 " --log_level ", shellQuote(config_.logLevel));
+}
+
+std::chrono::milliseconds ManagerDaemon::lostManagerAfter() const {
+  // As long as the manager waits for a silent agent (at least 3 s: its
+  // heartbeats go out once a second on a 100 ms tick), plus the grace.
+  return millis(std::max(config_.heartbeatTimeoutS, 3.0) + config_.agentGraceS);
 }
 
 // --- hellos and what peers send -----------------------------------------------------
@@ -349,7 +355,10 @@ void ManagerDaemon::agentLost(const std::string& host, const std::string&) {
   workers_.orderHostOut(host, controller_->plan(), controller_->generation(),
                         strCat("the agent of host ", host, " was lost"));
   morph_.start("loss of host " + host, Clock::now());
-  if (!jobStarted_) return maybeStartJob();
+  if (!jobStarted_) {
+    pool_->markFailed(host);  // its first start-up did not last until the job began
+    return maybeStartJob();
+  }
   apply(controller_->hostLost(host, Clock::now()));
   usableMachinesChanged();
 }
@@ -424,7 +433,8 @@ void ManagerDaemon::abandonLaunch(const action::Launch& launch) {
   const Phase phase = controller_->phase();
   log::info("generation ", launch.generation, " was not launched: the job is ", toString(phase), " meanwhile");
   const int code = phase == Phase::kCheckpointing ? kExitCheckpointed : -1;
-  for (const int rank : controller_->runningRanks()) {
+  const std::set<int> ranks = controller_->runningRanks();  // a copy: workerExited changes the controller's
+  for (const int rank : ranks) {
     if (finished_) return;
     apply(controller_->workerExited(rank, code, Clock::now()));
   }
@@ -493,6 +503,7 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
   events_->write("stop", {{"reason", stop.reason}, {"exit_code", stop.exitCode}});
   orderWorkersOut("the job stopped: " + stop.reason);  // any still running (a job that finished has none)
   pool_->shutdownAll(stop.reason);
+  listener_.stopAccepting();  // no new peer has anything to do with a job that stopped
   writeState();
   // Let the shutdowns go out, then leave the event loop.
   auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(300));
@@ -550,6 +561,12 @@ void ManagerDaemon::scheduleTick() {
 void ManagerDaemon::onTick() {
   const auto now = Clock::now();
   listener_.tick(now);
+  // Agents before workers: when a host is cut off, its agent's and its
+  // workers' silences end in the same tick, and the host's loss (not
+  // counted towards --max_failures) must be what the controller hears first,
+  // not its workers' hangs (counted).
+  pool_->closeSilentAgents(now);
+  if (finished_) return;
   checkSilentRanks(now);
   if (finished_) return;
   checkProgress(now);

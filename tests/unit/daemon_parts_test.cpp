@@ -217,3 +217,21 @@ TEST_CASE("a second hello of a connected rank replaces its connection and closes
   auto [client3, third] = accepted();
   CHECK(workers.connect(1, third, t0 + 1s));  // every rank connected
 }
+
+TEST_CASE("a host no longer listed is forgotten, and old returns stop counting as flapping") {
+  HostAbsences absences({2s, 10s});
+  absences.markAbsent("gone", "lost", t0);
+  absences.forget("gone");
+  CHECK_FALSE(absences.find("gone"));
+  CHECK(absences.empty());
+  // A return older than the longest backoff no longer shapes the next one.
+  absences.markAbsent("h", "lost", t0);
+  absences.scheduleRetry("h", t0);
+  absences.scheduleRetry("h", t0 + 2s);  // 4 s
+  REQUIRE(absences.back("h", t0 + 6s));
+  absences.markAbsent("other", "lost", t0 + 30s);
+  REQUIRE(absences.back("other", t0 + 31s));  // prunes h's return (25 s old)
+  absences.markAbsent("h", "lost", t0 + 32s);
+  absences.scheduleRetry("h", t0 + 32s);
+  CHECK(absences.find("h")->backoff == 2s);
+}

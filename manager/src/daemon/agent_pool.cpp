@@ -47,8 +47,25 @@ AgentPool::~AgentPool() {
   }
 }
 
-bool AgentPool::isListed(const std::string& host) const {
-  return std::any_of(listed_.begin(), listed_.end(), [&](const Machine& m) { return m.host == host; });
+bool AgentPool::isListed(const std::string& host) const { return listedHosts_.count(host) > 0; }
+
+void AgentPool::setListed(std::vector<Machine> machines) {
+  listed_ = std::move(machines);
+  listedHosts_.clear();
+  for (const auto& m : listed_) listedHosts_.insert(m.host);
+  forgetUnlisted();
+}
+
+void AgentPool::forgetUnlisted() {
+  for (auto it = agents_.begin(); it != agents_.end();) {
+    const bool gone = !it->second.connection && !it->second.launching;
+    if (isListed(it->first) || !gone) {
+      ++it;
+      continue;
+    }
+    absences_.forget(it->first);
+    it = agents_.erase(it);
+  }
 }
 
 // --- start-ups ------------------------------------------------------------------
@@ -143,8 +160,10 @@ void AgentPool::startupFailed(const std::string& host, const std::string& messag
 
 bool AgentPool::admit(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
   auto it = agents_.find(hello.host);
-  if (it == agents_.end() || it->second.status == Status::kUp) {
-    const std::string why = it == agents_.end() ? "is not in the machine list" : "already has an agent";
+  if (shutDown_ || it == agents_.end() || it->second.status == Status::kUp) {
+    const std::string why = shutDown_                ? "belongs to a job that stopped"
+                            : it == agents_.end()    ? "is not in the machine list"
+                                                     : "already has an agent";
     const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
     log::warn("agent from ", connection->peer(), " for host ", host, " refused: the host ", why);
     connection->send(proto::Ack{false, strCat("host ", host, " ", why)});
@@ -245,7 +264,7 @@ void AgentPool::closeAll(const std::string& reason) {
 // --- the tick ------------------------------------------------------------------------
 
 void AgentPool::tick(TimePoint now, bool retry) {
-  closeSilentAgents(now);
+  if (agents_.size() > listedHosts_.size()) forgetUnlisted();  // some unlisted: their agents may be gone now
   sendHeartbeats(now);
   if (retry && !shutDown_) retryAbsentHosts(now);
 }
@@ -275,8 +294,8 @@ void AgentPool::retryAbsentHosts(TimePoint now) {
   std::vector<std::string> answered, due;
   for (const auto& [host, absence] : absences_.all()) {
     auto a = agents_.find(host);
-    // A host no longer listed keeps its record (a slow host re-listed is
-    // still readmitted by that write) but is not tried.
+    // A host no longer listed is not tried (its record goes with its agent:
+    // forgetUnlisted).
     if (a == agents_.end() || !isListed(host) || !absences_.mayComeBack(host, now)) continue;
     const Agent& agent = a->second;
     if (agent.status == Status::kUp) {
@@ -330,6 +349,10 @@ nlohmann::json AgentPool::readmitListed(TimePoint now, bool* anyBack) {
     events_.write("hosts_readmitted", {{"hosts", retried}});
   }
   return retried;
+}
+
+void AgentPool::markFailed(const std::string& host) {
+  if (auto it = agents_.find(host); it != agents_.end()) it->second.status = Status::kFailed;
 }
 
 void AgentPool::listedAdded(const std::string& host) {

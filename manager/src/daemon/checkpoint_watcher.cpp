@@ -7,6 +7,8 @@
 namespace varuna {
 namespace {
 
+constexpr size_t kMaxSkippedKept = 100;
+
 // On the store's thread: a scanner that throws (an injected one) is a scan
 // that failed, so a result always comes back (a launch or the next scan
 // waits for it).
@@ -94,6 +96,9 @@ std::optional<int64_t> CheckpointWatcher::read(const StoreScan& scan) {
   readError_.clear();
   for (const auto& skip : scan.skipped) {
     if (!skipped_.insert(skip.step).second) continue;  // reported already
+    // Bounded (state.json lists them): the oldest go first; they are older
+    // than every checkpoint a scan still passes over.
+    while (skipped_.size() > kMaxSkippedKept) skipped_.erase(skipped_.begin());
     log::warn("skipping the checkpoint of step ", skip.step, ": ", skip.reason,
               scan.latest ? strCat("; the latest usable one is step ", *scan.latest) : std::string("; no usable one is left"));
     events_.write("checkpoint_skipped", {{"step", skip.step}, {"reason", proto::boundedText(skip.reason)}});

@@ -35,11 +35,15 @@ void ControlListener::start(std::string token, EventLog& events, OnHello onHello
   doAccept();
 }
 
-void ControlListener::close() {
+void ControlListener::stopAccepting() {
   closed_ = true;
   boost::system::error_code ignored;
   acceptor_.close(ignored);
   retryTimer_.cancel();
+}
+
+void ControlListener::close() {
+  stopAccepting();
   pending_.closeAll("manager exiting");
 }
 

@@ -66,6 +66,8 @@ std::optional<HostAbsence> HostAbsences::back(const std::string& host, TimePoint
   if (it == absent_.end()) return std::nullopt;
   HostAbsence absence = it->second;
   absent_.erase(it);
+  // Only returns within policy_.most matter (flapping): older ones go.
+  std::erase_if(returned_, [&](const auto& r) { return now - r.second.first >= policy_.most; });
   returned_[host] = {now, absence.backoff};
   return absence;
 }

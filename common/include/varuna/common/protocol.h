@@ -39,7 +39,7 @@ struct Hello {  // first frame of every connection
   int generation = -1;  // workers and agents: the launch they belong to
   bool operator==(const Hello&) const = default;
 };
-// From a worker (10 Hz) and an agent (rank -1) to the manager; from the
+// From a worker (every 0.5 s) and an agent (rank -1) to the manager; from the
 // manager to every agent (rank -1), so an agent across a silent partition
 // knows the manager is gone (docs/protocol.md).
 struct Heartbeat {

@@ -91,6 +91,9 @@ class ManagerDaemon : private AgentPool::Observer {
   void createController(int firstGeneration);
   void createPlanner(ControllerOptions& options);
   std::string agentCommand(const std::string& host) const;
+  // How long an agent that hears nothing from the manager waits before it
+  // takes the manager as gone (its --lost_manager_ms).
+  std::chrono::milliseconds lostManagerAfter() const;
 
   // Hellos, by role (the listener checked the token).
   void onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);

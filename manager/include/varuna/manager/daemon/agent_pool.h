@@ -13,6 +13,7 @@
 #include <boost/asio.hpp>
 #include <chrono>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -67,7 +68,9 @@ class AgentPool {
   }
 
   // The machine list as last read.
-  void setListed(std::vector<Machine> machines) { listed_ = std::move(machines); }
+  // Hosts no longer listed whose agent is gone are forgotten (weeks of
+  // machines that come and go under new names must not pile up).
+  void setListed(std::vector<Machine> machines);
   const std::vector<Machine>& listed() const { return listed_; }
   bool isListed(const std::string& host) const;
 
@@ -77,10 +80,13 @@ class AgentPool {
   // or one with an agent already), with the reason sent to it.
   bool admit(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
 
-  // The tick: closes agents silent for the heartbeat timeout, sends the
-  // manager's heartbeat once a second, and (unless `retry` is false: the job
-  // is not running yet or is stopping) starts the agents of hosts whose
-  // retry is due and readmits preempted hosts whose agent still answers.
+  // Closes agents silent for the heartbeat timeout (each one's loss goes to
+  // the observer). First in the daemon's tick.
+  void closeSilentAgents(TimePoint now);
+  // The rest of the tick: sends the manager's heartbeat once a second, and
+  // (unless `retry` is false: the job is not running yet or is stopping)
+  // starts the agents of hosts whose retry is due and readmits preempted
+  // hosts whose agent still answers.
   void tick(TimePoint now, bool retry);
 
   // A preemption notice for `host`, taken at `until` (a listed host only).
@@ -96,6 +102,9 @@ class AgentPool {
   nlohmann::json readmitListed(TimePoint now, bool* anyBack);
   // Hosts newly listed: their agents start (unless up).
   void listedAdded(const std::string& host);
+
+  // An agent lost before the job started counts as a failed start-up (state.json).
+  void markFailed(const std::string& host);
 
   // Machines the job may use: listed, agent up and not released.
   std::vector<Machine> usable() const;
@@ -132,12 +141,12 @@ class AgentPool {
     bool launching = false;
   };
 
+  void forgetUnlisted();
   void onMessage(const std::string& host, const proto::Message& message);
   void onClosed(const std::string& host, const std::string& reason);
   void onStartupDone(const std::string& host, const HostCommandResult& result);
   void startupFailed(const std::string& host, const std::string& message);
   void reapLaunchThread(uint64_t id);
-  void closeSilentAgents(TimePoint now);
   void sendHeartbeats(TimePoint now);
   void retryAbsentHosts(TimePoint now);
   void back(const std::string& host, const std::string& how);
@@ -151,6 +160,7 @@ class AgentPool {
   Observer& observer_;
   std::function<std::string(const std::string&)> agentCommand_;
   std::vector<Machine> listed_;
+  std::set<std::string> listedHosts_;
   std::map<std::string, Agent> agents_;
   HostAbsences absences_;
   std::map<uint64_t, std::thread> launchThreads_;

@@ -49,6 +49,8 @@ class ControlListener {
   void start(std::string token, EventLog& events, OnHello onHello, ExpectedHellos expected);
   // The tick: expires connections past their hello deadline, reports drops.
   void tick(TimePoint now);
+  // The job stopped: no more accepts (connections already in go on).
+  void stopAccepting();
   // Leaving the loop: no more accepts, pending connections closed.
   void close();
 

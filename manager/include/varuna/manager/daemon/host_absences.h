@@ -70,6 +70,12 @@ class HostAbsences {
   // to wait is cleared and it is due now. Returns the reason it was out, if it was.
   std::optional<std::string> readmit(const std::string& host, TimePoint now);
 
+  // A host no longer listed: nothing of it is kept.
+  void forget(const std::string& host) {
+    absent_.erase(host);
+    returned_.erase(host);
+  }
+
   const HostAbsence* find(const std::string& host) const;
   HostAbsence* find(const std::string& host);
   const std::map<std::string, HostAbsence>& all() const { return absent_; }
