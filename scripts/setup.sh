@@ -3,7 +3,8 @@
 #   1. Debian packages the build and the tests need,
 #   2. a project-local Python virtual environment (.venv) with the pinned torch
 #      wheel, whose libtorch the C++ code links against,
-#   3. configure + build in build/ (Ninja, RelWithDebInfo).
+#   3. configure + build in build/ (Ninja, RelWithDebInfo), and put the varuna
+#      Python package built there on .venv's path.
 # Idempotent: each step is skipped when already done, so a second run only
 # re-runs the (incremental) build.
 #
@@ -80,5 +81,13 @@ if [[ $DO_BUILD -eq 1 ]]; then
   fi
   say "building (2 cores: the first build takes a few minutes)"
   cmake --build "$BUILD_DIR" -j "$(nproc)"
+  # The varuna Python package (the extension and its .py files in
+  # $BUILD_DIR/python) on the project environment's path: `import varuna`
+  # works in .venv/bin/python. Other environments: docs/python.md.
+  if [[ -d "$BUILD_DIR/python/varuna" ]]; then
+    SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$BUILD_DIR/python" > "$SITE/varuna-build.pth"
+    say "varuna Python package: $BUILD_DIR/python/varuna (on $VENV's path)"
+  fi
 fi
 say "done"

@@ -59,14 +59,16 @@ def main() -> int:
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [program[0], "--rank", str(rank), "--local_rank", str(rank), "--stage_to_rank_map", stage_map,
-               "--chunk_size", str(args.chunk_size), "--batch-size", str(args.batch_size)]
+        # After the program's own arguments, as run_varuna's agent does: the
+        # program may be an interpreter and its script (python train.py).
+        cmd = list(program) + ["--rank", str(rank), "--local_rank", str(rank), "--stage_to_rank_map", stage_map,
+                               "--chunk_size", str(args.chunk_size), "--batch-size", str(args.batch_size)]
         if args.resume_step is not None:
             cmd += ["--resume_step", str(args.resume_step)]
         # SIGUSR1 blocked until the runtime installs its handler
         # (installCheckpointSignalHandler unblocks it): a checkpoint request
         # during start-up waits instead of killing the worker.
-        procs.append(subprocess.Popen(cmd + program[1:], env=env,
+        procs.append(subprocess.Popen(cmd, env=env,
                                       preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})))
 
     def forward(signum, _frame):

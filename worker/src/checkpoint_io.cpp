@@ -189,14 +189,47 @@ nlohmann::json optimizerSettings(torch::optim::Optimizer& optimizer) {
 }
 
 void checkOptimizerSettings(torch::optim::Optimizer& optimizer, const nlohmann::json& j) {
-  const Kind kind = kindOf(optimizer);
-  const std::string type = j.is_object() ? j.value("type", "") : "";
-  const std::string expected = kind == Kind::kAdamW ? "adamw" : kind == Kind::kAdam ? "adam" : "sgd";
+  checkSameOptimizerType(optimizerSettings(optimizer), j);
+}
+
+void checkSameOptimizerType(const nlohmann::json& current, const nlohmann::json& saved) {
+  const std::string type = saved.is_object() ? saved.value("type", "") : "";
+  const std::string expected = current.value("type", "");
   if (type != expected) {
     throw ConfigError(strCat("the checkpoint was written with optimizer '", type, "' but this job uses '", expected,
                              "'"));
   }
-  if (!j.contains("lr") || !j["lr"].is_number()) throw ConfigError("the checkpoint's optimizer settings have no lr");
+  if (!saved.contains("lr") || !saved["lr"].is_number()) {
+    throw ConfigError("the checkpoint's optimizer settings have no lr");
+  }
+}
+
+namespace {
+
+// libtorch's optimizers through the functions above.
+class TorchStageOptimizer : public StageOptimizer {
+ public:
+  explicit TorchStageOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer) : optimizer_(std::move(optimizer)) {}
+  void step() override { optimizer_->step(); }
+  NamedTensors state(const NamedTensors& params) override { return optimizerState(*optimizer_, params); }
+  std::function<void()> decodeState(const NamedTensors& params, const std::map<std::string, torch::Tensor>& saved,
+                                    const std::string& source) override {
+    auto decoded = std::make_shared<DecodedOptimizerState>(decodeOptimizerState(*optimizer_, params, saved, source));
+    return [optimizer = optimizer_, decoded] { applyOptimizerState(*optimizer, std::move(*decoded)); };
+  }
+  nlohmann::json settings() override { return optimizerSettings(*optimizer_); }
+  void checkSettings(const nlohmann::json& saved) override { checkOptimizerSettings(*optimizer_, saved); }
+  void applySettings(const nlohmann::json& saved) override { applyOptimizerSettings(*optimizer_, saved); }
+
+ private:
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+}  // namespace
+
+std::shared_ptr<StageOptimizer> wrapTorchOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer) {
+  if (!optimizer) throw ConfigError("setOptimizer: the optimizer is null");
+  return std::make_shared<TorchStageOptimizer>(std::move(optimizer));
 }
 
 void applyOptimizerSettings(torch::optim::Optimizer& optimizer, const nlohmann::json& j) {

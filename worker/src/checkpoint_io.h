@@ -16,9 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "varuna/worker/stage_optimizer.h"
+
 namespace varuna {
 
-using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 // Streams a torch.load-able archive of the dict {name: tensor} into `sink`,
 // straight from the tensors' memory (CPU tensors are not copied).

@@ -401,7 +401,7 @@ void Varuna::Impl::checkOutgoing(const torch::Tensor& out, int64_t b) const {
   }
 }
 
-void Varuna::Impl::setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale) {
+void Varuna::Impl::setOptimizer(std::shared_ptr<StageOptimizer> optimizer, LossScaleOptions lossScale) {
   if (!optimizer) throw ConfigError("setOptimizer: the optimizer is null");
   optimizer_ = std::move(optimizer);
   if (opt_.precision != Precision::kFp16) lossScale = LossScaleOptions{.dynamic = false, .initialScale = 1.0};
@@ -614,6 +614,10 @@ std::vector<std::pair<std::string, torch::Tensor>> Varuna::namedBuffers() const 
 }
 
 void Varuna::setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale) {
+  impl_->setOptimizer(wrapTorchOptimizer(std::move(optimizer)), lossScale);
+}
+
+void Varuna::setOptimizer(std::shared_ptr<StageOptimizer> optimizer, LossScaleOptions lossScale) {
   impl_->setOptimizer(std::move(optimizer), lossScale);
 }
 

@@ -56,7 +56,7 @@ nlohmann::json Varuna::Impl::checkpointMeta(int64_t step) {
           {"generation", opt_.manager.generation},
           {"precision", toString(opt_.precision)},
           {"loss_scale", {{"scale", scaler_.scale()}, {"clean_steps", scaler_.cleanSteps()}}},
-          {"optimizer", optimizerSettings(*optimizer_)}};
+          {"optimizer", optimizer_->settings()}};
 }
 
 // Under run_varuna the generation names the run. Without it, rank 0 draws a
@@ -137,7 +137,7 @@ bool Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
     const int writerReplica = shard ? k % D_ : 0;  // sharding spreads a stage's pieces over its replicas
     if (writerReplica != replica_) continue;
     job.files.push_back({pieceFile(k, "params"), pieceState(k), std::nullopt});
-    job.files.push_back({pieceFile(k, "optim"), optimizerState(*optimizer_, pieceParams(k)), std::nullopt});
+    job.files.push_back({pieceFile(k, "optim"), optimizer_->state(pieceParams(k)), std::nullopt});
   }
   job.files.push_back({strCat("rank_", opt_.rank, ".rng.pt"), generatorStates(opt_.device), std::nullopt});
   if (opt_.rank == 0) job.files.push_back({ckpt::kMeta, {}, checkpointMeta(step).dump(1)});
@@ -165,7 +165,7 @@ bool Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
 struct Varuna::Impl::LoadedCheckpoint {
   nlohmann::json meta;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;  // live tensor <- saved value
-  std::vector<DecodedOptimizerState> optimizer;
+  std::vector<std::function<void()>> optimizer;  // each applies one piece's decoded state
   std::optional<std::map<std::string, torch::Tensor>> generators;
 };
 
@@ -199,7 +199,7 @@ Varuna::Impl::LoadedCheckpoint Varuna::Impl::readCheckpoint(const std::string& g
     log::warn("checkpoint global batch ", meta.value("global_batch", opt_.batchSize), " differs from this job's ",
               opt_.batchSize, ": the data position is kept in samples");
   }
-  checkOptimizerSettings(*optimizer_, meta.value("optimizer", nlohmann::json()));
+  optimizer_->checkSettings(meta.value("optimizer", nlohmann::json()));
   const bool withBuffers = meta.value("format", 1) >= 2;
   for (int k = 0; k < model_->numPieces(); ++k) {
     const std::string paramsName = pieceFile(k, "params");
@@ -220,9 +220,8 @@ Varuna::Impl::LoadedCheckpoint Varuna::Impl::readCheckpoint(const std::string& g
                                " tensors, this model's piece has ", expected.size(), " parameters and buffers"));
     }
     const std::string optimName = pieceFile(k, "optim");
-    loaded.optimizer.push_back(decodeOptimizerState(
-        *optimizer_, pieceParams(k), unpickleTensors(read(optimName), (dir / optimName).string()),
-        (dir / optimName).string()));
+    loaded.optimizer.push_back(optimizer_->decodeState(
+        pieceParams(k), unpickleTensors(read(optimName), (dir / optimName).string()), (dir / optimName).string()));
   }
   if (!withBuffers && !model_->namedBuffers().empty()) {
     log::warn("checkpoint '", dir.string(), "' predates buffers in checkpoints: buffers keep their initial values");
@@ -238,9 +237,9 @@ void Varuna::Impl::applyCheckpoint(LoadedCheckpoint loaded, int64_t iteration) {
   torch::NoGradGuard noGrad;
   // variable_data(): a load is not an in-place step autograd should see.
   for (auto& [live, saved] : loaded.copies) live.variable_data().copy_(saved);
-  for (auto& decoded : loaded.optimizer) applyOptimizerState(*optimizer_, std::move(decoded));
+  for (auto& apply : loaded.optimizer) apply();
   const auto& meta = loaded.meta;
-  applyOptimizerSettings(*optimizer_, meta.at("optimizer"));
+  optimizer_->applySettings(meta.at("optimizer"));
   const auto& scale = meta.at("loss_scale");
   if (opt_.precision == Precision::kFp16) scaler_.restore(scale.at("scale"), scale.at("clean_steps"));
   if (loaded.generators) {

@@ -55,7 +55,7 @@ class Varuna::Impl {
 
   StepResult step(const Batch& inputs, std::optional<double> clip);
   double evaluate(const Batch& inputs);
-  void setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale);
+  void setOptimizer(std::shared_ptr<StageOptimizer> optimizer, LossScaleOptions lossScale);
   void synchroniseReplicaBuffers();
   // In varuna_checkpoint.cpp.
   bool checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
@@ -90,7 +90,7 @@ class Varuna::Impl {
   std::unique_ptr<Communicator> comm_;
   std::shared_ptr<StageModel> model_;
   GradBuckets buckets_;
-  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  std::shared_ptr<StageOptimizer> optimizer_;
   LossScaler scaler_;
   CutShape inShape_, outShape_;
   std::map<int, Schedule> schedules_;

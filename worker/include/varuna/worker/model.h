@@ -44,6 +44,9 @@ class Piece : public torch::nn::Module {
     nonPersistentBuffers_.insert(name);
     return register_buffer(name, std::move(tensor));
   }
+  // The buffer at `path` ("block.attn.mask") of a nested module is not
+  // persistent: for pieces whose buffers come from elsewhere (a Python module).
+  void markNonPersistentBuffer(const std::string& path) { nonPersistentBuffers_.insert(path); }
 
  private:
   std::set<std::string> nonPersistentBuffers_;

@@ -22,6 +22,7 @@
 #include "varuna/worker/launch_args.h"
 #include "varuna/worker/loss_scaler.h"
 #include "varuna/worker/model.h"
+#include "varuna/worker/stage_optimizer.h"
 
 namespace varuna {
 
@@ -130,6 +131,8 @@ class Varuna {
 
   // Registers the optimizer over parameters(). Loss-scale options apply to fp16.
   void setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale = {});
+  // Any optimizer behind the StageOptimizer interface (the Python front end's).
+  void setOptimizer(std::shared_ptr<StageOptimizer> optimizer, LossScaleOptions lossScale = {});
 
   // One training step over this replica's share of the global batch
   // (batchSize / numReplicas samples; every stage of a replica gets the same

@@ -1,0 +1,207 @@
+"""varuna.Varuna: the manual's API over the C++ runtime (varuna._C.Runtime)."""
+import sys
+import traceback
+
+import torch
+
+from . import _C
+from .optimizer import OptimizerBridge
+
+__all__ = ["Varuna", "StepResult", "get_launch_args", "install_checkpoint_signal_handler", "exit_after_failure"]
+
+
+def get_launch_args(argv=None):
+    """The launcher's arguments (run_varuna, scripts/varuna_launch.py, torchrun)
+    from `argv` (default sys.argv) and the environment: rank, local_rank,
+    stage_to_rank_map, chunk_size, batch_size (per replica), resume_step, the
+    rendezvous, and user_args, everything the runtime did not recognise."""
+    return _C.parse_launch_args(list(sys.argv if argv is None else argv))
+
+
+def install_checkpoint_signal_handler():
+    """SIGUSR1 asks for a checkpoint (run_varuna sends it before a morph): call
+    it first thing in the program; the next step() tells every rank."""
+    _C.install_checkpoint_signal_handler()
+
+
+def exit_after_failure(error):
+    """Ends a worker after an expected failure: prints it and exits at once with
+    its exit code (2 for a ConfigError, 3 for a lost peer, ...), skipping
+    destructors that could wait on peers that already left."""
+    code = getattr(error, "exit_code", 1)
+    if isinstance(error, (_C.Error, _C.ConfigError)):
+        print("varuna: %s" % error, file=sys.stderr)
+    else:
+        traceback.print_exception(error, file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    _C.exit_worker(code)
+
+
+class StepResult:
+    """What step() returns: unpacks as (loss, overflow, grad_norm); also
+    loss_scale and checkpoint_requested."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw):
+        self._raw = raw
+
+    loss = property(lambda self: self._raw.loss)
+    overflow = property(lambda self: self._raw.overflow)
+    grad_norm = property(lambda self: self._raw.grad_norm)
+    loss_scale = property(lambda self: self._raw.loss_scale)
+    checkpoint_requested = property(lambda self: self._raw.checkpoint_requested)
+
+    def __iter__(self):
+        return iter((self.loss, self.overflow, self.grad_norm))
+
+    def __repr__(self):
+        return "StepResult(loss=%r, overflow=%r, grad_norm=%r)" % tuple(self)
+
+
+def _pieces_of(model):
+    """[(name, factory, parameter count)] from the accepted forms of `model`."""
+    if isinstance(model, torch.nn.Sequential):
+        # Built already (by every rank): the children are the pieces.
+        return [(name, (lambda child=child: child), sum(p.numel() for p in child.parameters()))
+                for name, child in model.named_children()]
+    pieces = []
+    for entry in model:
+        if len(entry) == 2:
+            name, factory = entry
+            count = -1
+        else:
+            name, factory, count = entry
+        if not callable(factory):
+            raise TypeError("piece '%s': expected a factory (a callable returning a torch.nn.Module)" % name)
+        pieces.append((str(name), factory, int(count)))
+    return pieces
+
+
+def _device_of(device, local_rank):
+    if device is None or device == -1:
+        return "cpu"
+    if isinstance(device, int):
+        return "cuda:%d" % device
+    return str(device)
+
+
+class Varuna:
+    """One rank's share of a model trained as P pipeline stages x D replicas.
+
+    model: a torch.nn.Sequential whose children are the pieces, or a list of
+      (name, factory[, parameter count]) where each factory returns a
+      torch.nn.Module with forward(activation, inputs) (activation None for the
+      first piece; the last returns the scalar loss). Factories are called
+      only by the ranks that own the piece, each right after
+      torch.manual_seed(seed + index), so initial weights do not depend on the
+      layout.
+    stage_to_rank_map, batch_size (global), chunk_size (micro-batch), local_rank:
+      as the launcher passes them; None takes them from get_launch_args().
+    get_batch_fn(size, device): sample inputs (a dict of tensors, batch first).
+    fp16 / precision: "fp32" (default), "bf16" or "fp16" (with loss scaling).
+    shared_weights: [(name, name)] of parameters that hold one weight.
+    """
+
+    def __init__(self, model, stage_to_rank_map=None, get_batch_fn=None, batch_size=None, chunk_size=None,
+                 fp16=False, local_rank=None, device=None, shared_weights=None, *, precision=None,
+                 schedule="varuna", seed=0, piece_costs=None, bucket_bytes=None, peer_timeout_s=None,
+                 launch_args=None, global_store=None, keep_checkpoints=None):
+        if get_batch_fn is None:
+            raise ValueError("Varuna: get_batch_fn is required (sample inputs teach the runtime the shapes "
+                             "that cross each cut)")
+        args = launch_args if launch_args is not None else get_launch_args()
+        options = _C.Options()
+        options.apply_launch_args(args)
+        if stage_to_rank_map is not None:
+            options.stage_to_rank_map = stage_to_rank_map
+        if local_rank is not None and local_rank >= 0:
+            options.local_rank = local_rank
+        if batch_size is None:
+            raise ValueError("Varuna: batch_size (the global batch) is required")
+        options.batch_size = int(batch_size)
+        options.chunk_size = int(chunk_size if chunk_size is not None else args.chunk_size)
+        options.precision = precision or ("fp16" if fp16 else "fp32")
+        options.device = _device_of(device, options.local_rank)
+        options.schedule = schedule
+        if bucket_bytes is not None:
+            options.bucket_bytes = int(bucket_bytes)
+        if peer_timeout_s is not None:
+            options.peer_timeout_s = float(peer_timeout_s)
+        if global_store is not None:
+            options.global_store = global_store
+        if keep_checkpoints is not None:
+            options.keep_checkpoints = int(keep_checkpoints)
+        options.set_pieces(_pieces_of(model), [tuple(p) for p in (shared_weights or [])], int(seed),
+                           [float(c) for c in (piece_costs or [])])
+
+        def get_batch(size, device_name):
+            return dict(get_batch_fn(size, torch.device(device_name)))
+        options.set_get_batch(get_batch)
+        self._runtime = _C.Runtime(options)
+        self._bridge = None
+
+    # --- parameters --------------------------------------------------------------
+    def parameters(self):
+        """This stage's parameters (the Python modules' own), for the optimizer."""
+        return self._runtime.parameters()
+
+    def named_parameters(self):
+        return self._runtime.named_parameters()
+
+    def named_buffers(self):
+        return self._runtime.named_buffers()
+
+    # --- training ------------------------------------------------------------------
+    def set_optimizer(self, optimizer, loss_scale="dynamic", init_loss_scale=1048576, min_loss_scale=1.0):
+        """Connects any torch.optim optimizer over parameters(); its state is
+        checkpointed per parameter name. The loss scale applies to fp16."""
+        scale = _C.LossScaleOptions()
+        if loss_scale == "dynamic":
+            scale.dynamic = True
+            scale.initial_scale = float(init_loss_scale)
+        else:
+            scale.dynamic = False
+            scale.initial_scale = float(loss_scale)
+        scale.min_scale = float(min_loss_scale)
+        self._bridge = OptimizerBridge(optimizer)
+        self._runtime.set_optimizer(self._bridge, scale)
+
+    def step(self, inputs, clip_grad_max_norm=None):
+        """One step over this replica's share of the global batch (every stage
+        of a replica gets the same inputs). Call it on every rank."""
+        return StepResult(self._runtime.step(dict(inputs), clip_grad_max_norm))
+
+    def evaluate(self, inputs):
+        """Mean loss over every replica's inputs, without gradients."""
+        return self._runtime.evaluate(dict(inputs))
+
+    def exit_if_checkpoint_requested(self, result):
+        """After every step under run_varuna: writes the on-demand checkpoint and
+        exits with EXIT_CHECKPOINTED (75) when a checkpoint was asked for."""
+        self._runtime.exit_if_checkpoint_requested(result._raw if isinstance(result, StepResult) else result)
+
+    # --- checkpoints ----------------------------------------------------------------
+    def checkpoint(self, global_store, step=None, tempdir=None, shard=False, on_demand=False):
+        return self._runtime.checkpoint(global_store, step, tempdir or "", shard, on_demand)
+
+    def load_checkpoint(self, global_store, iteration, check_complete=True):
+        return self._runtime.load_checkpoint(global_store, int(iteration), check_complete)
+
+    def load_latest_checkpoint(self, global_store, at_most=None):
+        return self._runtime.load_latest_checkpoint(global_store, at_most)
+
+    def wait_for_checkpoints(self):
+        self._runtime.wait_for_checkpoints()
+
+    # --- where this rank is ------------------------------------------------------------
+    rank = property(lambda self: self._runtime.rank)
+    stage = property(lambda self: self._runtime.stage)
+    replica = property(lambda self: self._runtime.replica)
+    num_stages = property(lambda self: self._runtime.num_stages)
+    num_replicas = property(lambda self: self._runtime.num_replicas)
+    is_last_stage = property(lambda self: self._runtime.is_last_stage)
+    steps_done = property(lambda self: self._runtime.steps_done)
+    samples_seen = property(lambda self: self._runtime.samples_seen)
+    loss_scale = property(lambda self: self._runtime.loss_scale)
