@@ -142,7 +142,8 @@ void bindRuntime(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("dynamic", &LossScaleOptions::dynamic)
       .def_readwrite("initial_scale", &LossScaleOptions::initialScale)
-      .def_readwrite("min_scale", &LossScaleOptions::minScale);
+      .def_readwrite("min_scale", &LossScaleOptions::minScale)
+      .def_readwrite("growth_interval", &LossScaleOptions::growthInterval);
 
   py::class_<Varuna>(m, "Runtime")
       // Joins the job's process groups: blocks until every rank is there.

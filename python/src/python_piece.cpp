@@ -65,6 +65,12 @@ torch::nn::Module& PythonPiece::childAt(const std::string& path) {
   return *current;
 }
 
+void PythonPiece::train(bool on) {
+  Piece::train(on);
+  py::gil_scoped_acquire gil;
+  module_.attr("train")(on);
+}
+
 torch::Tensor PythonPiece::forward(const torch::Tensor& activation, const Batch& batch) {
   py::gil_scoped_acquire gil;
   py::dict inputs;

@@ -20,6 +20,9 @@ class PythonPiece : public Piece {
   ~PythonPiece() override;
 
   torch::Tensor forward(const torch::Tensor& activation, const Batch& batch) override;
+  // The runtime's train()/eval() (evaluate() runs in eval mode) reach the
+  // Python module too: its dropout and BatchNorm follow.
+  void train(bool on = true) override;
   const pybind11::object& module() const { return module_; }
 
  private:

@@ -154,9 +154,12 @@ class Varuna:
         return self._runtime.named_buffers()
 
     # --- training ------------------------------------------------------------------
-    def set_optimizer(self, optimizer, loss_scale="dynamic", init_loss_scale=1048576, min_loss_scale=1.0):
+    def set_optimizer(self, optimizer, loss_scale="dynamic", init_loss_scale=1048576, min_loss_scale=1.0,
+                      loss_scale_growth_interval=1000):
         """Connects any torch.optim optimizer over parameters(); its state is
-        checkpointed per parameter name. The loss scale applies to fp16."""
+        checkpointed per parameter name. The loss scale applies to fp16: a
+        dynamic one halves on an overflow and doubles after
+        `loss_scale_growth_interval` clean steps."""
         scale = _C.LossScaleOptions()
         if loss_scale == "dynamic":
             scale.dynamic = True
@@ -165,6 +168,7 @@ class Varuna:
             scale.dynamic = False
             scale.initial_scale = float(loss_scale)
         scale.min_scale = float(min_loss_scale)
+        scale.growth_interval = int(loss_scale_growth_interval)
         self._bridge = OptimizerBridge(optimizer)
         self._runtime.set_optimizer(self._bridge, scale)
 

@@ -67,7 +67,8 @@ def make_optimizer(name, params):
 def reference(steps, global_size, optimizer, micro, first_step=0, state=None):
     """The plain loop: each piece built after manual_seed(SEED + index), one
     process, the same global batches; gradients as the runtime makes them
-    (the mean over the micro-batches of each micro-batch's mean loss)."""
+    (the mean over the micro-batches of each micro-batch's mean loss).
+    Returns the losses, the parameters by full name and the held-out loss."""
     modules = []
     for i, (name, factory) in enumerate(FACTORIES):
         torch.manual_seed(SEED + i)
@@ -93,4 +94,10 @@ def reference(steps, global_size, optimizer, micro, first_step=0, state=None):
     for name, m in modules:
         for pname, p in m.named_parameters():
             named["%s.%s" % (name, pname)] = p.detach().clone()
-    return losses, named
+    # Held out: the global batch after the last step, in eval mode.
+    model.eval()
+    with torch.no_grad():
+        activation = None
+        for m in model:
+            activation = m(activation, global_batch(first_step + steps, global_size))
+    return losses, named, activation.item()

@@ -5,7 +5,8 @@ started by scripts/varuna_launch.py on loopback:
 
   equivalence   (P,D) in (1,1) (2,1) (2,2) (3,1) x the three schedules: the
                 losses and every parameter after 4 steps equal the plain
-                loop's (fp32, rtol 1e-5)
+                loop's (fp32, rtol 1e-5), and so does evaluate() (eval
+                mode) with one replica
   optimizers    SGD with momentum, AdamW and RMSprop (which the C++ side
                 lacks): a checkpoint taken as 2x2 after 2 steps and loaded as
                 1x2 and as 3x1 gives the same parameters after 4 steps as an
@@ -68,18 +69,24 @@ def compare(what, losses, params, ref_losses, ref_params):
 
 
 def test_equivalence():
-    ref_losses, ref_params = frontend_model.reference(STEPS, GLOBAL_BATCH, "sgd", MICRO)
+    ref_losses, ref_params, ref_eval = frontend_model.reference(STEPS, GLOBAL_BATCH, "sgd", MICRO)
     for stages, replicas in [(1, 1), (2, 1), (2, 2), (3, 1)]:
         for schedule in ["varuna", "1f1b", "gpipe"]:
             with tempfile.TemporaryDirectory() as tmp:
                 run_job(tmp, stages, replicas, "--steps", STEPS, "--optimizer", "sgd", "--schedule", schedule)
                 losses, params = gathered(tmp, stages * replicas)
                 compare("%dx%d %s" % (stages, replicas, schedule), losses, params, ref_losses, ref_params)
+                # evaluate() runs the Python modules in eval mode (BatchNorm's running statistics);
+                # with one replica those are the plain loop's.
+                held_out = torch.load(os.path.join(tmp, "rank_0.pt"))["eval"]
+                if replicas == 1 and abs(held_out - ref_eval) > 1e-5 * max(1.0, abs(ref_eval)):
+                    failures.append("%dx%d %s: evaluate() %r vs the plain loop's %r" % (
+                        stages, replicas, schedule, held_out, ref_eval))
 
 
 def test_optimizers_resume_under_other_layouts():
     for optimizer in ["sgd", "adamw", "rmsprop"]:
-        ref_losses, ref_params = frontend_model.reference(STEPS, GLOBAL_BATCH, optimizer, MICRO)
+        ref_losses, ref_params, _ = frontend_model.reference(STEPS, GLOBAL_BATCH, optimizer, MICRO)
         with tempfile.TemporaryDirectory() as tmp:
             store = os.path.join(tmp, "store")
             run_job(os.path.join(tmp, "first"), 2, 2, "--steps", 2, "--optimizer", optimizer, "--save_at", 2,

@@ -60,9 +60,11 @@ try:
         losses.append(result.loss)
         if step + 1 == args.save_at:
             model.checkpoint(args.store, on_demand=True)
+    held_out = frontend_model.global_batch(args.steps, args.global_batch)
+    evaluation = model.evaluate({k: v[model.replica * share:(model.replica + 1) * share] for k, v in held_out.items()})
     named = {name: p.detach().clone() for name, p in model.named_parameters()}
     os.makedirs(args.out, exist_ok=True)
-    torch.save({"losses": losses, "params": named, "stage": model.stage, "replica": model.replica,
+    torch.save({"losses": losses, "params": named, "eval": evaluation, "stage": model.stage, "replica": model.replica,
                 "buffers": {n: b.clone() for n, b in model.named_buffers()}},
                os.path.join(args.out, "rank_%d.pt" % launch.rank))
 except Exception as error:  # noqa: BLE001 - every failure ends the worker with its code
