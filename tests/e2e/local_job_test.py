@@ -19,6 +19,7 @@ from varuna_e2e import (  # noqa: E402
     BIN, TINY_MODEL, Manager, assert_losses_continue, assert_nothing_left,
     assert_resumed_exactly, log, processes_of_job, run_tests, wait_for)
 
+SOURCE = Path(__file__).resolve().parents[2]
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-e2e-")))
 shutil.rmtree(ROOT, ignore_errors=True)  # nothing of an earlier run (state, checkpoints) may leak into this one
 ROOT.mkdir(parents=True)
@@ -60,6 +61,31 @@ def test_preemption_morphs_2x2_to_2x1_and_resumes_exactly():
     again.start()
     assert again.wait_exit() == 0, again.tail()
     assert again.events("launch")[0]["resume_step"] == resume
+    assert_resumed_exactly(m.losses(), again.losses(), resume)
+    assert_nothing_left(m.job)
+
+
+def test_python_trainer_morphs_and_resumes_exactly():
+    """The Python front end under run_varuna: examples/python/train_gpt.py
+    (run by the project's Python, where setup.sh put the varuna package) gets
+    the launcher's arguments, reports, checkpoints on the notice and resumes
+    as 2x1 exactly where a 2x1 job started from that checkpoint does."""
+    steps = 60
+    python = os.environ.get("VARUNA_PYTHON", str(SOURCE / ".venv" / "bin" / "python"))
+    program = [python, str(SOURCE / "examples" / "python" / "train_gpt.py")]
+    m = manager("python", steps=steps, program=program).start()
+    m.wait_step(15)
+    r = m.notify_preempt("127.0.0.2", "--in_seconds", "120")
+    assert r.returncode == 0, r.stderr
+    assert m.wait_exit() == 0, m.tail()
+    launches = m.events("launch")
+    assert [(e["plan"]["stages"], e["plan"]["replicas"]) for e in launches] == [(2, 2), (2, 1)], launches
+    resume = launches[1]["resume_step"]
+    assert resume > 0, launches
+    again = manager("python-from-copy", machines=["127.0.0.1 slots=2"], steps=steps, program=program)
+    shutil.copytree(m.store / ("varuna_ckpt_%d" % resume), again.store / ("varuna_ckpt_%d" % resume))
+    again.start()
+    assert again.wait_exit() == 0, again.tail()
     assert_resumed_exactly(m.losses(), again.losses(), resume)
     assert_nothing_left(m.job)
 
@@ -317,6 +343,7 @@ def test_bad_inputs_are_clear_errors():
 if __name__ == "__main__":
     run_tests([
         test_preemption_morphs_2x2_to_2x1_and_resumes_exactly,
+        test_python_trainer_morphs_and_resumes_exactly,
         test_worker_killed_relaunches_from_latest_checkpoint,
         test_sigstop_worker_is_detected_by_heartbeat_timeout,
         test_every_process_of_a_host_killed,

@@ -59,7 +59,8 @@ class Manager:
                      "--batch_size", str(batch), *plan,
                      "--global_store", str(self.store), "--state_dir", str(self.state_dir),
                      "--code_dir", str(code_dir or TRAIN_DIR), "--port", "0",
-                     *extra_args, "--", program, "--steps", str(steps), *TINY_MODEL,
+                     *extra_args, "--", *([program] if isinstance(program, str) else program),
+                     "--steps", str(steps), *TINY_MODEL,
                      "--dump_dir", str(self.dump), *train_args]
         self.proc = None
 
