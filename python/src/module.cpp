@@ -23,6 +23,17 @@ namespace {
 
 using Release = py::call_guard<py::gil_scoped_release>;
 
+// The runtime is destroyed without the GIL: its destructor waits for the
+// background checkpoint writer, which may need the GIL to drop a Python
+// job's tensors (the pieces take it back to release their modules).
+struct ReleaseGilDelete {
+  void operator()(Varuna* runtime) const {
+    py::gil_scoped_release release;
+    delete runtime;
+  }
+};
+using RuntimeHolder = std::unique_ptr<Varuna, ReleaseGilDelete>;
+
 // [(name, factory, parameter count)] -> PieceSpecs whose factories call
 // Python (under the GIL) and wrap the module they return.
 std::vector<PieceSpec> pieceSpecs(const std::vector<std::tuple<std::string, py::function, int64_t>>& pieces) {
@@ -145,9 +156,9 @@ void bindRuntime(py::module_& m) {
       .def_readwrite("min_scale", &LossScaleOptions::minScale)
       .def_readwrite("growth_interval", &LossScaleOptions::growthInterval);
 
-  py::class_<Varuna>(m, "Runtime")
+  py::class_<Varuna, RuntimeHolder>(m, "Runtime")
       // Joins the job's process groups: blocks until every rank is there.
-      .def(py::init([](VarunaOptions options) { return std::make_unique<Varuna>(std::move(options)); }),
+      .def(py::init([](VarunaOptions options) { return RuntimeHolder(new Varuna(std::move(options))); }),
            py::arg("options"), Release())
       .def("parameters", &Varuna::parameters)
       .def("named_parameters", &Varuna::namedParameters)
@@ -203,6 +214,9 @@ PYBIND11_MODULE(_C, m) {
   // a superseded generation).
   static py::exception<ConfigError> configError(m, "ConfigError", PyExc_ValueError);
   static py::exception<Error> runtimeError(m, "Error", PyExc_RuntimeError);
+  // Also for instances Python code raises itself.
+  configError.attr("exit_code") = kExitConfigError;
+  runtimeError.attr("exit_code") = 1;
   py::register_exception_translator([](std::exception_ptr p) {
     auto raise = [](PyObject* type, const Error& e) {
       py::object instance = py::reinterpret_borrow<py::object>(type)(e.what());

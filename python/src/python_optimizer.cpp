@@ -35,7 +35,11 @@ void PythonOptimizer::step() {
 
 NamedTensors PythonOptimizer::state(const NamedTensors& params) {
   py::gil_scoped_acquire gil;
-  return bridge_.attr("state")(params).cast<NamedTensors>();
+  // Detached here, under the GIL: the runtime's background writer holds them,
+  // and tensors with a Python object attached would need the GIL to be dropped.
+  NamedTensors state = bridge_.attr("state")(params).cast<NamedTensors>();
+  for (auto& [name, tensor] : state) tensor = tensor.detach();
+  return state;
 }
 
 std::function<void()> PythonOptimizer::decodeState(const NamedTensors& params,

@@ -27,7 +27,17 @@ PythonPiece::PythonPiece(py::object module) : module_(std::move(module)) {
     const auto entry = item.cast<py::tuple>();
     const auto [parent, leaf] = splitPath(entry[0].cast<std::string>());
     const auto tensor = entry[1].cast<torch::Tensor>();
-    childAt(parent).register_parameter(leaf, tensor, tensor.requires_grad());
+    if (py::isinstance(entry[1], py::module_::import("torch.nn.parameter").attr("UninitializedParameter"))) {
+      throw ConfigError(strCat("piece parameter '", entry[0].cast<std::string>(),
+                               "' is not initialised yet (a Lazy module): give it its shape in the factory"));
+    }
+    if (!tensor.requires_grad()) {
+      // Frozen: model state like a buffer (checkpointed, kept identical on
+      // every replica), but no gradient and not the optimizer's.
+      childAt(parent).register_buffer(leaf, tensor);
+      continue;
+    }
+    childAt(parent).register_parameter(leaf, tensor, true);
   }
   // Persistent buffers are those state_dict() lists (PyTorch's
   // register_buffer(..., persistent=False) leaves them out).

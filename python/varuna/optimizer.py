@@ -17,6 +17,10 @@ from torch.optim import optimizer as _torch_optimizer
 __all__ = ["OptimizerBridge"]
 
 _SCALAR_KEYS = ("step",)
+# State that has the parameter's shape (checked on load); other keys may not
+# (e.g. Adafactor's row and column factors).
+_PARAM_SHAPED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum",
+                      "grad_avg", "acc_delta", "prev", "ax", "mu_product")
 
 
 def _scalar_dtype():
@@ -79,7 +83,7 @@ class OptimizerBridge:
             if not entries:
                 cleared.append(param)
                 continue
-            bad = [k for k, v in entries.items() if k not in _SCALAR_KEYS and v.shape != param.shape and v.dim() > 0]
+            bad = [k for k, v in entries.items() if k in _PARAM_SHAPED_KEYS and v.shape != param.shape]
             if bad:
                 raise ValueError("'%s': the optimizer state '%s' of '%s' does not have the parameter's shape "
                                  "(was it written by another model?)" % (source, bad[0], name))
@@ -104,6 +108,10 @@ class OptimizerBridge:
                 out[key] = list(value) if isinstance(value, tuple) else value
         if isinstance(group.get("betas"), (tuple, list)) and len(group["betas"]) == 2:
             out["beta1"], out["beta2"] = float(group["betas"][0]), float(group["betas"][1])  # the C++ names
+        # Every group's learning rate (a schedule may have changed them; groups
+        # may differ, e.g. no weight decay or per-layer rates).
+        out["lr_groups"] = [float(g["lr"].item() if torch.is_tensor(g["lr"]) else g["lr"])
+                            for g in self.optimizer.param_groups]
         return out
 
     def settings_json(self):
@@ -118,9 +126,15 @@ class OptimizerBridge:
             raise ValueError("the checkpoint's optimizer settings have no lr")
 
     def apply_settings_json(self, text):
-        # The learning rate may have been scheduled: it is the one value to carry over.
-        lr = json.loads(text)["lr"]
-        for group in self.optimizer.param_groups:
+        # The learning rates may have been scheduled: they are the values to
+        # carry over, per group when the checkpoint has as many groups (one
+        # written by the C++ side has one rate for all).
+        saved = json.loads(text)
+        groups = self.optimizer.param_groups
+        rates = saved.get("lr_groups")
+        if not isinstance(rates, list) or len(rates) != len(groups):
+            rates = [saved["lr"]] * len(groups)
+        for group, lr in zip(groups, rates):
             if torch.is_tensor(group["lr"]):
                 group["lr"].fill_(lr)
             else:

@@ -80,6 +80,9 @@ def _pieces_of(model):
 
 
 def _device_of(device, local_rank):
+    """The manual's device: a CUDA index, -1/None for the CPU (this package
+    does not pick a GPU by itself: pass device=local_rank for one per worker),
+    or a torch device string."""
     if device is None or device == -1:
         return "cpu"
     if isinstance(device, int):
@@ -93,10 +96,12 @@ class Varuna:
     model: a torch.nn.Sequential whose children are the pieces, or a list of
       (name, factory[, parameter count]) where each factory returns a
       torch.nn.Module with forward(activation, inputs) (activation None for the
-      first piece; the last returns the scalar loss). Factories are called
-      only by the ranks that own the piece, each right after
-      torch.manual_seed(seed + index), so initial weights do not depend on the
-      layout.
+      first piece; the last returns the scalar loss). Given each piece's
+      parameter count, factories are called only by the ranks that own the
+      piece (without it, every rank builds each piece once to count), each
+      right after torch.manual_seed(seed + index), so initial weights do not
+      depend on the layout. Parameters with requires_grad=False are state
+      like buffers: checkpointed, identical on every replica, not trained.
     stage_to_rank_map, batch_size (global), chunk_size (micro-batch), local_rank:
       as the launcher passes them; None takes them from get_launch_args().
     get_batch_fn(size, device): sample inputs (a dict of tensors, batch first).
@@ -184,7 +189,11 @@ class Varuna:
     def exit_if_checkpoint_requested(self, result):
         """After every step under run_varuna: writes the on-demand checkpoint and
         exits with EXIT_CHECKPOINTED (75) when a checkpoint was asked for."""
-        self._runtime.exit_if_checkpoint_requested(result._raw if isinstance(result, StepResult) else result)
+        raw = result._raw if isinstance(result, StepResult) else result
+        if raw.checkpoint_requested:  # the exit skips Python's own buffers
+            sys.stdout.flush()
+            sys.stderr.flush()
+        self._runtime.exit_if_checkpoint_requested(raw)
 
     # --- checkpoints ----------------------------------------------------------------
     def checkpoint(self, global_store, step=None, tempdir=None, shard=False, on_demand=False):

@@ -12,6 +12,9 @@ started by scripts/varuna_launch.py on loopback:
                 1x2 and as 3x1 gives the same parameters after 4 steps as an
                 uninterrupted run
   buffers       the BatchNorm running statistics are the same on every replica
+  frozen        parameters built with requires_grad=False keep their
+                values (AdamW with weight decay would move them) and are
+                state, not trained parameters
   piece error   a Python exception in a piece fails its rank with the
                 traceback, and the others with a lost-peer error
 
@@ -113,6 +116,25 @@ def test_buffers_agree_across_replicas():
                     failures.append("stage %d: buffer %s differs between replicas" % (stage, name))
         if not any("running_mean" in n for b in by_stage.get(0, [{}]) for n in b):
             failures.append("stage 0 has no BatchNorm running_mean buffer: %s" % list(by_stage.get(0, [{}])[0]))
+
+
+def test_frozen_parameters_stay_and_are_not_trained():
+    import varuna
+    if varuna.ConfigError.exit_code != 2 or varuna.Error.exit_code != 1:
+        failures.append("exit codes of the exception classes: %r %r" % (varuna.ConfigError.exit_code,
+                                                                        varuna.Error.exit_code))
+    torch.manual_seed(frontend_model.SEED + 1)
+    initial = {"h1." + n: p.detach().clone() for n, p in frontend_model.HiddenPiece().named_parameters()}
+    with tempfile.TemporaryDirectory() as tmp:
+        run_job(tmp, 2, 2, "--steps", 2, "--optimizer", "adamw", "--freeze_h1")
+        parts = [torch.load(os.path.join(tmp, "rank_%d.pt" % r)) for r in range(4)]
+        trained = set().union(*(p["params"] for p in parts))
+        state = {n: t for p in parts for n, t in p["buffers"].items()}
+        if trained & set(initial):
+            failures.append("frozen parameters were given to the optimizer: %s" % sorted(trained & set(initial)))
+        for name, tensor in initial.items():
+            if name not in state or not torch.equal(state[name], tensor):
+                failures.append("frozen %s changed or is missing from the state" % name)
 
 
 def test_python_exception_in_a_piece():

@@ -28,9 +28,17 @@ parser.add_argument("--save_at", type=int, default=-1)
 parser.add_argument("--load", type=int, default=-1)
 parser.add_argument("--store", default="")
 parser.add_argument("--fail_in_piece", type=int, default=-1, help="this rank's first piece raises in step 1")
+parser.add_argument("--freeze_h1", action="store_true", help="h1's parameters are built with requires_grad=False")
 args = parser.parse_args(launch.user_args)
 
 pieces = frontend_model.pieces()
+if args.freeze_h1:
+    def frozen():
+        piece = frontend_model.HiddenPiece()
+        for p in piece.parameters():
+            p.requires_grad_(False)
+        return piece
+    pieces[1] = ("h1", frozen)
 if args.fail_in_piece == launch.rank:
     class Failing(frontend_model.HiddenPiece):
         calls = 0

@@ -1,3 +1,5 @@
+#include <optional>
+
 #include "checkpoint_writer.h"
 
 #include <future>
@@ -114,7 +116,10 @@ void CheckpointWriter::loop() {
   while (true) {
     changed_.wait(lock, [this] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stop_ with nothing left
-    CheckpointJob job = std::move(queue_.front());
+    // Released before the mutex is taken again: its tensors may be a Python
+    // job's (parameters, optimizer state), and dropping them can take the GIL.
+    std::optional<CheckpointJob> held(std::move(queue_.front()));
+    CheckpointJob& job = *held;
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
@@ -134,6 +139,7 @@ void CheckpointWriter::loop() {
       if (options_.onFailure) options_.onFailure(job.step, e.what());
     }
     if (!captured) markCaptured();  // failed before: the tensors are free anyway
+    held.reset();
     lock.lock();
     busy_ = false;
     changed_.notify_all();
