@@ -34,18 +34,22 @@ struct ReleaseGilDelete {
 };
 using RuntimeHolder = std::unique_ptr<Varuna, ReleaseGilDelete>;
 
+// A Python callable the runtime keeps (in a PieceSpec or getBatch) and may
+// drop without the GIL: the deleter takes it.
+std::shared_ptr<py::function> keptCallable(py::function fn) {
+  return std::shared_ptr<py::function>(new py::function(std::move(fn)), [](py::function* f) {
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+}
+
 // [(name, factory, parameter count)] -> PieceSpecs whose factories call
 // Python (under the GIL) and wrap the module they return.
 std::vector<PieceSpec> pieceSpecs(const std::vector<std::tuple<std::string, py::function, int64_t>>& pieces) {
   std::vector<PieceSpec> specs;
   for (const auto& [name, factory, count] : pieces) {
-    // Kept alive by the spec; released under the GIL (see PythonPiece).
-    std::shared_ptr<py::function> shared(new py::function(factory), [](py::function* f) {
-      py::gil_scoped_acquire gil;
-      delete f;
-    });
     specs.push_back({name,
-                     [shared]() -> std::shared_ptr<Piece> {
+                     [shared = keptCallable(factory)]() -> std::shared_ptr<Piece> {
                        py::gil_scoped_acquire gil;
                        return std::make_shared<PythonPiece>((*shared)());
                      },
@@ -55,11 +59,7 @@ std::vector<PieceSpec> pieceSpecs(const std::vector<std::tuple<std::string, py::
 }
 
 GetBatchFn getBatchFn(py::function fn) {
-  std::shared_ptr<py::function> shared(new py::function(std::move(fn)), [](py::function* f) {
-    py::gil_scoped_acquire gil;
-    delete f;
-  });
-  return [shared](int64_t size, torch::Device device) {
+  return [shared = keptCallable(std::move(fn))](int64_t size, torch::Device device) {
     py::gil_scoped_acquire gil;
     return (*shared)(size, py::str(device.str())).cast<Batch>();
   };

@@ -79,7 +79,7 @@ def _pieces_of(model):
     return pieces
 
 
-def _device_of(device, local_rank):
+def _device_of(device):
     """The manual's device: a CUDA index, -1/None for the CPU (this package
     does not pick a GPU by itself: pass device=local_rank for one per worker),
     or a torch device string."""
@@ -128,7 +128,7 @@ class Varuna:
         options.batch_size = int(batch_size)
         options.chunk_size = int(chunk_size if chunk_size is not None else args.chunk_size)
         options.precision = precision or ("fp16" if fp16 else "fp32")
-        options.device = _device_of(device, options.local_rank)
+        options.device = _device_of(device)
         options.schedule = schedule
         if bucket_bytes is not None:
             options.bucket_bytes = int(bucket_bytes)

@@ -31,9 +31,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.environ.get("VARUNA_SOURCE_DIR", os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 import frontend_model  # noqa: E402
+import checks  # noqa: E402
 
 GLOBAL_BATCH, MICRO, STEPS = 8, 2, 4
-failures = []
+failures = checks.failures
 
 
 def run_job(out, stages, replicas, *worker_args, expect_ok=True):
@@ -147,17 +148,5 @@ def test_python_exception_in_a_piece():
             failures.append("the failing rank's traceback is not in the output:\n" + output[-2000:])
 
 
-TESTS = {name: fn for name, fn in globals().items() if name.startswith("test_")}
-
 if __name__ == "__main__":
-    chosen = sys.argv[1:] or list(TESTS)
-    for name in chosen:
-        before = len(failures)
-        try:
-            TESTS[name]()
-        except AssertionError as error:
-            failures.append("%s: %s" % (name, error))
-        print("%s %s" % ("PASS" if len(failures) == before else "FAIL", name), flush=True)
-    for f in failures:
-        print("FAILED:", f)
-    sys.exit(1 if failures else 0)
+    checks.run(globals())

@@ -25,11 +25,12 @@ SOURCE = os.environ.get("VARUNA_SOURCE_DIR", os.path.dirname(os.path.dirname(HER
 BUILD = os.environ.get("VARUNA_BUILD_DIR", os.path.join(SOURCE, "build"))
 sys.path.insert(0, os.path.join(SOURCE, "examples", "python"))
 import gpt  # noqa: E402
+import checks  # noqa: E402
 
 MODEL = ["--layers", "2", "--d_model", "32", "--heads", "2", "--seq_len", "16"]
 CPP = [os.path.join(BUILD, "examples", "gpt", "train_gpt")]
 PY = [sys.executable, os.path.join(SOURCE, "examples", "python", "train_gpt.py")]
-failures = []
+failures = checks.failures
 
 
 def launch(program, args, stages=2, replicas=1, resume=None):
@@ -94,16 +95,5 @@ def test_python_to_cpp():
     resumed(PY, CPP)
 
 
-TESTS = {name: fn for name, fn in globals().items() if name.startswith("test_")}
-
 if __name__ == "__main__":
-    for name in sys.argv[1:] or list(TESTS):
-        before = len(failures)
-        try:
-            TESTS[name]()
-        except AssertionError as error:
-            failures.append("%s: %s" % (name, error))
-        print("%s %s" % ("PASS" if len(failures) == before else "FAIL", name), flush=True)
-    for f in failures:
-        print("FAILED:", f)
-    sys.exit(1 if failures else 0)
+    checks.run(globals())

@@ -35,7 +35,6 @@ void HostAbsences::scheduleRetry(const std::string& host, TimePoint now) {
 
 void HostAbsences::markPreempted(const std::string& host, TimePoint until, TimePoint now) {
   HostAbsence& absence = markAbsent(host, "preempted", now);
-  absence.preempted = true;
   absence.preemptedUntil = until;
   if (policy_.first.count() > 0) absence.retryAt = std::max(absence.retryAt.value_or(TimePoint{}), until);
 }
@@ -53,7 +52,7 @@ bool HostAbsences::mayComeBack(const std::string& host, TimePoint now) const {
 
 bool HostAbsences::preempted(const std::string& host) const {
   const HostAbsence* absence = find(host);
-  return absence && absence->preempted;
+  return absence && absence->preemptedUntil.has_value();
 }
 
 bool HostAbsences::retryDue(const std::string& host, TimePoint now) const {
@@ -76,7 +75,6 @@ std::optional<std::string> HostAbsences::readmit(const std::string& host, TimePo
   HostAbsence* absence = find(host);
   if (!absence) return std::nullopt;
   absence->slow = false;
-  absence->preempted = false;
   absence->preemptedUntil.reset();
   absence->backoff = std::chrono::milliseconds(0);
   absence->retryAt = now;  // at the next look (the pool's retry), if its agent is not up

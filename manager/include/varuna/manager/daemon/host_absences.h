@@ -30,8 +30,9 @@ struct HostAbsence {
   TimePoint since{};
   std::optional<TimePoint> retryAt;         // its agent's next start-up (none: when the list is written)
   std::chrono::milliseconds backoff{0};     // the wait after the next failed start-up or loss
-  std::optional<TimePoint> preemptedUntil;  // the notice's deadline: not back before it
-  bool preempted = false;                   // a notice came since it was last back or readmitted
+  // The notice's deadline: not back before it. Set from a notice until the
+  // host is back or readmitted (HostAbsences::preempted).
+  std::optional<TimePoint> preemptedUntil;
   bool slow = false;                        // --exclude_slow: back only when the list is written
   int attempts = 0;                         // start-ups since it went
 };
