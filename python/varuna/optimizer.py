@@ -23,9 +23,9 @@ _PARAM_SHAPED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffe
                       "grad_avg", "acc_delta", "prev", "ax", "mu_product")
 
 
-def _scalar_dtype():
+def _scalar_dtype(fused):
     getter = getattr(_torch_optimizer, "_get_scalar_dtype", None)
-    return getter() if getter else torch.float32
+    return getter(is_fused=fused) if getter else torch.float32
 
 
 def _saved(key, value):
@@ -39,9 +39,14 @@ def _saved(key, value):
     return torch.tensor(value)
 
 
-def _restored(key, tensor, param):
+def _restored(key, tensor, param, group):
     if key in _SCALAR_KEYS:
-        return torch.tensor(float(tensor.reshape(-1)[0].item()), dtype=_scalar_dtype())
+        # As torch.optim's own load_state_dict puts it: on the parameter's
+        # device for a capturable or fused optimizer (its step runs there),
+        # on the CPU otherwise.
+        fused, capturable = bool(group.get("fused")), bool(group.get("capturable"))
+        device = param.device if fused or capturable else torch.device("cpu")
+        return torch.tensor(float(tensor.reshape(-1)[0].item()), dtype=_scalar_dtype(fused), device=device)
     return tensor.to(param.device)
 
 
@@ -77,6 +82,7 @@ class OptimizerBridge:
     def decode_state(self, params, saved, source):
         """Checks `saved` (name -> tensor) for `params`; returns what applies it."""
         decoded, cleared = [], []
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         for name, param in params:
             prefix = name + "/"
             entries = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
@@ -87,7 +93,8 @@ class OptimizerBridge:
             if bad:
                 raise ValueError("'%s': the optimizer state '%s' of '%s' does not have the parameter's shape "
                                  "(was it written by another model?)" % (source, bad[0], name))
-            decoded.append((param, {k: _restored(k, v, param) for k, v in entries.items()}))
+            group = group_of.get(id(param), {})
+            decoded.append((param, {k: _restored(k, v, param, group) for k, v in entries.items()}))
 
         def apply():
             for param in cleared:

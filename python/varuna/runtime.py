@@ -60,6 +60,24 @@ class StepResult:
         return "StepResult(loss=%r, overflow=%r, grad_norm=%r)" % tuple(self)
 
 
+def _check_tied_parameters(model, shared_weights):
+    """A Parameter two children of a Sequential hold must be a declared
+    shared-weight pair: once its pieces land on different stages each holds
+    its own copy, which only a declared pair keeps equal. Checked on the whole
+    model, so the answer does not depend on the layout."""
+    declared = {frozenset(pair) for pair in shared_weights}
+    first_name = {}
+    for child_name, child in model.named_children():
+        for name, param in child.named_parameters():
+            full = "%s.%s" % (child_name, name)
+            first = first_name.setdefault(id(param), full)
+            if first != full and frozenset((first, full)) not in declared:
+                raise _C.ConfigError(
+                    "parameters '%s' and '%s' are one tensor (two pieces hold the same Parameter): pass "
+                    "shared_weights=[('%s', '%s')] so that it stays one weight when the pieces land on "
+                    "different stages" % (first, full, first, full))
+
+
 def _pieces_of(model):
     """[(name, factory, parameter count)] from the accepted forms of `model`."""
     if isinstance(model, torch.nn.Sequential):
@@ -138,6 +156,8 @@ class Varuna:
             options.global_store = global_store
         if keep_checkpoints is not None:
             options.keep_checkpoints = int(keep_checkpoints)
+        if isinstance(model, torch.nn.Sequential):
+            _check_tied_parameters(model, shared_weights or [])
         options.set_pieces(_pieces_of(model), [tuple(p) for p in (shared_weights or [])], int(seed),
                            [float(c) for c in (piece_costs or [])])
 

@@ -215,6 +215,29 @@ std::string Varuna::Impl::checkSharedWeights() const {
                     " have different shapes");
     }
   }
+  return checkOneTensorUnderTwoNames();
+}
+
+// One tensor reached under two names (a Python model whose pieces hold the same
+// Parameter, e.g. an embedding tied to its LM head the usual PyTorch way): on
+// this stage it is one parameter, but a layout that puts the two pieces on
+// different stages gives each its own copy, and only a declared pair keeps the
+// copies equal. Undeclared, the job would train differently per layout.
+std::string Varuna::Impl::checkOneTensorUnderTwoNames() const {
+  std::set<std::pair<std::string, std::string>> declared;
+  for (const auto& [a, b] : opt_.model.sharedWeights) {
+    declared.insert({a, b});
+    declared.insert({b, a});
+  }
+  std::map<const void*, std::string> firstName;
+  for (const auto& [name, tensor] : model_->namedParams()) {
+    auto [it, inserted] = firstName.emplace(tensor.unsafeGetTensorImpl(), name);
+    if (!inserted && !declared.count({it->second, name})) {
+      return strCat("parameters '", it->second, "' and '", name, "' are one tensor (two pieces hold the same "
+                    "Parameter): declare the pair in shared_weights so that it stays one weight when the pieces "
+                    "land on different stages, or give each piece its own");
+    }
+  }
   return "";
 }
 
@@ -256,7 +279,8 @@ void Varuna::Impl::setUpGradients() {
     const int sa = partition_.stageOfPiece(pieceOfParameter(opt_.model, a));
     const int sb = partition_.stageOfPiece(pieceOfParameter(opt_.model, b));
     if (sa == sb) {
-      if (sa == stage_) {
+      const auto& params = model_->namedParams();
+      if (sa == stage_ && !params.at(a).is_same(params.at(b))) {  // one tensor already: nothing to tie
         localTies_.push_back({a, b});
         notDataParallel.insert(model_->namedParams().at(b).unsafeGetTensorImpl());
       }
@@ -286,11 +310,21 @@ void Varuna::Impl::setUpGradients() {
                    [](const CrossStageTie& x, const CrossStageTie& y) { return x.groupName < y.groupName; });
 
   // Data-parallel buckets: pieces last-first, as the backward finalises them.
+  // A tensor two pieces hold (a declared same-tensor pair) goes in once, with
+  // the first of them: its gradient is complete only once that piece's
+  // backward is done.
+  std::map<const void*, int> firstPieceOf;
+  for (int k = model_->numPieces() - 1; k >= 0; --k) {
+    for (const auto& p : model_->pieceParams(k)) firstPieceOf[p.unsafeGetTensorImpl()] = k;
+  }
   std::vector<BucketedParam> ordered;
+  std::set<const void*> bucketed;
   for (int k = model_->numPieces() - 1; k >= 0; --k) {
     auto params = model_->pieceParams(k);
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
-      if (!notDataParallel.count(it->unsafeGetTensorImpl())) ordered.push_back({*it, k, true});
+      const void* impl = it->unsafeGetTensorImpl();
+      if (notDataParallel.count(impl) || firstPieceOf.at(impl) != k || !bucketed.insert(impl).second) continue;
+      ordered.push_back({*it, k, true});
     }
   }
   buckets_.add(ordered, dp, opt_.bucketBytes);
@@ -603,7 +637,15 @@ double Varuna::Impl::evaluate(const Batch& inputs) {
 Varuna::Varuna(VarunaOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
 Varuna::~Varuna() = default;
 
-std::vector<torch::Tensor> Varuna::parameters() const { return impl_->model_->parameters(); }
+std::vector<torch::Tensor> Varuna::parameters() const {
+  // Each tensor once: the optimizer must not step a tied weight twice.
+  std::vector<torch::Tensor> out;
+  std::set<const void*> seen;
+  for (const auto& p : impl_->model_->parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
 
 std::vector<std::pair<std::string, torch::Tensor>> Varuna::namedParameters() const {
   return {impl_->model_->namedParams().begin(), impl_->model_->namedParams().end()};

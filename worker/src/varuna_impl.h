@@ -18,6 +18,7 @@
 #include <atomic>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -107,6 +108,7 @@ class Varuna::Impl {
 
   std::vector<double> pieceCosts() const;
   std::string checkSharedWeights() const;
+  std::string checkOneTensorUnderTwoNames() const;
   void setUpGradients();
   void synchroniseTiedWeights();
   void learnCutShapes();
