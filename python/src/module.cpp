@@ -212,11 +212,21 @@ PYBIND11_MODULE(_C, m) {
   // worker should leave with (`exit_code`): ConfigError (a ValueError: bad
   // setup, exit 2) and Error (a RuntimeError: a lost peer, a storage failure,
   // a superseded generation).
-  static py::exception<ConfigError> configError(m, "ConfigError", PyExc_ValueError);
-  static py::exception<Error> runtimeError(m, "Error", PyExc_RuntimeError);
-  // Also for instances Python code raises itself.
-  configError.attr("exit_code") = kExitConfigError;
-  runtimeError.attr("exit_code") = 1;
+  // Stored as pybind11 asks (a plain static py::object would be released
+  // after the interpreter is gone, at exit); `exit_code` on the classes too,
+  // for instances Python code raises itself.
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> configErrorType;
+  PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> runtimeErrorType;
+  configErrorType.call_once_and_store_result([&] {
+    py::object type = py::exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
+    type.attr("exit_code") = kExitConfigError;
+    return type;
+  });
+  runtimeErrorType.call_once_and_store_result([&] {
+    py::object type = py::exception<Error>(m, "Error", PyExc_RuntimeError);
+    type.attr("exit_code") = 1;
+    return type;
+  });
   py::register_exception_translator([](std::exception_ptr p) {
     auto raise = [](PyObject* type, const Error& e) {
       py::object instance = py::reinterpret_borrow<py::object>(type)(e.what());
@@ -226,9 +236,9 @@ PYBIND11_MODULE(_C, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const ConfigError& e) {
-      raise(configError.ptr(), e);
+      raise(configErrorType.get_stored().ptr(), e);
     } catch (const Error& e) {
-      raise(runtimeError.ptr(), e);
+      raise(runtimeErrorType.get_stored().ptr(), e);
     }
   });
   m.attr("EXIT_CHECKPOINTED") = kExitCheckpointed;

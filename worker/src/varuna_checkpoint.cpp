@@ -9,6 +9,7 @@
 // which checkpoint to take, falling back past damaged ones together.
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <random>
@@ -32,9 +33,13 @@ NamedTensors Varuna::Impl::pieceParams(int local) const {
   return out;
 }
 
-NamedTensors Varuna::Impl::pieceState(int local) const {
+NamedTensors Varuna::Impl::pieceState(int local, bool copyChangingBuffers) const {
   NamedTensors out = pieceParams(local);
-  for (auto& buffer : model_->piecePersistentBuffers(local)) out.push_back(std::move(buffer));
+  const auto& changing = model_->changingBuffers();
+  for (auto& [name, tensor] : model_->piecePersistentBuffers(local)) {
+    const bool copy = copyChangingBuffers && std::find(changing.begin(), changing.end(), name) != changing.end();
+    out.push_back({name, copy ? tensor.detach().clone() : tensor});
+  }
   return out;
 }
 
@@ -136,7 +141,9 @@ bool Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
   for (int k = 0; k < model_->numPieces(); ++k) {
     const int writerReplica = shard ? k % D_ : 0;  // sharding spreads a stage's pieces over its replicas
     if (writerReplica != replica_) continue;
-    job.files.push_back({pieceFile(k, "params"), pieceState(k), std::nullopt});
+    // A background job snapshots later, but the next step's forward changes
+    // running statistics before it waits for that: copy those now (small).
+    job.files.push_back({pieceFile(k, "params"), pieceState(k, /*copyChangingBuffers=*/background), std::nullopt});
     job.files.push_back({pieceFile(k, "optim"), optimizer_->state(pieceParams(k)), std::nullopt});
   }
   job.files.push_back({strCat("rank_", opt_.rank, ".rng.pt"), generatorStates(opt_.device), std::nullopt});

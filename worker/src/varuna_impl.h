@@ -132,7 +132,8 @@ class Varuna::Impl {
 
   // Writing and loading checkpoints (varuna_checkpoint.cpp).
   NamedTensors pieceParams(int local) const;
-  NamedTensors pieceState(int local) const;  // parameters and persistent buffers
+  // Parameters and persistent buffers (live, or the changing buffers copied).
+  NamedTensors pieceState(int local, bool copyChangingBuffers = false) const;
   std::string pieceFile(int local, const char* kind) const;
   nlohmann::json checkpointMeta(int64_t step);
   std::string agreeOnRunTag();
