@@ -50,6 +50,14 @@ def global_batch(step, size):
     return {"x": torch.randn(size, 8, generator=gen), "y": torch.randn(size, 4, generator=gen)}
 
 
+def teacher_batch(step, size):
+    """A learnable task: the targets are a fixed function of the inputs."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    teacher = torch.randn(8, 4, generator=torch.Generator().manual_seed(99)) / 2
+    x = torch.randn(size, 8, generator=gen)
+    return {"x": x, "y": torch.tanh(x @ teacher)}
+
+
 def get_batch(size, device):
     return {k: v.to(device) for k, v in global_batch(0, size).items()}
 
@@ -64,10 +72,14 @@ def make_optimizer(name, params):
     raise ValueError(name)
 
 
-def reference(steps, global_size, optimizer, micro, first_step=0, state=None):
+def reference(steps, global_size, optimizer, micro, first_step=0, state=None, batch_fn=global_batch,
+              skip_steps=()):
     """The plain loop: each piece built after manual_seed(SEED + index), one
     process, the same global batches; gradients as the runtime makes them
     (the mean over the micro-batches of each micro-batch's mean loss).
+    batch_fn(step, size) gives the global batches (default global_batch);
+    the steps in skip_steps compute their loss but change nothing (as an fp16
+    overflow does).
     Returns the losses, the parameters by full name and the held-out loss."""
     modules = []
     for i, (name, factory) in enumerate(FACTORIES):
@@ -77,7 +89,7 @@ def reference(steps, global_size, optimizer, micro, first_step=0, state=None):
     opt = make_optimizer(optimizer, list(model.parameters()))
     losses = []
     for step in range(first_step, first_step + steps):
-        batch = global_batch(step, global_size)
+        batch = batch_fn(step, global_size)
         opt.zero_grad()
         total = 0.0
         n = global_size // micro
@@ -88,7 +100,8 @@ def reference(steps, global_size, optimizer, micro, first_step=0, state=None):
                 activation = m(activation, chunk)
             (activation / n).backward()
             total += activation.item() / n
-        opt.step()
+        if step not in skip_steps:
+            opt.step()
         losses.append(total)
     named = {}
     for name, m in modules:
@@ -99,5 +112,5 @@ def reference(steps, global_size, optimizer, micro, first_step=0, state=None):
     with torch.no_grad():
         activation = None
         for m in model:
-            activation = m(activation, global_batch(first_step + steps, global_size))
+            activation = m(activation, batch_fn(first_step + steps, global_size))
     return losses, named, activation.item()
