@@ -5,6 +5,7 @@ import traceback
 import torch
 
 from . import _C
+from .cutpoint import split_at_cutpoints
 from .optimizer import OptimizerBridge
 
 __all__ = ["Varuna", "StepResult", "get_launch_args", "install_checkpoint_signal_handler", "exit_after_failure"]
@@ -78,6 +79,15 @@ def _check_tied_parameters(model, shared_weights):
                     "different stages" % (first, full, first, full))
 
 
+def _split_name(names, model, name):
+    """The runtime's name of the model's parameter `name` (CutPoint form)."""
+    if name not in names:
+        known = [n for n, _ in model.named_parameters()]
+        raise _C.ConfigError("shared weight '%s' is not a parameter of the model; it has: %s"
+                             % (name, ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")))
+    return names[name]
+
+
 def _pieces_of(model):
     """[(name, factory, parameter count)] from the accepted forms of `model`."""
     if isinstance(model, torch.nn.Sequential):
@@ -111,7 +121,10 @@ def _device_of(device):
 class Varuna:
     """One rank's share of a model trained as P pipeline stages x D replicas.
 
-    model: a torch.nn.Sequential whose children are the pieces, or a list of
+    model: a torch.nn.Module whose forward(**inputs) returns the loss, with
+      varuna.CutPoint calls marking where it may be cut (the manual's form:
+      cutpoint.py has the rules; only this rank's pieces are kept), or a
+      torch.nn.Sequential whose children are the pieces, or a list of
       (name, factory[, parameter count]) where each factory returns a
       torch.nn.Module with forward(activation, inputs) (activation None for the
       first piece; the last returns the scalar loss). Given each piece's
@@ -156,15 +169,26 @@ class Varuna:
             options.global_store = global_store
         if keep_checkpoints is not None:
             options.keep_checkpoints = int(keep_checkpoints)
-        if isinstance(model, torch.nn.Sequential):
-            _check_tied_parameters(model, shared_weights or [])
-        options.set_pieces(_pieces_of(model), [tuple(p) for p in (shared_weights or [])], int(seed),
-                           [float(c) for c in (piece_costs or [])])
+        shared_weights = [tuple(p) for p in (shared_weights or [])]
+        release = None
+        self._original_names = {}  # the runtime's parameter names -> the model's (CutPoint form)
+        if isinstance(model, torch.nn.Module) and not isinstance(model, torch.nn.Sequential):
+            pieces, names, release = split_at_cutpoints(model)
+            shared_weights = [tuple(_split_name(names, model, n) for n in pair) for pair in shared_weights]
+            self._original_names = {full: original for original, full in names.items()}
+        else:
+            if isinstance(model, torch.nn.Sequential):
+                _check_tied_parameters(model, shared_weights)
+            pieces = _pieces_of(model)
+        del model  # the CutPoint form: this rank keeps only the pieces it owns
+        options.set_pieces(pieces, shared_weights, int(seed), [float(c) for c in (piece_costs or [])])
 
         def get_batch(size, device_name):
             return dict(get_batch_fn(size, torch.device(device_name)))
         options.set_get_batch(get_batch)
         self._runtime = _C.Runtime(options)
+        if release:
+            release()
         self._bridge = None
 
     # --- parameters --------------------------------------------------------------
@@ -173,7 +197,9 @@ class Varuna:
         return self._runtime.parameters()
 
     def named_parameters(self):
-        return self._runtime.named_parameters()
+        """(name, parameter) of this stage, named as in the model given (the
+        runtime's own names, "<piece>.<path>", where pieces were given)."""
+        return [(self._original_names.get(name, name), p) for name, p in self._runtime.named_parameters()]
 
     def named_buffers(self):
         return self._runtime.named_buffers()
