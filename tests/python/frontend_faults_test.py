@@ -28,6 +28,8 @@ jobs of real processes on loopback (real c10d Gloo groups, CPU):
                            the job relaunched with --resume_step 3 continues
                            with exactly (bit for bit) the losses and final
                            parameters of an uninterrupted 2x2 job
+  sigusr1 without a store  nowhere to write the checkpoint: every rank trains
+                           on to the end (exit 0) and rank 0 logs why
   torchrun                 `torchrun --standalone --nproc_per_node 2` runs
                            frontend_worker.py at P=2: losses, parameters and
                            evaluate() equal the plain PyTorch loop's (rtol 1e-5)
@@ -237,11 +239,9 @@ def kill_all(procs):
             p.wait()
 
 
-def test_sigusr1_during_a_step():
-    world = 4
-    out = os.path.join(SCRATCH, "sigusr1")
-    store = os.path.join(out, "store")
-    args = ["--steps", str(SIGNAL_STEPS), "--store", store]
+def signal_during_a_step(out, args, world=4):
+    """Runs a 2x2 job whose rank SIGNAL_RANK gets SIGUSR1 inside step
+    SIGNAL_STEP; returns every rank's exit code."""
     procs, from_worker, to_worker = start_ranks(out, 2, 2, SIGNAL_BATCH, args + ["--signal_at", str(SIGNAL_STEP)],
                                                 SIGNAL_RANK)
     deadline = time.monotonic() + DEADLINE_S
@@ -264,11 +264,19 @@ def test_sigusr1_during_a_step():
                                                                                          procs[SIGNAL_RANK].pid))
         os.kill(pid, signal.SIGUSR1)
         os.write(to_worker, b"s")  # the step goes on; the signal has been sent
-        codes = wait_all(procs, deadline)
+        return wait_all(procs, deadline)
     finally:
         os.close(from_worker)
         os.close(to_worker)
         kill_all(procs)
+
+
+def test_sigusr1_during_a_step():
+    world = 4
+    out = os.path.join(SCRATCH, "sigusr1")
+    store = os.path.join(out, "store")
+    args = ["--steps", str(SIGNAL_STEPS), "--store", store]
+    codes = signal_during_a_step(out, args, world)
     if codes != [75] * world:
         raise AssertionError("exit codes %s, expected 75 (checkpointed on demand) everywhere:\n%s" % (
             codes, logs(out, world)))
@@ -309,6 +317,22 @@ def test_sigusr1_during_a_step():
         if set(a["params"]) != set(b["params"]) or not all(torch.equal(a["params"][n], b["params"][n])
                                                             for n in b["params"]):
             failures.append("rank %d: the resumed job's final parameters differ from the uninterrupted run's" % rank)
+
+
+def test_sigusr1_without_a_store():
+    # Nowhere to write the checkpoint: exit 75 would promise one, so every
+    # rank trains on to the end and rank 0 says why.
+    world = 4
+    out = os.path.join(SCRATCH, "sigusr1_no_store")
+    codes = signal_during_a_step(out, ["--steps", str(SIGNAL_STEPS)], world)
+    if codes != [0] * world:
+        raise AssertionError("exit codes %s, expected 0 (trained on):\n%s" % (codes, logs(out, world)))
+    steps = all_records(out, world)[0]
+    if len(steps) != SIGNAL_STEPS or not steps[SIGNAL_STEP]["checkpoint_requested"]:
+        failures.append("no store: %d steps recorded (expected %d), request seen at step %d: %s" % (
+            len(steps), SIGNAL_STEPS, SIGNAL_STEP, [s["checkpoint_requested"] for s in steps]))
+    if "no checkpoint store is configured" not in logs(out, 1):
+        failures.append("no store: rank 0 did not say why it trains on:\n%s" % logs(out, 1))
 
 
 # --- torchrun ---------------------------------------------------------------------------

@@ -347,8 +347,13 @@ void Varuna::exitIfCheckpointRequested(const StepResult& result) {
   if (!result.checkpointRequested) return;
   const auto& c = impl_->opt_.checkpointing;
   if (c.globalStore.empty()) {
-    log::warn("checkpoint requested (SIGUSR1) but no checkpoint store is configured: exiting without one");
-    exitWorker(kExitCheckpointed);
+    // Exit 75 promises a checkpoint; with nowhere to write one, exiting would
+    // only throw the job's progress away.
+    if (impl_->opt_.rank == 0) {
+      log::error("checkpoint requested (SIGUSR1) but no checkpoint store is configured (global_store, or "
+                 "run_varuna's VARUNA_GLOBAL_STORE): training goes on without one");
+    }
+    return;
   }
   const int64_t step = impl_->stepsDone_;
   checkpoint(c.globalStore, step, c.tempdir, c.shard, /*onDemand=*/true);
