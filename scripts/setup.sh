@@ -69,6 +69,8 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
 else
   say "Python environment up to date ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
 fi
+# The build backend of `pip install --no-build-isolation ./python` (python/pyproject.toml); a no-op when present.
+"$PY" -m pip install -q "scikit-build-core>=0.10,<2"
 
 # -- 3. Configure and build ----------------------------------------------------
 if [[ $DO_BUILD -eq 1 ]]; then
