@@ -20,14 +20,14 @@ What fx cannot trace (control flow that depends on tensor values) cannot be
 split this way; such a model is given as pieces instead (docs/python.md).
 """
 import itertools
-import operator
+import zlib
 
 import torch
 import torch.fx
 
 from . import _C
 
-__all__ = ["CutPoint", "split_at_cutpoints", "find_cutpoints"]
+__all__ = ["CutPoint", "split_at_cutpoints", "find_cutpoints", "initialize"]
 
 _next_index = itertools.count()
 
@@ -240,13 +240,49 @@ class _Split:
         return graph
 
 
-def split_at_cutpoints(model):
+def _is_meta(module):
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def _module_seed(seed, name):
+    return (seed * 1000003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+def initialize(module, init_fn=None, seed=0, names=None):
+    """Initialises every submodule of `module` that holds parameters or
+    buffers of its own, each under torch.manual_seed derived from `seed` and
+    its name (so a weight's initial value depends on neither the layout nor
+    what else was built first): init_fn(name, submodule) if given, else the
+    submodule's reset_parameters(). `names` maps the submodule paths of
+    `module` to the model's (a piece's paths are the model's already). Apply
+    it to a normally built model to get the weights a meta-built one gets."""
+    for path, sub in module.named_modules():
+        own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))
+        if not own:
+            continue
+        name = names.get(path, path) if names else path
+        torch.manual_seed(_module_seed(seed, name))
+        if init_fn is not None:
+            init_fn(name, sub)
+        elif hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+        else:
+            raise _C.ConfigError("'%s' (%s) holds %s but has no reset_parameters(): give Varuna an "
+                                 "init_fn(name, module) that initialises it (a model built on the meta device "
+                                 "has no values)" % (name or "the model", type(sub).__name__,
+                                                     ", ".join(n for n, _ in own)))
+
+
+def split_at_cutpoints(model, init_fn=None, seed=0):
     """(pieces, names, release): pieces as the runtime takes them, [(name,
     factory, parameter count)], where piece k's factory builds the module for
     the code between CutPoints k-1 and k from `model`; names maps each
     original parameter name to the runtime's ("piece<k>.<name>"); release()
-    drops the reference to `model` once the runtime has built its pieces."""
+    drops the reference to `model` once the runtime has built its pieces.
+    A model on the meta device is materialised piece by piece (only the
+    pieces a rank owns, on the CPU) and initialised with initialize()."""
     where = find_cutpoints(model)
+    on_meta = _is_meta(model)
     split = _Split(model, where)
     holder = {"model": model}
     pieces, names = [], {}
@@ -261,7 +297,12 @@ def split_at_cutpoints(model):
             root = holder.get("model")
             if root is None:
                 raise RuntimeError("piece %d was asked for after the model was released" % k)
-            return torch.fx.GraphModule(root, graph, class_name="VarunaPiece%d" % k)
+            piece = torch.fx.GraphModule(root, graph, class_name="VarunaPiece%d" % k)
+            if on_meta:
+                piece.to_empty(device="cpu")
+                with torch.no_grad():
+                    initialize(piece, init_fn, seed)
+            return piece
         count = sum(sizes[n] for n in split.params_of[k])
         pieces.append((piece_name, factory, count))
     return pieces, names, holder.clear

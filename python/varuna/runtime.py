@@ -138,12 +138,18 @@ class Varuna:
     get_batch_fn(size, device): sample inputs (a dict of tensors, batch first).
     fp16 / precision: "fp32" (default), "bf16" or "fp16" (with loss scaling).
     shared_weights: [(name, name)] of parameters that hold one weight.
+    init_fn(name, module): for a CutPoint model built on the meta device (the
+      way for big models: no rank ever holds all of it), how each submodule
+      holding parameters or buffers of its own is initialised once its piece
+      is materialised, under a seed from `seed` and its name; default: its
+      reset_parameters(). varuna.initialize(model, init_fn, seed) gives a
+      normally built model the same weights.
     """
 
     def __init__(self, model, stage_to_rank_map=None, get_batch_fn=None, batch_size=None, chunk_size=None,
                  fp16=False, local_rank=None, device=None, shared_weights=None, *, precision=None,
                  schedule="varuna", seed=0, piece_costs=None, bucket_bytes=None, peer_timeout_s=None,
-                 launch_args=None, global_store=None, keep_checkpoints=None):
+                 launch_args=None, global_store=None, keep_checkpoints=None, init_fn=None):
         if get_batch_fn is None:
             raise ValueError("Varuna: get_batch_fn is required (sample inputs teach the runtime the shapes "
                              "that cross each cut)")
@@ -173,7 +179,7 @@ class Varuna:
         release = None
         self._original_names = {}  # the runtime's parameter names -> the model's (CutPoint form)
         if isinstance(model, torch.nn.Module) and not isinstance(model, torch.nn.Sequential):
-            pieces, names, release = split_at_cutpoints(model)
+            pieces, names, release = split_at_cutpoints(model, init_fn, int(seed))
             shared_weights = [tuple(_split_name(names, model, n) for n in pair) for pair in shared_weights]
             self._original_names = {full: original for original, full in names.items()}
         else:

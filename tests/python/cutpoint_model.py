@@ -12,33 +12,34 @@ SHARED = [("wte.weight", "lm_head_weight")]
 
 
 class Block(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, width=WIDTH):
         super().__init__()
-        self.ln = torch.nn.LayerNorm(WIDTH)
+        self.width = width
+        self.ln = torch.nn.LayerNorm(width)
         # No bias: a key bias gets a gradient that is zero but for rounding,
         # which AdamW turns into full-size steps (the comparison would test
         # rounding, not the runtime).
-        self.qkv = torch.nn.Linear(WIDTH, 3 * WIDTH, bias=False)
-        self.proj = torch.nn.Linear(WIDTH, WIDTH)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(),
-                                       torch.nn.Linear(2 * WIDTH, WIDTH))
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
+        self.proj = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * width, width))
 
     def forward(self, x, mask):
         q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(WIDTH)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.width)
         scores = scores.masked_fill(mask, float("-inf"))
         x = x + self.proj(torch.softmax(scores, dim=-1) @ v)
         return x + self.mlp(x)
 
 
 class ManualGPT(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, width=WIDTH, blocks=BLOCKS):
         super().__init__()
-        self.wte = torch.nn.Embedding(VOCAB, WIDTH)
-        self.wpe = torch.nn.Embedding(SEQ, WIDTH)
-        self.blocks = torch.nn.ModuleList([Block() for _ in range(BLOCKS)])
-        self.cutpoints = [varuna.CutPoint() for _ in range(BLOCKS)]  # a plain list, as in the manual
-        self.ln_f = torch.nn.LayerNorm(WIDTH)
+        self.wte = torch.nn.Embedding(VOCAB, width)
+        self.wpe = torch.nn.Embedding(SEQ, width)
+        self.blocks = torch.nn.ModuleList([Block(width) for _ in range(blocks)])
+        self.cutpoints = [varuna.CutPoint() for _ in range(blocks)]  # a plain list, as in the manual
+        self.ln_f = torch.nn.LayerNorm(width)
         # The manual's rule for a weight used at both ends: its own Parameter,
         # the pair named in shared_weights.
         self.lm_head_weight = torch.nn.Parameter(self.wte.weight.detach().clone())
@@ -58,6 +59,35 @@ class ManualGPT(torch.nn.Module):
 def build():
     torch.manual_seed(11)
     return ManualGPT()
+
+
+def init_fn(name, module):
+    """The initialisation a meta-built ManualGPT gets (and, through
+    varuna.initialize, the plain reference): per submodule, its own
+    parameters only."""
+    for pname, p in module.named_parameters(recurse=False):
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.02)
+        elif pname == "bias":
+            torch.nn.init.zeros_(p)
+        else:
+            torch.nn.init.ones_(p)
+
+
+INIT_SEED = 5
+
+
+def build_on_meta(width=WIDTH, blocks=BLOCKS):
+    with torch.device("meta"):
+        return ManualGPT(width, blocks)
+
+
+def build_initialised():
+    """What build_on_meta() becomes in the runtime, built whole."""
+    model = ManualGPT()
+    with torch.no_grad():
+        varuna.initialize(model, init_fn, INIT_SEED)
+    return model
 
 
 def global_batch(step, size):

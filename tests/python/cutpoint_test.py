@@ -6,6 +6,14 @@ the package; cutpoint_model.py):
                 trains like the same nn.Module in one plain process, with
                 the tied pair truly one weight there (losses and every
                 parameter, under the model's own names, rtol 1e-5)
+  meta          the same, the model built on the meta device and each
+                rank's pieces initialised by init_fn, against the plain
+                module given the same weights by varuna.initialize
+  memory        a rank of a 4-stage job of a 256 MB model built on meta
+                owns under 0.3 of it and grows, building its stage, by
+                less than 2.25x what it owns (its parameters and their
+                gradient buckets; the runtime's own growth, measured with
+                the small model, taken off)
   refusals      each broken model is refused at construction, before any
                 process group, with a message naming the culprit: a value
                 crossing a cut (and the line using it), a CutPoint called
@@ -18,6 +26,7 @@ the package; cutpoint_model.py):
 """
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -32,11 +41,11 @@ import cutpoint_model as cm  # noqa: E402
 import varuna  # noqa: E402
 
 GLOBAL_BATCH, MICRO, STEPS = 8, 2, 3
+BIG_WIDTH, BIG_BLOCKS = 1024, 8  # 256 MB of parameters
 failures = checks.failures
 
 
-def reference():
-    model = cm.build()
+def reference(model):
     model.lm_head_weight = model.wte.weight  # one weight in the plain loop
     opt = cm.make_optimizer(model.parameters())
     losses = []
@@ -49,42 +58,106 @@ def reference():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+def peak_rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def worker():
     launch = varuna.get_launch_args()
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--meta", action="store_true", help="build on the meta device, init_fn")
+    parser.add_argument("--big", action="store_true", help="a model of BIG_WIDTH x BIG_BLOCKS; memory only")
     args = parser.parse_args(launch.user_args)
     try:
-        model = varuna.Varuna(cm.build(), launch.stage_to_rank_map, cm.get_batch, GLOBAL_BATCH, launch.chunk_size,
-                              launch_args=launch, shared_weights=cm.SHARED, peer_timeout_s=20)
-        model.set_optimizer(cm.make_optimizer(model.parameters()))
+        if args.big:
+            built = cm.build_on_meta(BIG_WIDTH, BIG_BLOCKS)
+        else:
+            built = cm.build_on_meta() if args.meta else cm.build()
+        # After the build: a model on meta holds no data, but torch's first
+        # meta initialiser imports its Python meta kernels (~150 MB, once).
+        baseline = peak_rss_bytes()
+        model = varuna.Varuna(built, launch.stage_to_rank_map, cm.get_batch, GLOBAL_BATCH, launch.chunk_size,
+                              launch_args=launch, shared_weights=cm.SHARED, peer_timeout_s=60,
+                              init_fn=cm.init_fn, seed=cm.INIT_SEED)
+        del built
+        constructed = peak_rss_bytes()
+        model.set_optimizer(torch.optim.SGD(model.parameters(), lr=0.01) if args.big
+                            else cm.make_optimizer(model.parameters()))
         share = GLOBAL_BATCH // model.num_replicas
         losses = []
-        for step in range(STEPS):
+        for step in range(1 if args.big else STEPS):
             batch = cm.global_batch(step, GLOBAL_BATCH)
             losses.append(model.step({k: v[model.replica * share:(model.replica + 1) * share]
                                       for k, v in batch.items()}).loss)
         os.makedirs(args.out, exist_ok=True)
-        torch.save({"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
+        owned = sum(p.numel() * p.element_size() for p in model.parameters())
+        params = {} if args.big else {n: p.detach().clone() for n, p in model.named_parameters()}
+        torch.save({"losses": losses, "params": params, "owned_bytes": owned,
+                    "rss": {"baseline": baseline, "constructed": constructed, "stepped": peak_rss_bytes()}},
                    os.path.join(args.out, "rank_%d.pt" % launch.rank))
     except Exception as error:  # noqa: BLE001 - every failure ends the worker with its code
         varuna.exit_after_failure(error)
 
 
-def run_job(out, stages, replicas):
+def run_job(out, stages, replicas, *worker_args):
     cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
            "--replicas", str(replicas), "--chunk_size", str(MICRO), "--batch_size", str(GLOBAL_BATCH // replicas),
-           "--grace", "30", "--", sys.executable, os.path.abspath(__file__), "--worker", "--out", out]
+           "--grace", "30", "--", sys.executable, os.path.abspath(__file__), "--worker", "--out", out] + list(worker_args)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def test_equivalence_with_the_plain_module():
-    ref_losses, ref_params = reference()
+    check_layouts(reference(cm.build()))
+
+
+def test_meta_build_equals_the_initialised_module():
+    # Built on the meta device, each rank materialises and initialises only
+    # its pieces; the plain module gets the same weights from initialize().
+    check_layouts(reference(cm.build_initialised()), "--meta")
+
+
+def memory_job(stages, *worker_args):
+    with tempfile.TemporaryDirectory() as out:
+        proc = run_job(out, stages, 1, *worker_args)
+        if proc.returncode != 0:
+            raise AssertionError("%s failed (%d): %s" % (worker_args, proc.returncode, proc.stderr[-2500:]))
+        return [torch.load(os.path.join(out, "rank_%d.pt" % rank)) for rank in range(stages)]
+
+
+def test_memory_of_a_meta_built_rank():
+    # Each rank of a 4-stage job holds about a quarter of the model. The
+    # runtime's own growth (process groups, threads, the sample forward) is
+    # measured with the small model and taken off.
+    stages = 4
+    model_bytes = sum(p.numel() * 4 for p in cm.build_on_meta(BIG_WIDTH, BIG_BLOCKS).parameters())
+    small, big = memory_job(stages, "--meta"), memory_job(stages, "--big")
+    for rank, (base, part) in enumerate(zip(small, big)):
+        overhead = base["rss"]["constructed"] - base["rss"]["baseline"]
+        grown = part["rss"]["constructed"] - part["rss"]["baseline"]
+        print("rank %d: model %.0f MB, owns %.0f MB; peak RSS +%.0f MB building its stage (the runtime alone: "
+              "+%.0f MB), +%.0f MB after a step" % (
+                  rank, model_bytes / 2**20, part["owned_bytes"] / 2**20, grown / 2**20, overhead / 2**20,
+                  (part["rss"]["stepped"] - part["rss"]["baseline"]) / 2**20), flush=True)
+        # Its parameters and their gradient buckets (allocated when the
+        # runtime is built), and nothing of the other stages: a rank that
+        # had materialised the whole model would be over 4x its share here.
+        if grown - overhead >= 2.25 * part["owned_bytes"]:
+            failures.append("rank %d grew by %.0f MB (%.0f MB over the runtime's own) building a stage of %.0f MB "
+                            "(bound: 2.25x, parameters and gradients)" % (
+                                rank, grown / 2**20, (grown - overhead) / 2**20, part["owned_bytes"] / 2**20))
+        if part["owned_bytes"] >= 0.3 * model_bytes:
+            failures.append("rank %d owns %.0f MB of a %.0f MB model" % (rank, part["owned_bytes"] / 2**20,
+                                                                         model_bytes / 2**20))
+
+
+def check_layouts(ref, *worker_args):
+    ref_losses, ref_params = ref
     for stages, replicas in [(1, 1), (2, 1), (2, 2), (4, 1)]:
-        what = "%dx%d" % (stages, replicas)
+        what = "%dx%d%s" % (stages, replicas, "".join(" " + a for a in worker_args))
         with tempfile.TemporaryDirectory() as out:
-            proc = run_job(out, stages, replicas)
+            proc = run_job(out, stages, replicas, *worker_args)
             if proc.returncode != 0:
                 failures.append("%s failed (%d): %s" % (what, proc.returncode, proc.stderr[-2500:]))
                 continue
