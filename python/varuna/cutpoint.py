@@ -139,9 +139,10 @@ class _Split:
             if node.op == "output":
                 self.segment[node] = len(self.cuts)
                 continue
-            deps = node.all_input_nodes
-            if node.op in ("call_function", "call_method") and not _is_cut(node) and deps and \
-                    all(d in self.input_only for d in deps):
+            # Made from inputs and constants alone (or from nothing): any
+            # piece can compute it again.
+            if node.op in ("call_function", "call_method") and not _is_cut(node) and \
+                    all(d in self.input_only for d in node.all_input_nodes):
                 self.input_only.add(node)
                 continue
             self.segment[node] = len(self.cuts)

@@ -219,6 +219,18 @@ class WeightOnBothSides(cm.ManualGPT):
                                                  targets.reshape(-1))
 
 
+class ConstantAcrossCuts(cm.ManualGPT):
+    """Accepted: a constant made from nothing, used on both sides of cuts."""
+
+    def forward(self, input_ids, targets):
+        scale = torch.full((1,), 0.5)
+        x = self.wte(input_ids) * scale
+        for i in range(cm.BLOCKS):
+            x = self.cutpoints[i](x) * scale
+        return torch.nn.functional.cross_entropy((x @ self.lm_head_weight.t()).reshape(-1, cm.VOCAB),
+                                                 targets.reshape(-1))
+
+
 class NoCutPoints(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -257,6 +269,10 @@ def test_refusals_name_the_culprit():
         missing = [e for e in expected if e not in message]
         if missing:
             failures.append("%s: the message lacks %s: %s" % (what, missing, message))
+    try:
+        varuna.cutpoint.split_at_cutpoints(ConstantAcrossCuts())
+    except varuna.ConfigError as error:
+        failures.append("a constant used across cuts was refused: %s" % error)
     # The crossing's message points at the line that uses the value.
     with open(__file__) as f:
         line = next(i for i, text in enumerate(f, 1) if "# CROSSING" in text)
