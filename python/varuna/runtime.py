@@ -1,6 +1,8 @@
 """varuna.Varuna: the manual's API over the C++ runtime (varuna._C.Runtime)."""
+import atexit
 import sys
 import traceback
+import weakref
 
 import torch
 
@@ -37,6 +39,23 @@ def exit_after_failure(error):
     sys.stderr.flush()
     sys.stdout.flush()
     _C.exit_worker(code)
+
+
+class _ClosedRuntime:
+    def __getattr__(self, name):
+        raise RuntimeError("varuna.Varuna.%s: this Varuna was closed" % name)
+
+
+# Runtimes still open when the program ends are closed before the interpreter
+# tears down (which may never run their destructors): rank 0, which hosts the
+# job's rendezvous store, then waits for the others to finish.
+_open_runtimes = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_runtimes():
+    for model in list(_open_runtimes):
+        model.close()
 
 
 class StepResult:
@@ -196,6 +215,16 @@ class Varuna:
         if release:
             release()
         self._bridge = None
+        _open_runtimes.add(self)
+
+    def close(self):
+        """Leaves the job (at the end of training; also done at exit): waits
+        for background checkpoints, and on rank 0, which hosts the job's
+        rendezvous store, for the other ranks to finish (a minute at most);
+        then frees the runtime. The object is unusable afterwards."""
+        runtime, self._runtime = self._runtime, _ClosedRuntime()
+        _open_runtimes.discard(self)
+        del runtime
 
     # --- parameters --------------------------------------------------------------
     def parameters(self):

@@ -15,6 +15,7 @@ namespace {
 
 constexpr const char* kFailureCountKey = "varuna/failure_count";
 constexpr const char* kFailureKey = "varuna/failure";
+constexpr const char* kLeftKey = "varuna/left";
 
 std::string heartbeatKey(int rank) { return "varuna/hb/" + std::to_string(rank); }
 
@@ -61,6 +62,8 @@ void PeerMonitor::run() {
       store_->add(heartbeatKey(rank_), 1);
     } catch (const std::exception&) {
       // The store host is gone; whoever waits on a peer will diagnose it.
+      // Beating on would only repeat libtorch's warning every interval.
+      return;
     }
     lock.lock();
     wake_.wait_for(lock, interval_, [this] { return stop_; });
@@ -129,7 +132,40 @@ Communicator::Communicator(const CommOptions& options, const StageToRankMap& map
   world_ = makeBackend("world", options.rank, options.worldSize);
 }
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  monitor_.reset();  // this rank stops beating: it is leaving
+  leave();
+}
+
+// The store lives in rank 0's process: a rank that finishes first and exits
+// would cut off peers still running their last lines (writing results), whose
+// heartbeats then fail with libtorch's warnings. So every rank says it left,
+// and rank 0 waits for the others to leave, or to stop beating (lost, or
+// exited without a destructor), for at most a minute.
+void Communicator::leave() noexcept {
+  try {
+    store_->add(kLeftKey, 1);
+    if (!options_.hostStore || options_.worldSize == 1) return;
+    const auto deadline = std::chrono::steady_clock::now() + std::min<std::chrono::milliseconds>(
+                                                                 options_.timeout, std::chrono::seconds(60));
+    auto beatsOfOthers = [this] {
+      int64_t sum = 0;
+      for (int r = 1; r < options_.worldSize; ++r) sum += store_->add(heartbeatKey(r), 0);
+      return sum;
+    };
+    int64_t beats = beatsOfOthers();
+    int quiet = 0;
+    while (store_->add(kLeftKey, 0) < options_.worldSize && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(options_.heartbeatInterval);
+      const int64_t now = beatsOfOthers();
+      quiet = now == beats ? quiet + 1 : 0;
+      if (quiet >= 4) return;  // nobody still running beats
+      beats = now;
+    }
+  } catch (const std::exception&) {
+    // Leaving is best effort: the store's own failures say nothing new.
+  }
+}
 
 std::string Communicator::describeRank(int rank) const {
   if (rank < 0 || rank >= map_.worldSize()) return "unknown";

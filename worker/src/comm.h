@@ -114,6 +114,7 @@ class Communicator {
  private:
   c10::intrusive_ptr<c10d::Backend> makeBackend(const std::string& prefix, int groupRank, int groupSize);
   std::string describeRank(int rank) const;
+  void leave() noexcept;
 
   CommOptions options_;
   StageToRankMap map_;
