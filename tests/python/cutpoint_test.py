@@ -14,6 +14,8 @@ the package; cutpoint_model.py):
                 less than 2.25x what it owns (its parameters and their
                 gradient buckets; the runtime's own growth, measured with
                 the small model, taken off)
+  quiet end     ranks still busy after rank 0 (the store's host) finished
+                end without store errors: rank 0 waits for them
   refusals      each broken model is refused at construction, before any
                 process group, with a message naming the culprit: a value
                 crossing a cut (and the line using it), a CutPoint called
@@ -30,6 +32,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -69,6 +72,7 @@ def worker():
     parser.add_argument("--out", required=True)
     parser.add_argument("--meta", action="store_true", help="build on the meta device, init_fn")
     parser.add_argument("--big", action="store_true", help="a model of BIG_WIDTH x BIG_BLOCKS; memory only")
+    parser.add_argument("--linger_s", type=float, default=0, help="ranks but 0 stay this long after training")
     args = parser.parse_args(launch.user_args)
     try:
         if args.big:
@@ -97,6 +101,8 @@ def worker():
         torch.save({"losses": losses, "params": params, "owned_bytes": owned,
                     "rss": {"baseline": baseline, "constructed": constructed, "stepped": peak_rss_bytes()}},
                    os.path.join(args.out, "rank_%d.pt" % launch.rank))
+        if launch.rank != 0:
+            time.sleep(args.linger_s)  # the scenario: still busy after training, runtime open
     except Exception as error:  # noqa: BLE001 - every failure ends the worker with its code
         varuna.exit_after_failure(error)
 
@@ -177,6 +183,21 @@ def check_layouts(ref, *worker_args):
         for name, tensor in ref_params.items():
             if not torch.allclose(params[name], tensor, rtol=1e-5, atol=1e-6):
                 failures.append("%s: %s differs by %.3g" % (what, name, (params[name] - tensor).abs().max().item()))
+
+
+def test_a_job_ends_quietly():
+    # Rank 0 hosts the rendezvous store and finishes first; the others are
+    # still busy with the runtime open. Rank 0 waits for them on its way out,
+    # so nobody's heartbeat hits a closed store (libtorch prints a stack
+    # trace for each one that does).
+    with tempfile.TemporaryDirectory() as out:
+        proc = run_job(out, 2, 1, "--linger_s", "3")
+    if proc.returncode != 0:
+        raise AssertionError("the job failed (%d): %s" % (proc.returncode, proc.stderr[-2500:]))
+    noise = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if "recvValue failed" in line or "sendBytes failed" in line or "Exception raised" in line]
+    if noise:
+        failures.append("the job's end printed store errors: %s" % noise[:3])
 
 
 # --- refusals: each model below breaks one rule --------------------------------------------
