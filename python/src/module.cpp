@@ -8,8 +8,10 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "python_model.h"
 #include "python_optimizer.h"
 #include "python_piece.h"
+#include "python_profiler.h"
 #include "varuna/common/errors.h"
 #include "varuna/worker/launch_args.h"
 #include "varuna/worker/varuna.h"
@@ -18,6 +20,8 @@ namespace py = pybind11;
 using namespace varuna;
 using varuna::python::PythonOptimizer;
 using varuna::python::PythonPiece;
+using varuna::python::getBatchFn;
+using varuna::python::pieceSpecs;
 
 namespace {
 
@@ -33,37 +37,6 @@ struct ReleaseGilDelete {
   }
 };
 using RuntimeHolder = std::unique_ptr<Varuna, ReleaseGilDelete>;
-
-// A Python callable the runtime keeps (in a PieceSpec or getBatch) and may
-// drop without the GIL: the deleter takes it.
-std::shared_ptr<py::function> keptCallable(py::function fn) {
-  return std::shared_ptr<py::function>(new py::function(std::move(fn)), [](py::function* f) {
-    py::gil_scoped_acquire gil;
-    delete f;
-  });
-}
-
-// [(name, factory, parameter count)] -> PieceSpecs whose factories call
-// Python (under the GIL) and wrap the module they return.
-std::vector<PieceSpec> pieceSpecs(const std::vector<std::tuple<std::string, py::function, int64_t>>& pieces) {
-  std::vector<PieceSpec> specs;
-  for (const auto& [name, factory, count] : pieces) {
-    specs.push_back({name,
-                     [shared = keptCallable(factory)]() -> std::shared_ptr<Piece> {
-                       py::gil_scoped_acquire gil;
-                       return std::make_shared<PythonPiece>((*shared)());
-                     },
-                     count});
-  }
-  return specs;
-}
-
-GetBatchFn getBatchFn(py::function fn) {
-  return [shared = keptCallable(std::move(fn))](int64_t size, torch::Device device) {
-    py::gil_scoped_acquire gil;
-    return (*shared)(size, py::str(device.str())).cast<Batch>();
-  };
-}
 
 void bindOptions(py::module_& m) {
   py::class_<LaunchArgs>(m, "LaunchArgs")
@@ -244,4 +217,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("EXIT_CHECKPOINTED") = kExitCheckpointed;
   bindOptions(m);
   bindRuntime(m);
+  varuna::python::bindProfiler(m);
 }

@@ -14,7 +14,8 @@ docs/python.md has the whole API; what is not here is in the C++ runtime
 from ._C import ConfigError, Error, EXIT_CHECKPOINTED  # noqa: F401
 from .cutpoint import CutPoint, initialize  # noqa: F401
 from .optimizer import OptimizerBridge  # noqa: F401
+from .profiler import Profiler  # noqa: F401
 from .runtime import StepResult, Varuna, exit_after_failure, get_launch_args, install_checkpoint_signal_handler  # noqa: F401
 
-__all__ = ["Varuna", "CutPoint", "initialize", "StepResult", "ConfigError", "Error", "EXIT_CHECKPOINTED", "get_launch_args",
+__all__ = ["Varuna", "CutPoint", "initialize", "Profiler", "StepResult", "ConfigError", "Error", "EXIT_CHECKPOINTED", "get_launch_args",
            "install_checkpoint_signal_handler", "exit_after_failure", "OptimizerBridge"]
