@@ -1,9 +1,22 @@
 """What the Python test scripts here share: a list of failures the checks add
-to, and the runner of a script's test_* functions (names on the command line
-select some)."""
+to, the runner of a script's test_* functions (names on the command line
+select some), and a job launcher."""
+import os
+import subprocess
 import sys
 
 failures = []
+SOURCE = os.environ.get("VARUNA_SOURCE_DIR",
+                        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def launch(script, stages, replicas, micro, global_batch, worker_args, timeout=300):
+    """Runs `script` (with worker_args) as a stages x replicas job started by
+    scripts/varuna_launch.py on loopback; returns the CompletedProcess."""
+    cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
+           "--replicas", str(replicas), "--chunk_size", str(micro), "--batch_size", str(global_batch // replicas),
+           "--grace", "30", "--", sys.executable, script] + [str(a) for a in worker_args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 def run(namespace):

@@ -29,7 +29,6 @@ the package; cutpoint_model.py):
 import argparse
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,6 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.environ.get("VARUNA_SOURCE_DIR", os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 import checks  # noqa: E402
 import cutpoint_model as cm  # noqa: E402
@@ -108,10 +106,8 @@ def worker():
 
 
 def run_job(out, stages, replicas, *worker_args):
-    cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
-           "--replicas", str(replicas), "--chunk_size", str(MICRO), "--batch_size", str(GLOBAL_BATCH // replicas),
-           "--grace", "30", "--", sys.executable, os.path.abspath(__file__), "--worker", "--out", out] + list(worker_args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return checks.launch(os.path.abspath(__file__), stages, replicas, MICRO, GLOBAL_BATCH,
+                         ["--worker", "--out", out] + list(worker_args))
 
 
 def test_equivalence_with_the_plain_module():

@@ -84,10 +84,7 @@ def worker():
 
 def run_job(out, *worker_args):
     os.makedirs(out, exist_ok=True)
-    cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", "2", "--chunk_size", "1",
-           "--batch_size", "1", "--grace", "30", "--", sys.executable, os.path.abspath(__file__), "--worker",
-           "--out", out] + list(worker_args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return checks.launch(os.path.abspath(__file__), 2, 1, 1, 1, ["--worker", "--out", out] + list(worker_args))
 
 
 def must_run(out, *worker_args):
