@@ -4,7 +4,8 @@
 # data-parallel replicas on two local "hosts" (127.0.0.1 and 127.0.0.2, agents
 # started without SSH). Midway, a preemption notice for 127.0.0.2 arrives (what
 # a cloud poller would send); the manager checkpoints, morphs the job to 2 x 1
-# on the remaining host and it finishes. Extra arguments go to train_gpt.
+# on the remaining host and it finishes; the job's timeline is drawn into
+# $WORK/timeline.png (its path printed last). Extra arguments go to train_gpt.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh"
@@ -48,4 +49,9 @@ code=0
 wait "$MANAGER" || code=$?
 echo "=== run_varuna status ==="
 "$BIN/run_varuna" status --state_dir "$WORK/state"
+# The job's timeline (docs/run_varuna.md, "The timeline"): loss, samples/s and
+# steps over time, each generation's plan, every event. Prints its path.
+echo "=== the job's timeline (scripts/varuna_report.py) ==="
+"$ROOT/.venv/bin/python" "$ROOT/scripts/varuna_report.py" --state_dir "$WORK/state" --out "$WORK/timeline.png" \
+  || code=$((code == 0 ? 1 : code))
 exit "$code"

@@ -31,6 +31,8 @@ PACKAGES=(
   python3 python3-venv
   libboost-dev libssh-dev nlohmann-json3-dev libcli11-dev catch2 libspdlog-dev
   libgloo-dev           # Gloo's headers: libtorch has Gloo inside but ships no headers
+  prometheus-cpp-dev    # run_varuna --metrics_port (prometheus-cpp 1.0: metrics and its civetweb exposer)
+  prometheus            # the metrics e2e test scrapes run_varuna with a real Prometheus (its own instance)
   clang libclang-rt-14-dev   # libFuzzer targets (scripts/fuzz.sh)
   openssh-server openssh-client iproute2 procps
   base-files            # /usr/share/common-licenses: the example's English text

@@ -48,6 +48,9 @@ const std::vector<Field>& fields() {
       {"manager_ip", &JobConfig::managerIp, "this head node's address agents and workers dial"},
       {"port", &JobConfig::port, "control port (default 0: any free port)"},
       {"master_port", &JobConfig::masterPort, "workers' rendezvous port on rank 0's host, + generation offset (default 29500)"},
+      {"metrics_port", &JobConfig::metricsPort,
+       "serve Prometheus metrics at http://<manager_ip>:PORT/metrics (0: any free port, named in state.json; "
+       "default -1: off)"},
       {"global_store", &JobConfig::globalStore, "checkpoint folder every worker can reach"},
       {"keep_checkpoints", &JobConfig::keepCheckpoints,
        "complete checkpoints kept in --global_store; older ones and the remains of interrupted ones are removed "
@@ -204,6 +207,10 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
     throw ConfigError(strCat("--profile ", config.profile, " does not exist (run the profiler first, docs/profile.md)"));
   }
   if (config.port < 0 || config.port > 65535) throw ConfigError(strCat("--port must be 0..65535, got ", config.port));
+  if (config.metricsPort < -1 || config.metricsPort > 65535) {
+    throw ConfigError(strCat("--metrics_port must be 0..65535 (0: any free port; leave it out for no metrics), got ",
+                             config.metricsPort));
+  }
   if (config.masterPort < 1024 || config.masterPort > 65000) {
     throw ConfigError(strCat("--master_port must be 1024..65000, got ", config.masterPort));
   }
@@ -260,7 +267,8 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
 
 std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int& exitCode) {
   CLI::App app{"run_varuna: runs a training job on the machines of a machine list and keeps it running as they come "
-               "and go.\n  run_varuna [options] -- ./train_program [its arguments]\n  run_varuna status --state_dir DIR"};
+               "and go.\n  run_varuna [options] -- ./train_program [its arguments]\n"
+               "  run_varuna status --state_dir DIR [--json] [--watch [--interval S] [--count N]]"};
   std::string configFile;
   app.add_option("--config", configFile, "JSON job config (keys: the option names); the command line overrides it");
   std::map<std::string, std::string> given;

@@ -45,6 +45,18 @@ std::string endOfText(const std::string& text, size_t maxBytes) {
   return "..." + proto::boundedText(std::string_view(text).substr(start), maxBytes);
 }
 
+// The address run_varuna binds its control port (and its metrics) to.
+std::string bindIp(const JobConfig& config) { return config.managerIp.empty() ? "0.0.0.0" : config.managerIp; }
+
+// A worker's unexpected exit as a failure cause.
+JobMetrics::Failure exitFailure(const proto::WorkerExited& exited) {
+  if (exited.exitCode == kExitConfigError) return JobMetrics::Failure::kConfigError;
+  if (exited.exitCode == kExitPeerLost) return JobMetrics::Failure::kPeerLost;
+  if (exited.exitCode == kExitStorageError) return JobMetrics::Failure::kCheckpointStorage;
+  if (exited.exitCode == kExitSuperseded) return JobMetrics::Failure::kSuperseded;
+  return JobMetrics::Failure::kWorkerCrashed;
+}
+
 AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string address, std::string token) {
   AgentPool::Settings settings;
   settings.advertisedAddress = std::move(address);
@@ -69,7 +81,8 @@ ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique
       liveness_({config_.heartbeatTimeoutS, config_.startupTimeoutS, config_.hangTimeoutS}),
       slowDetector_(config_.slowThreshold, config_.slowWindow),
       progress_(config_.batchSize),
-      stateFile_(config_.stateDir) {}
+      stateFile_(config_.stateDir),
+      metrics_(config_.batchSize) {}
 
 ManagerDaemon::~ManagerDaemon() = default;
 
@@ -83,6 +96,7 @@ void ManagerDaemon::start() {
   const json previous = previousState(config_);
   token_ = loadOrCreateToken(config_.stateDir);
   events_ = std::make_unique<EventLog>((fs::path(config_.stateDir) / "events.jsonl").string());
+  stepLog_ = std::make_unique<StepLog>((fs::path(config_.stateDir) / "steps.jsonl").string(), config_.batchSize);
   if (!config_.envFile.empty()) env_ = parseEnvFile(ckpt::readFile(config_.envFile), config_.envFile);
   env_ = jobEnvironment(config_, std::move(env_));
   fs::create_directories(config_.globalStore, ec);
@@ -92,6 +106,7 @@ void ManagerDaemon::start() {
   const int first = firstGeneration(config_, previous, *events_);
 
   listen();
+  serveMetrics();
   advertisedAddress_ = advertisedAddress(config_, listed, listener_.port());
   AgentPool::Observer& observer = *this;  // a private base: converted here, where it is accessible
   pool_ = std::make_unique<AgentPool>(io_, guard_, *events_, std::move(launcher_),
@@ -105,7 +120,8 @@ void ManagerDaemon::start() {
   log::info("job '", config_.job, "': manager listening on ", advertisedAddress_, "; state in ", config_.stateDir);
   log::info("starting agents on ", listed.size(), " host(s) from ", config_.machineList);
   events_->write("manager_started", {{"address", advertisedAddress_}, {"pid", ::getpid()},
-                                      {"hosts", listed.size()}, {"config", toJson(config_)}});
+                                      {"hosts", listed.size()}, {"config", toJson(config_)},
+                                      {"metrics", metricsServer_ ? json(metricsServer_->url()) : json()}});
   listener_.start(
       token_, *events_,
       [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) { onHello(connection, hello); },
@@ -116,17 +132,23 @@ void ManagerDaemon::start() {
 }
 
 void ManagerDaemon::listen() {
-  const std::string bindIp = config_.managerIp.empty() ? "0.0.0.0" : config_.managerIp;
+  const std::string ip = bindIp(config_);
   asio::ip::tcp::endpoint endpoint;
   try {
-    endpoint = asio::ip::tcp::endpoint(asio::ip::make_address(bindIp), static_cast<uint16_t>(config_.port));
+    endpoint = asio::ip::tcp::endpoint(asio::ip::make_address(ip), static_cast<uint16_t>(config_.port));
   } catch (const std::exception&) {
     throw ConfigError(strCat("--manager_ip '", config_.managerIp, "' is not an IP address of this machine"));
   }
   if (const std::string error = listener_.listen(endpoint); !error.empty()) {
-    throw ConfigError(strCat("cannot listen on ", bindIp, ":", config_.port, ": ", error,
+    throw ConfigError(strCat("cannot listen on ", ip, ":", config_.port, ": ", error,
                              " (another run_varuna? pick another --port)"));
   }
+}
+
+void ManagerDaemon::serveMetrics() {
+  if (config_.metricsPort < 0) return;
+  metricsServer_ = std::make_unique<MetricsServer>(bindIp(config_), config_.metricsPort, metrics_.registry());
+  log::info("Prometheus metrics at ", metricsServer_->url());
 }
 
 void ManagerDaemon::createController(int firstGeneration) {
@@ -170,6 +192,7 @@ void ManagerDaemon::createPlanner(ControllerOptions& options) {
       guard_->wrap("AutoConfig's result", [this](const AutoConfigResult& result) {
         const std::string why = result.explain();
         log::info("AutoConfig: ", why);
+        metrics_.planChosen(result.planningSeconds);
         events_->write("autoconfig", {{"chosen", result.best.shortName()},
                                       {"explain", why},
                                       {"table", result.table()},
@@ -290,9 +313,11 @@ void ManagerDaemon::onPreemptNotice(const std::shared_ptr<FramedConnection>& con
   // Out until the deadline at least (the cloud takes it then); after it the
   // host is tried like a lost one, unless the list is written first.
   pool_->preempted(notice.host, takenAt.value_or(now + kPreemptedWithoutDeadline), now);
+  updateHostMetrics(now);
   connection->send(proto::Ack{true, ""});
   connection->closeAfterSending("done");
   morph_.start("preemption of " + notice.host, now);
+  metrics_.morphStarted(JobMetrics::MorphCause::kPreemption);
   apply(controller_->preemptNotice(notice.host, now, takenAt));
 }
 
@@ -331,13 +356,22 @@ void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerE
   events_->write("worker_exited", {{"host", host}, {"rank", exited.rank}, {"exit_code", exited.exitCode},
                                    {"signal", exited.signal}, {"generation", exited.generation}});
   workers_.forget(exited.rank);
-  if (!expected) morph_.start(strCat("rank ", exited.rank, " failed"), Clock::now());
+  if (!expected) {
+    // A failure of the generation, not the echo of one being ended (a kill-all's SIGKILLs).
+    const Phase phase = controller_->phase();
+    if ((phase == Phase::kRunning || phase == Phase::kCheckpointing) && controller_->runningRanks().count(exited.rank)) {
+      metrics_.failure(exitFailure(exited));
+    }
+    morph_.start(strCat("rank ", exited.rank, " failed"), Clock::now());
+    metrics_.morphStarted(JobMetrics::MorphCause::kWorkerFailed);
+  }
   apply(controller_->workerExited(exited.rank, exited.exitCode, Clock::now()));
 }
 
 // --- hosts (AgentPool::Observer) ---------------------------------------------------------
 
 void ManagerDaemon::hostsChanged() {
+  updateHostMetrics(Clock::now());
   if (jobStarted_) {
     usableMachinesChanged();
   } else {
@@ -355,10 +389,13 @@ void ManagerDaemon::agentLost(const std::string& host, const std::string&) {
   workers_.orderHostOut(host, controller_->plan(), controller_->generation(),
                         strCat("the agent of host ", host, " was lost"));
   morph_.start("loss of host " + host, Clock::now());
+  metrics_.morphStarted(JobMetrics::MorphCause::kHostLost);
+  updateHostMetrics(Clock::now());
   if (!jobStarted_) {
     pool_->markFailed(host);  // its first start-up did not last until the job began
     return maybeStartJob();
   }
+  metrics_.failure(JobMetrics::Failure::kHostLost);
   apply(controller_->hostLost(host, Clock::now()));
   usableMachinesChanged();
 }
@@ -397,11 +434,14 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
       doLaunch(*launch);
     } else if (std::holds_alternative<action::Checkpoint>(a)) {
       morph_.start("the machines changed", Clock::now());
+      if (!stopping_) metrics_.morphStarted(JobMetrics::MorphCause::kMachinesChanged);  // the stop is no morph
+      metrics_.checkpointOrdered(Clock::now());
       log::info("ordering an on-demand checkpoint from every worker");
       events_->write("checkpoint_ordered", {{"generation", controller_->generation()}});
       pool_->send(controller_->plan().hosts, proto::CheckpointAndExit{});
     } else if (const auto* kill = std::get_if<action::KillAll>(&a)) {
       morph_.start(kill->reason, Clock::now());
+      if (!stopping_) metrics_.morphStarted(JobMetrics::MorphCause::kOther);
       log::warn("stopping every worker: ", kill->reason);
       events_->write("kill_all", {{"reason", kill->reason}});
       pool_->send(controller_->plan().hosts, proto::KillWorkers{kill->reason});
@@ -447,6 +487,7 @@ void ManagerDaemon::failLaunch(const action::Launch& launch, const std::string& 
   const std::string reason = proto::boundedText(why, 2 * proto::kMaxErrorTextBytes);
   log::error(reason, "; the launch is retried after the backoff");
   events_->write("launch_failed", {{"generation", launch.generation}, {"reason", reason}});
+  metrics_.failure(JobMetrics::Failure::kLaunchFailed);
   workers_.clear();
   apply(controller_->launchFailed(reason, Clock::now()));
 }
@@ -469,9 +510,12 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   const auto now = Clock::now();
   const auto latest = checkpoints_->read(prep.scan);
   checkpoints_->note(latest, now);
+  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt());
   launch.resumeStep = latest.value_or(-1);
+  metrics_.launched(plan, launch.generation, launch.resumeStep, now);
   liveness_.launched(now);  // the startup timeout until its first step
   workers_.expect(plan);
+  stepLog_->flush();  // the last step of the generation before
   progress_.newGeneration();
   slowDetector_.reset(plan);
   morph_.launched(now);
@@ -499,7 +543,11 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
     log::error("job '", config_.job, "' stopped: ", stop.reason);
   }
   // The checkpoint the workers just wrote, if any (finishShutdown waits for it).
-  checkpoints_->finalScan([this] { writeState(); });
+  checkpoints_->finalScan([this] {
+    metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt());  // the tick no longer runs
+    writeState();
+  });
+  stepLog_->flush();
   events_->write("stop", {{"reason", stop.reason}, {"exit_code", stop.exitCode}});
   orderWorkersOut("the job stopped: " + stop.reason);  // any still running (a job that finished has none)
   pool_->shutdownAll(stop.reason);
@@ -571,7 +619,13 @@ void ManagerDaemon::onTick() {
   if (finished_) return;
   checkProgress(now);
   if (finished_) return;
-  if (jobStarted_) apply(controller_->tick(now));
+  if (jobStarted_) {
+    // A tick's action while checkpointing is the checkpoint's timeout.
+    const bool checkpointing = controller_->phase() == Phase::kCheckpointing;
+    auto actions = controller_->tick(now);
+    if (checkpointing && !actions.empty()) metrics_.failure(JobMetrics::Failure::kCheckpointTimeout);
+    apply(actions);
+  }
   if (finished_) return;
   if (now - lastListPoll_ >= kListPollInterval) {
     lastListPoll_ = now;
@@ -584,6 +638,8 @@ void ManagerDaemon::onTick() {
     lastCheckpointPoll_ = now;
     checkpoints_->poll();
   }
+  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt());
+  metrics_.tick(now);
   if (stateFile_.due(now)) writeState();
 }
 
@@ -598,7 +654,9 @@ void ManagerDaemon::checkSilentRanks(TimePoint now) {
     events_->write("worker_hung", {{"rank", silent.rank}, {"host", host}, {"reason", silent.why}});
     // Read when it runs again (a stopped process): it must not train on.
     workers_.orderRankOut(silent.rank, controller_->generation(), strCat("rank ", silent.rank, " is hung: ", silent.why));
+    metrics_.failure(JobMetrics::Failure::kWorkerHung);
     morph_.start(strCat("rank ", silent.rank, " hung"), now);
+    metrics_.morphStarted(JobMetrics::MorphCause::kWorkerHung);
     apply(controller_->workerHung(silent.rank, now));
     if (finished_) return;
   }
@@ -614,7 +672,9 @@ void ManagerDaemon::checkProgress(TimePoint now) {
   // connections (a stopped process reads it when it runs again), then the
   // controller kills the rest and relaunches from the latest checkpoint.
   for (const int rank : hang->ranks) workers_.orderRankOut(rank, controller_->generation(), hang->reason);
+  metrics_.failure(JobMetrics::Failure::kNoProgress);
   morph_.start(strCat("rank(s) ", hang->summary, " hung: no progress"), now);
+  metrics_.morphStarted(JobMetrics::MorphCause::kNoProgress);
   apply(controller_->workerHung(hang->ranks.front(), now, hang->reason));
 }
 
@@ -632,7 +692,10 @@ void ManagerDaemon::watchMachineList() {
   log::info("machine list changed: ", change.added.size(), " added ", json(change.added).dump(), ", ",
             change.removed.size(), " removed ", json(change.removed).dump());
   events_->write("machine_list_changed", {{"added", change.added}, {"removed", change.removed}});
-  if (!change.removed.empty()) morph_.start("machine list shrank", now);
+  if (!change.removed.empty()) {
+    morph_.start("machine list shrank", now);
+    metrics_.morphStarted(JobMetrics::MorphCause::kMachinesChanged);
+  }
   readmitListedHosts(now);  // every host it lists that was out, too
   usableMachinesChanged();
 }
@@ -651,12 +714,16 @@ bool ManagerDaemon::readmitListedHosts(TimePoint now) {
 
 void ManagerDaemon::onStepReport(const proto::StepReport& report) {
   if (auto verdict = slowDetector_.add(report)) onSlowVerdict(*verdict);
+  metrics_.stepReport(report);
   const Plan& plan = controller_->plan();
   const auto step = progress_.add(report, plan.worldSize());
   if (!step) return;
   const auto now = Clock::now();
+  metrics_.stepCompleted(step->step, step->loss, step->maxStepSeconds, now);
+  stepLog_->add(controller_->generation(), step->step, step->loss, step->maxStepSeconds, now, unixMillisNow());
   if (step->firstOfGeneration) {
     if (const auto phases = morph_.finish(now)) {
+      metrics_.morphFinished(*phases);
       json fields = phases->toJson();
       fields["generation"] = controller_->generation();
       fields["plan"] = plan.describe();
@@ -685,6 +752,7 @@ void ManagerDaemon::onCheckpointFailed(int rank, const proto::CheckpointFailed& 
   log::warn("rank ", rank, " on ", host, ": the checkpoint of step ", failure.step, " failed (", error,
             "); training goes on, the next checkpoint tries again");
   lastCheckpointFailure_ = {{"host", host}, {"rank", rank}, {"step", failure.step}, {"error", error}};
+  metrics_.checkpointFailed();
   events_->write("checkpoint_failed", lastCheckpointFailure_);
 }
 
@@ -710,6 +778,11 @@ void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
     }
   }
   events_->write("slow_machines", {{"machines", list}});
+  updateHostMetrics(Clock::now());
+}
+
+void ManagerDaemon::updateHostMetrics(TimePoint now) {
+  if (pool_) metrics_.hosts(countHosts(pool_->describe(now), pool_->absences(), slowHosts_));
 }
 
 const json& ManagerDaemon::cachedPlanJson() {
@@ -731,13 +804,15 @@ json ManagerDaemon::stateJson() {
   const auto latest = checkpoints_->latest();
   json connections = listener_.stats();
   connections["handler_failures"] = guard_->failures();
+  json hosts = pool_->describe(now);
+  metrics_.hosts(countHosts(hosts, pool_->absences(), slowHosts_));  // once a second at least
   return {{"job", config_.job},
           {"pid", ::getpid()},
           {"address", advertisedAddress_},
           {"phase", finished_ ? (exitCode_ == 0 ? "finished" : "failed") : toString(controller_->phase())},
           {"generation", controller_->generation()},
           {"plan", cachedPlanJson()},
-          {"hosts", pool_->describe(now)},
+          {"hosts", std::move(hosts)},
           {"last_checkpoint_step", latest ? json(*latest) : json()},
           {"checkpoint_failures", checkpointFailures_},
           {"last_checkpoint_failure", lastCheckpointFailure_},
@@ -750,7 +825,9 @@ json ManagerDaemon::stateJson() {
           {"stop_reason", stopReason_},
           {"connections", connections},
           {"global_store", config_.globalStore},
-          {"events", events_->path()}};
+          {"metrics_address", metricsServer_ ? json(metricsServer_->address()) : json()},
+          {"events", events_->path()},
+          {"steps", stepLog_->path()}};
 }
 
 void ManagerDaemon::printSummary() {

@@ -5,6 +5,7 @@ agents and workers. Each scenario injects one fault and checks the job's
 outcome, its event log and that no process is left behind.
 (The SSH paths are in ssh_cluster_test.py.)"""
 import json
+import math
 import os
 import shutil
 import signal
@@ -293,6 +294,48 @@ def test_autoconfig_plans_from_a_profile_and_replans_after_a_morph():
     assert_nothing_left(m.job)
 
 
+def test_python_profiler_then_autoconfig_trains_the_cutpoint_example():
+    """varuna.Profiler (from Python) profiles the CutPoint example
+    (examples/python/train_gpt2_cutpoints.py --profile, 2 processes); then
+    run_varuna --profile without --nstages / --chunk_size has AutoConfig
+    choose the plan from that file, and the Python workers (which check the
+    profile's pieces against their own model) train it to the end."""
+    python = os.environ.get("VARUNA_PYTHON", str(SOURCE / ".venv" / "bin" / "python"))
+    script = str(SOURCE / "examples" / "python" / "train_gpt2_cutpoints.py")
+    out = ROOT / "python-profile"
+    r = subprocess.run([python, str(SOURCE / "scripts" / "varuna_launch.py"), "--nstages", "2", "--chunk_size", "1",
+                        "--batch_size", "1", "--", python, script, "--profile", str(out),
+                        "--micro_batch_sizes", "1,2,4", "--repetitions", "4", *TINY_MODEL],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    profile = json.loads((out / "profile.json").read_text())
+    assert [p["name"] for p in profile["pieces"]] == ["piece0", "piece1", "piece2", "piece3"], profile["pieces"]
+    steps = 30
+    m = manager("python-autoconfig", steps=steps, stages=None, chunk=None, program=[python, script],
+                extra_args=["--profile", str(out / "profile.json")]).start()
+    assert m.wait_exit() == 0, m.tail()
+    choices, launches = m.events("autoconfig"), m.events("launch")
+    assert len(choices) == 1 and len(launches) == 1, (choices, launches)
+    plan = launches[0]["plan"]
+    chosen = "%dx%d m=%d " % (plan["stages"], plan["replicas"], plan["chunk_size"])
+    assert choices[0]["chosen"].startswith(chosen), (choices[0]["chosen"], plan)
+    log("AutoConfig chose %s for the Python profile" % choices[0]["chosen"])
+    assert "AutoConfig" in m.output(), m.tail()
+    # The workers ran that plan: rank 0's log (kept by its agent) has the one it built.
+    rank0 = [p["host"] for p in plan["placement"] if p["rank"] == 0][0]
+    worker_log = (m.connection_file(rank0).parent / "logs" / "g1_rank0.log").read_text(errors="replace")
+    built = "plan: %d stages x %d replicas, schedule %s, precision fp32, micro-batch %d;" % (
+        plan["stages"], plan["replicas"], choices[0]["chosen"].split()[-1], plan["chunk_size"])
+    assert built in worker_log, (built, worker_log[-2000:])
+    losses = m.losses()
+    assert sorted(losses) == list(range(steps)), sorted(losses)
+    assert all(math.isfinite(v) for v in losses.values()), losses
+    first, last = sum(losses[s] for s in range(5)) / 5, sum(losses[s] for s in range(steps - 5, steps)) / 5
+    log("losses: first five %.4f, last five %.4f" % (first, last))
+    assert last < 0.9 * first, (first, last)
+    assert_nothing_left(m.job)
+
+
 def test_bad_inputs_are_clear_errors():
     m = manager("missing-program", program="./no_such_trainer")
     m.start()
@@ -340,6 +383,227 @@ def test_bad_inputs_are_clear_errors():
     assert r.returncode == 2 and "nope.txt does not exist" in r.stderr, r.stderr
 
 
+class Prometheus:
+    """A real Prometheus (Debian's package) on 127.0.0.1, scraping `targets`
+    every second, its storage in `workdir`. The port is its own choice
+    (--web.listen-address=127.0.0.1:0), read back from its log."""
+
+    def __init__(self, workdir, targets):
+        self.binary = shutil.which("prometheus")
+        assert self.binary, "prometheus is not installed: run scripts/setup.sh (it installs Debian's prometheus)"
+        self.workdir = Path(workdir)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.mkdir(parents=True)
+        config = self.workdir / "prometheus.yml"
+        config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                          "scrape_configs:\n  - job_name: varuna\n    static_configs:\n"
+                          "      - targets: [%s]\n" % ", ".join("'%s'" % t for t in targets))
+        self.log_path = self.workdir / "prometheus.log"
+        self.argv = [self.binary, "--config.file=%s" % config, "--storage.tsdb.path=%s" % (self.workdir / "data"),
+                     "--web.listen-address=127.0.0.1:0", "--log.level=info"]
+        self.proc = None
+        self.url = None
+
+    def start(self, timeout=60):
+        log("prometheus", " ".join(self.argv[1:]))
+        self.out = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=self.out, stderr=subprocess.STDOUT)
+
+        def listening():
+            if self.proc.poll() is not None:
+                raise AssertionError("prometheus exited with %s:\n%s" % (self.proc.returncode, self.tail()))
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if 'msg="Listening on"' in line and "address=" in line:
+                    return line.split("address=")[1].split()[0]
+            return None
+        self.url = "http://" + wait_for("prometheus listening", listening, timeout)
+        wait_for("prometheus ready (%s/-/ready)" % self.url, lambda: self._get("/-/ready") is not None, timeout)
+        return self
+
+    def _get(self, path):
+        import urllib.error
+        import urllib.request
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+
+    def query(self, expr):
+        """The instant vector of `expr` now: [(labels, value), ...]."""
+        import urllib.parse
+        body = self._get("/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+        assert body is not None, "prometheus did not answer %s" % expr
+        answer = json.loads(body)
+        assert answer["status"] == "success", answer
+        return [(r["metric"], float(r["value"][1])) for r in answer["data"]["result"]]
+
+    def value(self, expr):
+        """The one value of `expr` now, or None when it has none."""
+        result = self.query(expr)
+        assert len(result) <= 1, (expr, result)
+        return result[0][1] if result else None
+
+    def samples(self, series, seconds):
+        """The samples scraped of one series over the last `seconds`: [(unix time, value), ...]."""
+        import urllib.parse
+        body = self._get("/api/v1/query?" + urllib.parse.urlencode({"query": "%s[%ds]" % (series, seconds)}))
+        answer = json.loads(body)
+        assert answer["status"] == "success" and len(answer["data"]["result"]) == 1, answer
+        return [(float(t), float(v)) for t, v in answer["data"]["result"][0]["values"]]
+
+    def tail(self, lines=20):
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def test_prometheus_scrapes_the_metrics_through_a_preemption_morph():
+    """The preemption job above with --metrics_port 0, scraped every second by
+    a real Prometheus: through its API, the morph is counted with its cause,
+    the plan is seen changing from 2x2 to 2x1 (and the generation from 1 to
+    2), the step only grows, the preempted host is counted as such and no
+    failure is counted."""
+    m = manager("metrics", steps=100000, extra_args=["--manager_ip", "127.0.0.1", "--metrics_port", "0"]).start()
+    address = wait_for("the metrics address in state.json", lambda: m.state().get("metrics_address"), 60)
+    assert address.startswith("127.0.0.1:") and not address.endswith(":0"), address
+    prometheus = Prometheus(ROOT / "metrics-prometheus", [address])
+    try:
+        prometheus.start()
+        started = time.time()
+        wait_for("the target up in prometheus",
+                 lambda: prometheus.value('up{job="varuna"}') == 1 or m._died(), 60)
+
+        def scrapes():
+            return prometheus.value("count_over_time(varuna_generation[10m])") or 0
+        # A few scrapes of the 2x2 job (the tiny model trains ~100 steps a second).
+        wait_for("prometheus scraped the 2x2 plan 5 times (output:\n%s)" % m.tail(),
+                 lambda: (scrapes() >= 5 and prometheus.value("varuna_plan_replicas") == 2
+                          and (prometheus.value("varuna_step") or 0) >= 20) or m._died(), 120)
+        before = scrapes()
+        r = m.notify_preempt("127.0.0.2", "--in_seconds", "120")
+        assert r.returncode == 0, r.stderr
+        m.wait_event("morph_complete", timeout=120)
+        morph = m.events("morph_complete")[0]
+        launches = m.events("launch")
+        resume = launches[1]["resume_step"]
+        wait_for("prometheus scraped the morph and 5 more times (output:\n%s)" % m.tail(),
+                 lambda: (prometheus.value('varuna_morphs_total{cause="preemption"}') == 1
+                          and prometheus.value("varuna_plan_replicas") == 1
+                          and (prometheus.value("varuna_step") or 0) >= resume + 20
+                          and scrapes() >= before + 5) or m._died(), 120)
+        seconds = int(time.time() - started) + 5
+        window = "[%ds]" % seconds
+        assert prometheus.value("max_over_time(varuna_plan_replicas%s)" % window) == 2
+        assert prometheus.value("min_over_time(varuna_plan_replicas%s)" % window) == 1
+        assert prometheus.value("varuna_plan_stages") == 2
+        assert prometheus.value("min_over_time(varuna_generation%s)" % window) == 1
+        assert prometheus.value("varuna_generation") == 2
+        assert prometheus.value("sum(varuna_morphs_total)") == 1
+        assert prometheus.value("varuna_morph_recovery_seconds_count") == 1
+        recovery = prometheus.value("varuna_last_morph_recovery_seconds")
+        assert abs(recovery - morph["total_s"]) < 1e-3, (recovery, morph)
+        assert prometheus.value('varuna_hosts{state="preempted"}') == 1
+        assert prometheus.value('varuna_hosts{state="up"}') == 1
+        assert prometheus.value("sum(varuna_failures_total)") == 0
+        assert prometheus.value('varuna_checkpoint_duration_seconds_count{kind="on_demand"}') == 1
+        assert prometheus.value("varuna_last_checkpoint_step") >= resume
+        steps = prometheus.samples("varuna_step", seconds)
+        values = [v for _, v in steps if v >= 0]
+        assert len(values) >= 10 and values[-1] > values[0], steps
+        assert all(b >= a for a, b in zip(values, values[1:])), "the step went back: %s" % values
+        assert (prometheus.value("varuna_goodput_samples_per_second") or 0) > 0
+        log("prometheus: %d step samples %d..%d, recovery %.2f s, %d series of varuna_*"
+            % (len(values), values[0], values[-1], recovery, len(prometheus.query('{__name__=~"varuna_.*"}'))))
+        m.kill(signal.SIGTERM)
+        assert m.wait_exit() == 0, m.tail()
+    finally:
+        prometheus.stop()
+    assert prometheus.proc.returncode is not None
+    assert_nothing_left(m.job)
+
+
+def test_a_bad_metrics_port_is_a_clear_error():
+    """Out of range: refused before anything starts. In use: run_varuna exits
+    at start-up (code 2) naming --metrics_port and the fix, with no agent
+    left behind."""
+    m = manager("metrics-range", extra_args=["--metrics_port", "70000"]).start()
+    assert m.wait_exit(60) == 2
+    assert "--metrics_port must be 0..65535" in m.output(), m.tail()
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        m = manager("metrics-in-use", extra_args=["--manager_ip", "127.0.0.1", "--metrics_port", str(port)]).start()
+        assert m.wait_exit(60) == 2
+    out = m.output()
+    assert "--metrics_port %d: cannot serve metrics on 127.0.0.1:%d" % (port, port) in out, m.tail()
+    assert "Pick a free --metrics_port, or 0 for any free port" in out, m.tail()
+    assert not m.events("launch"), m.events()
+    assert_nothing_left(m.job)
+
+
+def png_size(path):
+    """(width, height) of a PNG, from its IHDR chunk."""
+    import struct
+    data = Path(path).read_bytes()[:24]
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_draws_the_timeline_of_a_preemption():
+    """scripts/varuna_report.py on the state folder of the preemption job:
+    steps.jsonl holds both generations (their first and last steps exactly),
+    the timeline has the two plans as bands and the notice, the morph and
+    the checkpoints on its time axis, and the PNG has a sane size."""
+    m = manager("report", steps=160, train_args=["--checkpoint_every", "50"]).start()
+    m.wait_step(30)
+    r = m.notify_preempt("127.0.0.2", "--in_seconds", "120")
+    assert r.returncode == 0, r.stderr
+    assert m.wait_exit() == 0, m.tail()
+    assert_nothing_left(m.job)
+    steps = [json.loads(line) for line in (m.state_dir / "steps.jsonl").read_text().splitlines()]
+    resume = m.events("launch")[1]["resume_step"]
+    assert [s["generation"] for s in steps if s["step"] <= resume] and steps[-1]["step"] == 160, steps
+    first_of_2 = [s for s in steps if s["generation"] == 2][0]
+    assert first_of_2["step"] == resume + 1, (resume, first_of_2)
+    assert all(s["step"] <= resume for s in steps if s["generation"] == 1), steps
+
+    sys.path.insert(0, str(SOURCE / "scripts"))
+    import varuna_report
+    timeline = varuna_report.build_timeline(m.events(), steps)
+    bands = [(g["stages"], g["replicas"]) for g in timeline["generations"]]
+    assert bands == [(2, 2), (2, 1)], timeline["generations"]
+    kinds = [mark["kind"] for mark in timeline["marks"]]
+    assert "notice" in kinds and "morph" in kinds and "checkpoint" in kinds, kinds
+    assert "loss" not in kinds and not timeline["rollbacks"], timeline  # a preemption loses nothing
+    notice = [mark for mark in timeline["marks"] if mark["kind"] == "notice"][0]
+    morph = timeline["morphs"][0]
+    g2 = timeline["generations"][1]
+    assert timeline["generations"][0]["start"] < notice["t"] <= morph["start"] + 0.01 < g2["start"] < morph["end"], \
+        (notice, morph, g2)
+
+    python = os.environ.get("VARUNA_PYTHON", str(SOURCE / ".venv" / "bin" / "python"))
+    out = ROOT / "report" / "timeline.png"
+    r = subprocess.run([python, str(SOURCE / "scripts" / "varuna_report.py"), "--state_dir", str(m.state_dir),
+                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == str(out), r.stdout
+    width, height = png_size(out)
+    size = out.stat().st_size
+    log("report: %s, %dx%d, %d bytes" % (out, width, height, size))
+    assert 800 <= width <= 4000 and 500 <= height <= 3000, (width, height)
+    assert 20_000 <= size <= 5_000_000, size
+
+
 if __name__ == "__main__":
     run_tests([
         test_preemption_morphs_2x2_to_2x1_and_resumes_exactly,
@@ -353,5 +617,9 @@ if __name__ == "__main__":
         test_sigterm_checkpoints_and_stops,
         test_no_morphing_stops_on_the_first_failure,
         test_autoconfig_plans_from_a_profile_and_replans_after_a_morph,
+        test_python_profiler_then_autoconfig_trains_the_cutpoint_example,
         test_bad_inputs_are_clear_errors,
+        test_a_bad_metrics_port_is_a_clear_error,
+        test_prometheus_scrapes_the_metrics_through_a_preemption_morph,
+        test_report_draws_the_timeline_of_a_preemption,
     ])

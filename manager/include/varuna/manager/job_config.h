@@ -31,6 +31,7 @@ struct JobConfig {
   std::string managerIp;            // address agents and workers dial (default: guessed)
   int port = 0;                     // manager's control port (0: any free port)
   int masterPort = 29500;           // workers' rendezvous port on rank 0's host (+ generation offset)
+  int metricsPort = -1;             // Prometheus metrics at http://manager_ip:PORT/metrics (-1: off, 0: any free port)
   std::string globalStore;          // checkpoint root shared by the workers
   int keepCheckpoints = 3;          // complete checkpoints the workers keep (0: all); VARUNA_KEEP_CHECKPOINTS
   std::string stateDir;             // state.json, events.jsonl, slow_machines.out, token

@@ -8,8 +8,10 @@
 //  - WorkerRegistry: the running generation's workers and their exit orders;
 //  - LivenessWatchdog: silent and hung ranks;
 //  - CheckpointWatcher: the checkpoint store, looked at off the loop;
-//  - StepProgress and StateFile: the progress line and state.json;
-//  - MachineListWatcher: edits and rewrites of the machine list.
+//  - StepProgress, StepLog and StateFile: the progress line, steps.jsonl and state.json;
+//  - MachineListWatcher: edits and rewrites of the machine list;
+//  - JobMetrics and MetricsServer: the job as Prometheus metrics, served on
+//    civetweb's threads (--metrics_port); the loop only sets them.
 // The daemon wires them: a hello goes to the pool or the registry, a lost
 // host's workers are ordered out, a verdict becomes a controller call, and
 // the controller's actions go out through the pool and the registry.
@@ -35,9 +37,12 @@
 #include "varuna/manager/daemon/agent_pool.h"
 #include "varuna/manager/daemon/checkpoint_watcher.h"
 #include "varuna/manager/daemon/control_listener.h"
+#include "varuna/manager/daemon/job_metrics.h"
 #include "varuna/manager/daemon/liveness_watchdog.h"
 #include "varuna/manager/daemon/machine_list_watcher.h"
+#include "varuna/manager/daemon/metrics_server.h"
 #include "varuna/manager/daemon/state_file.h"
+#include "varuna/manager/daemon/step_log.h"
 #include "varuna/manager/daemon/step_progress.h"
 #include "varuna/manager/daemon/worker_registry.h"
 #include "varuna/manager/event_log.h"
@@ -70,6 +75,9 @@ class ManagerDaemon : private AgentPool::Observer {
   void requestStop(const std::string& reason);
   int exitCode() const { return exitCode_; }
   uint16_t port() const { return listener_.port(); }
+  // --metrics_port's, once started (0: no metrics).
+  uint16_t metricsPort() const { return metricsServer_ ? metricsServer_->port() : 0; }
+  const JobMetrics& metrics() const { return metrics_; }
 
   // The seam to the checkpoint store's scan (default scanCheckpointStore),
   // e.g. a slow one in tests. Before start(); called on a background thread.
@@ -88,6 +96,8 @@ class ManagerDaemon : private AgentPool::Observer {
  private:
   // Start-up (start()).
   void listen();
+  // --metrics_port: /metrics on the control port's address (ConfigError if it cannot).
+  void serveMetrics();
   void createController(int firstGeneration);
   void createPlanner(ControllerOptions& options);
   std::string agentCommand(const std::string& host) const;
@@ -148,6 +158,7 @@ class ManagerDaemon : private AgentPool::Observer {
   void onStepReport(const proto::StepReport& report);
   void onCheckpointFailed(int rank, const proto::CheckpointFailed& failure);
   void onSlowVerdict(const std::vector<SlowMachine>& slow);
+  void updateHostMetrics(TimePoint now);
   std::string checkpointText(TimePoint now) const;
   // state.json now; on failure logged (rate-limited) and retried at every tick.
   void writeState();
@@ -168,6 +179,7 @@ class ManagerDaemon : private AgentPool::Observer {
   std::string profiledPieces_;  // --profile's pieces as JSON [[name, parameters], ...], for the workers
   std::vector<std::pair<std::string, std::string>> env_;  // env_file
   std::unique_ptr<EventLog> events_;
+  std::unique_ptr<StepLog> stepLog_;  // steps.jsonl
   std::unique_ptr<MorphController> controller_;
   MachineListWatcher machineList_;
   WorkerRegistry workers_;  // the running generation's
@@ -176,6 +188,7 @@ class ManagerDaemon : private AgentPool::Observer {
   StepProgress progress_;
   StateFile stateFile_;
   MorphTimer morph_;  // the morph under way, for the morph_complete event
+  JobMetrics metrics_;  // set at the points where events are logged
   int morphs_ = 0;
   std::vector<std::string> slowHosts_;
   int checkpointFailures_ = 0;            // CheckpointFailed reports of every generation
@@ -202,6 +215,8 @@ class ManagerDaemon : private AgentPool::Observer {
   std::unique_ptr<CheckpointWatcher> checkpoints_;
   std::unique_ptr<AsyncPlanner> planner_;         // with a profile: AutoConfig off the loop
   std::unique_ptr<BackgroundWorker> planWorker_;  // AutoConfig's runs (planner_)
+  // civetweb's threads read metrics_: stopped (joined) before it goes.
+  std::unique_ptr<MetricsServer> metricsServer_;
 };
 
 }  // namespace varuna
