@@ -6,6 +6,8 @@
 # a cloud poller would send); the manager checkpoints, morphs the job to 2 x 1
 # on the remaining host and it finishes; the job's timeline is drawn into
 # $WORK/timeline.png (its path printed last). Extra arguments go to train_gpt.
+# VARUNA_DEMO_FRONTEND=python runs the same job with the Python front end
+# (examples/python/train_gpt.py, the same model, data and options).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh"
@@ -17,9 +19,14 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 printf '# the demo'"'"'s two local hosts\n127.0.0.1 slots=2\n127.0.0.2 slots=2\n' > "$WORK/machines.txt"
 
 echo "=== run_varuna: 2 stages x 2 replicas on $(grep -vc '^#' "$WORK/machines.txt") local hosts (work folder $WORK) ==="
+case "${VARUNA_DEMO_FRONTEND:-cpp}" in
+  cpp) CODE_DIR="$ROOT/build/examples/gpt"; PROGRAM=(./train_gpt) ;;
+  python) CODE_DIR="$ROOT/examples/python"; PROGRAM=("$ROOT/.venv/bin/python" train_gpt.py) ;;
+  *) echo "VARUNA_DEMO_FRONTEND must be cpp or python" >&2; exit 2 ;;
+esac
 "$BIN/run_varuna" --job demo --machine_list "$WORK/machines.txt" --nstages 2 --batch_size 16 --chunk_size 4 \
-  --global_store "$WORK/checkpoints" --state_dir "$WORK/state" --code_dir "$ROOT/build/examples/gpt" \
-  -- ./train_gpt --steps 300 --d_model 128 --layers 4 --seq_len 64 --checkpoint_every 100 "$@" &
+  --global_store "$WORK/checkpoints" --state_dir "$WORK/state" --code_dir "$CODE_DIR" \
+  -- "${PROGRAM[@]}" --steps 300 --d_model 128 --layers 4 --seq_len 64 --checkpoint_every 100 "$@" &
 MANAGER=$!
 trap 'kill -TERM "$MANAGER" 2>/dev/null || true; wait "$MANAGER" || true' INT TERM
 
