@@ -156,6 +156,7 @@ void bindRuntime(py::module_& m) {
       .def("load_latest_checkpoint", &Varuna::loadLatestCheckpoint, py::arg("global_store"),
            py::arg("at_most") = py::none(), Release())
       .def("wait_for_checkpoints", &Varuna::waitForCheckpoints, Release())
+      .def("abandon", &Varuna::abandon)
       .def("exit_if_checkpoint_requested", &Varuna::exitIfCheckpointRequested, py::arg("result"), Release())
       .def_property_readonly("steps_done", &Varuna::stepsDone)
       .def_property_readonly("samples_seen", &Varuna::samplesSeen)

@@ -54,8 +54,11 @@ _open_runtimes = weakref.WeakSet()
 
 @atexit.register
 def _close_open_runtimes():
+    # An uncaught exception ends the program: leave without waiting (the
+    # peers may be blocked on this rank).
+    failed = hasattr(sys, "last_value") or getattr(sys, "last_exc", None) is not None
     for model in list(_open_runtimes):
-        model.close()
+        model.close(failed=failed)
 
 
 class StepResult:
@@ -217,13 +220,16 @@ class Varuna:
         self._bridge = None
         _open_runtimes.add(self)
 
-    def close(self):
+    def close(self, failed=False):
         """Leaves the job (at the end of training; also done at exit): waits
         for background checkpoints, and on rank 0, which hosts the job's
-        rendezvous store, for the other ranks to finish (a minute at most);
-        then frees the runtime. The object is unusable afterwards."""
+        rendezvous store, for the other ranks to finish (a minute at most;
+        not with failed=True, nor after an uncaught exception); then frees
+        the runtime. The object is unusable afterwards."""
         runtime, self._runtime = self._runtime, _ClosedRuntime()
         _open_runtimes.discard(self)
+        if failed and not isinstance(runtime, _ClosedRuntime):
+            runtime.abandon()
         del runtime
 
     # --- parameters --------------------------------------------------------------
@@ -233,8 +239,14 @@ class Varuna:
 
     def named_parameters(self):
         """(name, parameter) of this stage, named as in the model given (the
-        runtime's own names, "<piece>.<path>", where pieces were given)."""
-        return [(self._original_names.get(name, name), p) for name, p in self._runtime.named_parameters()]
+        runtime's own names, "<piece>.<path>", where pieces were given); a
+        tensor held under two names (a declared tie) once, under the first."""
+        out, seen = [], set()
+        for name, p in self._runtime.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((self._original_names.get(name, name), p))
+        return out
 
     def named_buffers(self):
         return self._runtime.named_buffers()

@@ -15,7 +15,8 @@ the package; cutpoint_model.py):
                 gradient buckets; the runtime's own growth, measured with
                 the small model, taken off)
   quiet end     ranks still busy after rank 0 (the store's host) finished
-                end without store errors: rank 0 waits for them
+                end without store errors: rank 0 waits for them; but a
+                rank 0 ending on an uncaught exception leaves at once
   refusals      each broken model is refused at construction, before any
                 process group, with a message naming the culprit: a value
                 crossing a cut (and the line using it), a CutPoint called
@@ -71,6 +72,7 @@ def worker():
     parser.add_argument("--meta", action="store_true", help="build on the meta device, init_fn")
     parser.add_argument("--big", action="store_true", help="a model of BIG_WIDTH x BIG_BLOCKS; memory only")
     parser.add_argument("--linger_s", type=float, default=0, help="ranks but 0 stay this long after training")
+    parser.add_argument("--rank0_raises", action="store_true", help="rank 0 ends on an uncaught exception")
     args = parser.parse_args(launch.user_args)
     try:
         if args.big:
@@ -90,6 +92,8 @@ def worker():
         share = GLOBAL_BATCH // model.num_replicas
         losses = []
         for step in range(1 if args.big else STEPS):
+            if args.rank0_raises and step == 1 and launch.rank == 0:
+                break
             batch = cm.global_batch(step, GLOBAL_BATCH)
             losses.append(model.step({k: v[model.replica * share:(model.replica + 1) * share]
                                       for k, v in batch.items()}).loss)
@@ -103,6 +107,8 @@ def worker():
             time.sleep(args.linger_s)  # the scenario: still busy after training, runtime open
     except Exception as error:  # noqa: BLE001 - every failure ends the worker with its code
         varuna.exit_after_failure(error)
+    if args.rank0_raises and launch.rank == 0:
+        raise RuntimeError("a bug in the user's program, not caught")  # the others wait in step 1
 
 
 def run_job(out, stages, replicas, *worker_args):
@@ -194,6 +200,22 @@ def test_a_job_ends_quietly():
              if "recvValue failed" in line or "sendBytes failed" in line or "Exception raised" in line]
     if noise:
         failures.append("the job's end printed store errors: %s" % noise[:3])
+
+
+def test_a_failing_rank_0_does_not_hold_the_job():
+    # Rank 0 ends on an uncaught exception while the others wait for it in a
+    # step: it must leave at once (not wait for them, as a clean end does),
+    # so they see it gone well before their 60 s peer timeout.
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as out:
+        proc = run_job(out, 2, 1, "--rank0_raises")
+    elapsed = time.monotonic() - start
+    if proc.returncode == 0:
+        failures.append("the job succeeded although rank 0 raised")
+    if "a bug in the user's program" not in proc.stderr:
+        failures.append("rank 0's exception is not in the output: %s" % proc.stderr[-1500:])
+    if elapsed > 45:
+        failures.append("the job took %.0f s to end after rank 0 failed (rank 0 waited for its peers?)" % elapsed)
 
 
 # --- refusals: each model below breaks one rule --------------------------------------------

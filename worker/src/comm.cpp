@@ -134,14 +134,16 @@ Communicator::Communicator(const CommOptions& options, const StageToRankMap& map
 
 Communicator::~Communicator() {
   monitor_.reset();  // this rank stops beating: it is leaving
-  leave();
+  if (finishedCleanly_ && !abandoned_) leave();
 }
 
 // The store lives in rank 0's process: a rank that finishes first and exits
 // would cut off peers still running their last lines (writing results), whose
-// heartbeats then fail with libtorch's warnings. So every rank says it left,
-// and rank 0 waits for the others to leave, or to stop beating (lost, or
-// exited without a destructor), for at most a minute.
+// heartbeats then fail with libtorch's warnings. So every rank that finished
+// cleanly says it left, and rank 0 waits for the others to leave, or to stop
+// beating (lost, or exited without a destructor), or for a failure to be
+// recorded, for at most a minute. A rank ending on a failure does not wait:
+// its peers may be blocked on it.
 void Communicator::leave() noexcept {
   try {
     store_->add(kLeftKey, 1);
@@ -155,7 +157,8 @@ void Communicator::leave() noexcept {
     };
     int64_t beats = beatsOfOthers();
     int quiet = 0;
-    while (store_->add(kLeftKey, 0) < options_.worldSize && std::chrono::steady_clock::now() < deadline) {
+    while (store_->add(kLeftKey, 0) < options_.worldSize && store_->add(kFailureCountKey, 0) == 0 &&
+           std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(options_.heartbeatInterval);
       const int64_t now = beatsOfOthers();
       quiet = now == beats ? quiet + 1 : 0;

@@ -109,6 +109,11 @@ class Communicator {
 
   // Called when this rank fails for a local reason, before rethrowing.
   void recordFailure(const std::string& message);
+  // How the destructor leaves the job: only a rank that finished cleanly (and
+  // was not abandoned) says so and, if it hosts the store, waits for the
+  // others; otherwise it leaves at once, touching nothing.
+  void finishedCleanly() { finishedCleanly_ = true; }
+  void abandon() { abandoned_ = true; }
   PeerMonitor& monitor() { return *monitor_; }
 
  private:
@@ -122,6 +127,8 @@ class Communicator {
   c10::intrusive_ptr<c10d::Backend> world_;
   std::map<std::string, c10::intrusive_ptr<c10d::Backend>> groups_;
   std::unique_ptr<PeerMonitor> monitor_;
+  bool finishedCleanly_ = false;
+  bool abandoned_ = false;
 };
 
 }  // namespace varuna

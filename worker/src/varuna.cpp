@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <numeric>
 
 #include "autocast_scope.h"
@@ -635,7 +636,13 @@ double Varuna::Impl::evaluate(const Batch& inputs) {
 // ---------------------------------------------------------------------------
 
 Varuna::Varuna(VarunaOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
-Varuna::~Varuna() = default;
+Varuna::~Varuna() {
+  if (std::uncaught_exceptions() == 0 && impl_->comm_) impl_->comm_->finishedCleanly();
+}
+
+void Varuna::abandon() {
+  if (impl_->comm_) impl_->comm_->abandon();
+}
 
 std::vector<torch::Tensor> Varuna::parameters() const {
   // Each tensor once: the optimizer must not step a tied weight twice.

@@ -184,6 +184,12 @@ class Varuna {
   // Blocks until background checkpoints have landed (or failed: a failed one
   // was logged and reported; it does not throw).
   void waitForCheckpoints();
+  // The program is ending after a failure of its own: when this object is
+  // destroyed, leave the job at once. (Otherwise a rank that finishes cleanly
+  // and hosts the job's rendezvous store, rank 0, waits on its way out for
+  // the others to finish, so that it does not cut them off; destruction
+  // during exception unwinding never waits.)
+  void abandon();
   // Optimizer steps taken (attempted, including fp16-skipped ones), counting
   // those restored from a checkpoint.
   int64_t stepsDone() const;
