@@ -10,7 +10,8 @@ works on all of them:
 
 - only the CutPoint's one tensor (batch first) crosses it;
 - values computed from the forward's inputs alone (masks, position ids) may be
-  used anywhere: each piece that needs one recomputes it;
+  used anywhere: each piece that needs one recomputes it (random ones may
+  not: they cross like any value; in-place changes to inputs are refused);
 - a parameter is used between two neighbouring CutPoints only (give a weight
   used on both sides of one its own Parameter and name the pair in
   shared_weights, the manual's rule);
@@ -20,6 +21,7 @@ What fx cannot trace (control flow that depends on tensor values) cannot be
 split this way; such a model is given as pieces instead (docs/python.md).
 """
 import itertools
+import operator
 import zlib
 
 import torch
@@ -103,6 +105,26 @@ def _is_cut(node):
     return node.op == "call_function" and node.target is _varuna_cut
 
 
+_RANDOM = {torch.rand, torch.rand_like, torch.randn, torch.randn_like, torch.randint, torch.randint_like,
+           torch.randperm, torch.bernoulli, torch.normal, torch.multinomial, torch.poisson, torch.dropout,
+           torch.nn.functional.dropout}
+_RANDOM_METHODS = {"bernoulli", "multinomial", "uniform_", "normal_", "random_", "exponential_"}
+
+
+def _in_place(node):
+    """An operation that changes its first argument."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    if node.op == "call_function":
+        return node.target is operator.setitem or getattr(node.target, "__name__", "").endswith("_")
+    return False
+
+
+def _random(node):
+    return (node.op == "call_function" and node.target in _RANDOM) or \
+        (node.op == "call_method" and node.target in _RANDOM_METHODS)
+
+
 class _Split:
     """The traced graph cut into segments, checked against the rules above."""
 
@@ -140,8 +162,15 @@ class _Split:
                 self.segment[node] = len(self.cuts)
                 continue
             # Made from inputs and constants alone (or from nothing): any
-            # piece can compute it again.
-            if node.op in ("call_function", "call_method") and not _is_cut(node) and \
+            # piece can compute it again, unless it draws random numbers
+            # (each piece would draw its own) or changes something.
+            if _in_place(node) and node.args and isinstance(node.args[0], torch.fx.Node) and \
+                    node.args[0] in self.input_only and node.args[0].op != "get_attr":
+                _refuse("the in-place operation '%s' changes '%s', a value made from the inputs that every piece "
+                        "needing it computes on its own: use the out-of-place form (e.g. x = x.masked_fill(...))"
+                        % (node.target if isinstance(node.target, str) else node.target.__name__,
+                           node.args[0].name), node)
+            if node.op in ("call_function", "call_method") and not _is_cut(node) and not _random(node) and \
                     all(d in self.input_only for d in node.all_input_nodes):
                 self.input_only.add(node)
                 continue

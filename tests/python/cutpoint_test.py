@@ -270,6 +270,26 @@ class ConstantAcrossCuts(cm.ManualGPT):
                                                  targets.reshape(-1))
 
 
+class InPlaceOnInput(cm.ManualGPT):
+    def forward(self, input_ids, targets):
+        targets.masked_fill_(targets == 0, -100)  # the usual label masking, in place
+        x = self.wte(input_ids)
+        for i in range(cm.BLOCKS):
+            x = self.cutpoints[i](x)
+        return torch.nn.functional.cross_entropy((x @ self.lm_head_weight.t()).reshape(-1, cm.VOCAB),
+                                                 targets.reshape(-1), ignore_index=-100)
+
+
+class RandomAcrossCuts(cm.ManualGPT):
+    def forward(self, input_ids, targets):
+        keep = torch.rand(input_ids.shape) > 0.5  # drawn once: may not be drawn again in another piece
+        x = self.wte(input_ids)
+        for i in range(cm.BLOCKS):
+            x = self.cutpoints[i](x)
+        return torch.nn.functional.cross_entropy((x @ self.lm_head_weight.t()).reshape(-1, cm.VOCAB),
+                                                 targets.masked_fill(keep, 0).reshape(-1))
+
+
 class NoCutPoints(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -299,6 +319,9 @@ def test_refusals_name_the_culprit():
         ("unknown shared weight", cm.build(), [("wte.weight", "lm_head.weight")],
          ["shared weight 'lm_head.weight' is not a parameter", "lm_head_weight"]),
         ("no CutPoint", NoCutPoints(), [], ["has no CutPoint", "varuna.CutPoint"]),
+        ("in place on an input", InPlaceOnInput(), cm.SHARED, ["in-place operation 'masked_fill_' changes 'targets'",
+                                                               "out-of-place"]),
+        ("random across cuts", RandomAcrossCuts(), cm.SHARED, ["'gt'", "crosses CutPoint"]),
     ]
     for what, model, shared, expected in cases:
         message = refusal(model, shared)
