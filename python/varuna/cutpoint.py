@@ -278,19 +278,18 @@ def _module_seed(seed, name):
     return (seed * 1000003 + zlib.crc32(name.encode())) % (2 ** 63)
 
 
-def initialize(module, init_fn=None, seed=0, names=None):
+def initialize(module, init_fn=None, seed=0, only=None):
     """Initialises every submodule of `module` that holds parameters or
-    buffers of its own, each under torch.manual_seed derived from `seed` and
-    its name (so a weight's initial value depends on neither the layout nor
-    what else was built first): init_fn(name, submodule) if given, else the
-    submodule's reset_parameters(). `names` maps the submodule paths of
-    `module` to the model's (a piece's paths are the model's already). Apply
-    it to a normally built model to get the weights a meta-built one gets."""
-    for path, sub in module.named_modules():
+    buffers of its own (those whose path is in `only`, when given), each
+    under torch.manual_seed derived from `seed` and its name (so a weight's
+    initial value depends on neither the layout nor what else was built
+    first): init_fn(name, submodule) if given, else the submodule's
+    reset_parameters(). Apply it to a normally built model to get the
+    weights a meta-built one gets."""
+    for name, sub in module.named_modules():
         own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))
-        if not own:
+        if not own or (only is not None and name not in only):
             continue
-        name = names.get(path, path) if names else path
         torch.manual_seed(_module_seed(seed, name))
         if init_fn is not None:
             init_fn(name, sub)
@@ -301,6 +300,26 @@ def initialize(module, init_fn=None, seed=0, names=None):
                                  "init_fn(name, module) that initialises it (a model built on the meta device "
                                  "has no values)" % (name or "the model", type(sub).__name__,
                                                      ", ".join(n for n, _ in own)))
+
+
+def _materialise(root, piece, graph, k, init_fn, seed):
+    """Piece k of a meta-built model with values: the model's own submodules
+    that hold the piece's tensors (their classes, their reset_parameters) are
+    materialised on the CPU and initialised as initialize() would, then the
+    piece is built again over them."""
+    owners = {name.rpartition(".")[0] for name, _ in
+              itertools.chain(piece.named_parameters(remove_duplicate=False), piece.named_buffers(remove_duplicate=False))}
+    for path in owners:
+        root.get_submodule(path).to_empty(device="cpu", recurse=False)
+    with torch.no_grad():
+        initialize(root, init_fn, seed, only=owners)
+    piece = torch.fx.GraphModule(root, graph, class_name="VarunaPiece%d" % k)
+    for name, tensor in itertools.chain(piece.named_parameters(), piece.named_buffers()):
+        if tensor.is_meta:
+            raise _C.ConfigError("'%s' is a plain tensor attribute of a model built on the meta device: it has "
+                                 "no values; register it as a buffer (register_buffer) so that it is "
+                                 "materialised and initialised with its module" % name)
+    return piece
 
 
 def split_at_cutpoints(model, init_fn=None, seed=0):
@@ -329,9 +348,7 @@ def split_at_cutpoints(model, init_fn=None, seed=0):
                 raise RuntimeError("piece %d was asked for after the model was released" % k)
             piece = torch.fx.GraphModule(root, graph, class_name="VarunaPiece%d" % k)
             if on_meta:
-                piece.to_empty(device="cpu")
-                with torch.no_grad():
-                    initialize(piece, init_fn, seed)
+                piece = _materialise(root, piece, graph, k, init_fn, seed)
             return piece
         count = sum(sizes[n] for n in split.params_of[k])
         pieces.append((piece_name, factory, count))
