@@ -4,27 +4,40 @@
 Runs the example GPT at P=2 stages, D=1, m=8 micro-batches, one thread per
 process, at two sizes, and in the same run the peer (Schedule1F1B and
 ScheduleGPipe from the same torch wheel, same model, weights, data and thread
-settings). Prints a table, then as its last line one JSON object:
+settings), and our Python front end: examples/python/train_gpt.py, the
+same GPT written in Python (initial weights bit for bit the C++ example's,
+checked), trained on the same engine with the same settings. Prints a table,
+then as its last line one JSON object:
 
   {"small": {"tokens_per_s", "peer_tokens_per_s", "ratio_vs_peer", "bubble_bound",
-             "efficiency", ...}, "medium": {...}}
+             "efficiency", ...,
+             "python": {"tokens_per_s", "ratio_vs_peer", "step_time_over_cpp", ...}},
+   "medium": {...}}
 
 efficiency = single-process step time / (P x pipelined step time), for the best
-of our schedules; bubble_bound = m / (m + P - 1).
+of our schedules; bubble_bound = m / (m + P - 1). For the Python front end,
+ratio_vs_peer = its tokens/s (best schedule) over the peer's best, and
+step_time_over_cpp = its step time over the C++ example's with the same
+(the Python side's best) schedule.
 
 This machine's speed drifts by tens of percent within minutes (shared VM), so
-every configuration (ours x 3 schedules, single process, peer x 2) runs once
-per round, the rounds interleave them, and each figure is the best of the
-rounds' median step times.
+every configuration (ours x 3 schedules in C++ and in Python, single process,
+peer x 2) runs once per round, the rounds interleave them, and each figure is
+the best of the rounds' median step times. Each schedule's C++ and Python runs
+are next to each other in time, their order alternating by round.
 
-    .venv/bin/python bench/pipeline/bench_pipeline.py [--build build] [--sizes small,medium] [--rounds 3]
+    .venv/bin/python bench/pipeline/bench_pipeline.py [--build build] [--sizes small,medium] [--rounds 3] [--no_python]
     .venv/bin/python bench/pipeline/bench_pipeline.py --smoke   # does it still run? (seconds, not judged)
 
 --smoke runs one round at a tiny size (d_model 32, 2 blocks, seq 16, 1
-warm-up + 2 timed steps) with one schedule per side (ours 1f1b, the peer's
-1F1B) and the single process: the same table and JSON line, figures
-meaningless. CTest runs it (label bench) so that a bench that no longer runs
-fails CI; the peer's interpreters importing torch are most of its time.
+warm-up + 2 timed steps) with one schedule per side (ours 1f1b in C++ and in
+Python, the peer's 1F1B) and the single process: the same table and JSON
+line without "targets", figures meaningless. CTest runs it (label bench) so
+that a bench that no longer runs fails CI; interpreters importing torch (the
+peer's, the Python front end's) are most of its time.
+
+profile_python_row.py, next to this file, shows where the Python front end's
+step time goes against the C++ example's.
 """
 import argparse
 import json
@@ -49,6 +62,7 @@ SIZES = {
 P, M = 2, 8
 SCHEDULES = ["varuna", "1f1b", "gpipe"]  # ours; 1f1b must be there: the peer loads its initial weights
 PEER_SCHEDULES = ["1F1B", "GPipe"]
+PYTHON_TRAINER = os.path.join(ROOT, "examples", "python", "train_gpt.py")
 
 
 def free_port():
@@ -57,15 +71,23 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ours(build, size, stages, schedule, dump):
+def run_ours(build, size, stages, schedule, dump, front_end="cpp"):
+    """Median step time of our train_gpt: the C++ example, or with front_end
+    "python" the Python one (the varuna package of `build`) with the same options."""
     cfg = SIZES[size]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if front_end == "python":
+        program = [sys.executable, PYTHON_TRAINER]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(build, "python"), env.get("PYTHONPATH")) if p)
+    else:
+        program = [os.path.join(build, "examples", "gpt", "train_gpt"), "--log_level", "warn"]
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "varuna_launch.py"), "--nstages", str(stages),
-           "--chunk_size", str(cfg["chunk"]), "--batch_size", str(cfg["chunk"] * M), "--",
-           os.path.join(build, "examples", "gpt", "train_gpt"), "--steps", str(cfg["warmup"] + cfg["steps"]),
+           "--chunk_size", str(cfg["chunk"]), "--batch_size", str(cfg["chunk"] * M), "--"] + program + [
+           "--steps", str(cfg["warmup"] + cfg["steps"]),
            "--d_model", str(cfg["d_model"]), "--layers", str(cfg["layers"]), "--heads", str(cfg["heads"]),
            "--seq_len", str(cfg["seq_len"]), "--schedule", schedule, "--clip", "0", "--threads", "1",
-           "--dump_dir", dump, "--log_level", "warn", "--log_every", "1000000"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+           "--dump_dir", dump, "--log_every", "1000000"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     with open(os.path.join(dump, "rank0_steps.jsonl")) as f:
         times = [json.loads(line)["time_s"] for line in f]
     return statistics.median(times[cfg["warmup"]:])
@@ -89,6 +111,33 @@ def run_peer(size, schedule, weights):
     return json.loads(outputs[1].strip().splitlines()[-1])["step_time_s"]
 
 
+def check_python_package(build):
+    package = os.path.join(build, "python", "varuna")
+    if not any(f.startswith("_C.") for f in (os.listdir(package) if os.path.isdir(package) else [])):
+        sys.exit(f"bench_pipeline: no varuna package (its _C extension) in {package}: build it "
+                 f"(VARUNA_BUILD_PYTHON=ON, target varuna_python) or pass --no_python to leave the Python row out")
+
+
+def check_same_initial_weights(cpp_dump, python_dump):
+    """Both front ends start from the same parameters, bit for bit, on every stage
+    (the peer loads the C++ example's, so all three do)."""
+    import torch  # here only: the rest of the bench runs without it
+
+    for rank in range(P):
+        name = f"rank{rank}_initial.pt"
+        cpp, python = (torch.load(os.path.join(d, name)) for d in (cpp_dump, python_dump))
+        differ = sorted(set(cpp) ^ set(python)) or [k for k in cpp if not torch.equal(cpp[k], python[k])]
+        if differ:
+            raise RuntimeError(f"rank {rank}: the Python front end's initial parameters differ from the C++ "
+                               f"example's in {', '.join(differ[:5])}")
+
+
+def verdict(figures, target):
+    if "targets" not in figures:
+        return "not judged"
+    return "met" if figures["targets"][target] else "MISSED"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -98,7 +147,11 @@ def main():
                         help="micro-batch size of the small model (default 4; 1 stresses per-micro-batch overhead)")
     parser.add_argument("--smoke", action="store_true",
                         help="one round at a tiny size (seconds; figures not judged): does the bench still run?")
+    parser.add_argument("--no_python", action="store_true",
+                        help="leave out the Python front end (a build without the varuna package)")
     args = parser.parse_args()
+    if not args.no_python:
+        check_python_package(args.build)
     if args.smoke:
         args.sizes, args.rounds = "tiny", 1
         SCHEDULES[:], PEER_SCHEDULES[:] = ["1f1b"], ["1F1B"]
@@ -108,13 +161,25 @@ def main():
     for size in args.sizes.split(","):
         cfg = SIZES[size]
         tokens = cfg["chunk"] * M * cfg["seq_len"]
-        ours, peer, single = {}, {}, float("inf")
+        ours, python, peer, single = {}, {}, {}, float("inf")
+        paired = {s: [] for s in SCHEDULES}  # per round: Python step time / C++ step time
         for rnd in range(args.rounds):
             with tempfile.TemporaryDirectory() as tmp:
                 for schedule in SCHEDULES:
-                    t = run_ours(args.build, size, P, schedule, os.path.join(tmp, schedule))
-                    ours[schedule] = min(ours.get(schedule, t), t)
-                    print(f"[{size} round {rnd}] ours {schedule:7s} P=2: {t*1e3:8.1f} ms/step", flush=True)
+                    front_ends = ["cpp"] if args.no_python else ["cpp", "python"][::1 if rnd % 2 == 0 else -1]
+                    times = {}
+                    for front_end in front_ends:
+                        dump = os.path.join(tmp, schedule if front_end == "cpp" else f"python_{schedule}")
+                        t = times[front_end] = run_ours(args.build, size, P, schedule, dump, front_end)
+                        table = ours if front_end == "cpp" else python
+                        table[schedule] = min(table.get(schedule, t), t)
+                        label = "ours" if front_end == "cpp" else "ours Python"
+                        print(f"[{size} round {rnd}] {label:11s} {schedule:7s} P=2: {t*1e3:8.1f} ms/step", flush=True)
+                    if "python" in times:
+                        paired[schedule].append(times["python"] / times["cpp"])
+                        if rnd == 0:
+                            check_same_initial_weights(os.path.join(tmp, schedule),
+                                                       os.path.join(tmp, f"python_{schedule}"))
                     if schedule == "1f1b":  # peers next to ours in time
                         for peer_schedule in PEER_SCHEDULES:
                             t = run_peer(size, peer_schedule, os.path.join(tmp, "1f1b"))
@@ -143,6 +208,28 @@ def main():
         print(f"[{size}] tokens/s ours {r['tokens_per_s']:.0f} ({best}) vs peer {r['peer_tokens_per_s']:.0f} "
               f"({best_peer}): ratio {r['ratio_vs_peer']:.2f}; efficiency {r['efficiency']:.3f} "
               f"(bubble bound {r['bubble_bound']:.3f})", flush=True)
+        if python:
+            best_py = min(python, key=python.get)
+            r["python"] = py = {
+                "tokens_per_s": tokens / python[best_py],
+                "best_schedule": best_py,
+                "step_s": python,
+                "ratio_vs_peer": peer[best_peer] / python[best_py],
+                "step_time_over_cpp": python[best_py] / ours[best_py],
+                "step_time_over_cpp_per_schedule": {s: python[s] / ours[s] for s in python},
+                "step_time_over_cpp_best": python[best_py] / ours[best],  # each side's best schedule
+                # the same ratio taken within each round (the runs next to each other in time)
+                "step_time_over_cpp_paired_median": {s: statistics.median(v) for s, v in paired.items() if v},
+                "same_initial_weights": True,  # checked, or the bench has failed
+                "targets": {"ratio_vs_peer>=1.05": peer[best_peer] / python[best_py] >= 1.05,
+                            "step_time_over_cpp<=1.10": python[best_py] / ours[best_py] <= 1.10},
+            }
+            if args.smoke:
+                del py["targets"]
+            print(f"[{size}] Python front end: tokens/s {py['tokens_per_s']:.0f} ({best_py}): ratio vs peer "
+                  f"{py['ratio_vs_peer']:.2f} (target >= 1.05: {verdict(py, 'ratio_vs_peer>=1.05')}); step time "
+                  f"over C++ {best_py} {py['step_time_over_cpp']:.3f} (target <= 1.10: "
+                  f"{verdict(py, 'step_time_over_cpp<=1.10')})", flush=True)
     if args.smoke:
         result["smoke"] = True
     print(json.dumps(result))

@@ -36,7 +36,9 @@ def parse(argv):
     p.add_argument("--init_loss_scale", type=float, default=65536, help="fp16 initial loss scale")
     p.add_argument("--loss_scale_growth_interval", type=int, default=1000,
                    help="fp16 clean steps before the scale grows")
-    p.add_argument("--dump_dir", default="", help="write rank<r>_steps.jsonl and rank<r>_params.pt here")
+    p.add_argument("--dump_dir", default="",
+                   help="write per-step results (rank<r>_steps.jsonl) and the initial and final parameters "
+                        "(rank<r>_initial.pt, rank<r>_params.pt) here, as the C++ example")
     p.add_argument("--checkpoint_dir", default="", help="global store (default: run_varuna's)")
     p.add_argument("--checkpoint_every", type=int, default=0)
     p.add_argument("--keep_checkpoints", type=int, default=-1)
@@ -101,6 +103,10 @@ def main():
     log = None
     if o.dump_dir:
         os.makedirs(o.dump_dir, exist_ok=True)
+        # What this rank starts from (after a resume: the loaded values), as the C++
+        # example writes it: bench/pipeline checks both front ends start alike.
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                   os.path.join(o.dump_dir, "rank%d_initial.pt" % launch.rank))
         log = open(os.path.join(o.dump_dir, "rank%d_steps.jsonl" % launch.rank), "a" if launch.resume_step >= 0 else "w")
     if reporter:
         print("training %d steps: global batch %d x %d characters, vocab %d, text of %d characters" % (
