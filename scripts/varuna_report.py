@@ -5,7 +5,9 @@
 
 Reads the job's state folder (run_varuna --state_dir): events.jsonl, what
 happened (launches, notices, losses, morphs, checkpoints), and steps.jsonl,
-its progress (a line a second: step, loss, samples/s). Draws, against the
+its progress (a line a second: step, loss, samples/s; on a long job thinned
+by the manager to stay under a few MB, with every generation's first and last
+step kept, so the whole job is there, more coarsely). Draws, against the
 time since the manager started: loss, samples/s and the step; each
 generation's plan as a band (P x D, micro-batch); every event marked
 (notices, losses, morphs with their duration, checkpoints, machine-list

@@ -48,7 +48,21 @@ json toJson(const Shutdown& m) { return {{"type", "shutdown"}, {"reason", m.reas
 json toJson(const Ping& m) { return {{"type", "ping"}, {"sequence", m.sequence}, {"sent_ns", m.sentNs}}; }
 json toJson(const Pong& m) { return {{"type", "pong"}, {"sequence", m.sequence}, {"sent_ns", m.sentNs}}; }
 json toJson(const Welcome& m) {
-  return {{"type", "welcome"}, {"generation", m.generation}, {"lost_manager_grace_ms", m.lostManagerGraceMs}};
+  return {{"type", "welcome"},
+          {"generation", m.generation},
+          {"lost_manager_grace_ms", m.lostManagerGraceMs},
+          {"salvage_timeout_ms", m.salvageTimeoutMs}};
+}
+json toJson(const SalvageStop& m) {
+  return {{"type", "salvage_stop"}, {"generation", m.generation}, {"reason", boundedText(m.reason)}};
+}
+json toJson(const SalvageReady& m) {
+  return {{"type", "salvage_ready"}, {"rank", m.rank},   {"stage", m.stage},
+          {"replica", m.replica},    {"step", m.step},   {"generation", m.generation}};
+}
+json toJson(const SalvageWrite& m) {
+  return {{"type", "salvage_write"}, {"generation", m.generation}, {"step", m.step},
+          {"writer_index", m.writerIndex}, {"writers", m.writers}};
 }
 json toJson(const ExitNow& m) {
   return {{"type", "exit_now"}, {"generation", m.generation}, {"reason", boundedText(m.reason)}};
@@ -93,7 +107,18 @@ Message fromJson(const json& j) {
   if (type == "ping") return Ping{j.at("sequence"), j.at("sent_ns")};
   if (type == "pong") return Pong{j.at("sequence"), j.at("sent_ns")};
   if (type == "ack") return Ack{j.at("ok"), j.at("error")};
-  if (type == "welcome") return Welcome{j.at("generation"), j.at("lost_manager_grace_ms")};
+  if (type == "welcome") {
+    return Welcome{j.at("generation"), j.at("lost_manager_grace_ms"), j.value("salvage_timeout_ms", int64_t{0})};
+  }
+  if (type == "salvage_stop") {
+    return SalvageStop{j.at("generation"), boundedText(j.at("reason").get<std::string>())};
+  }
+  if (type == "salvage_ready") {
+    return SalvageReady{j.at("rank"), j.at("stage"), j.at("replica"), j.at("step"), j.at("generation")};
+  }
+  if (type == "salvage_write") {
+    return SalvageWrite{j.at("generation"), j.at("step"), j.at("writer_index"), j.at("writers")};
+  }
   if (type == "exit_now") return ExitNow{j.at("generation"), boundedText(j.at("reason").get<std::string>())};
   throw ProtocolError("unknown message type '" + type + "'");
 }

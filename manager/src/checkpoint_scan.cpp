@@ -1,5 +1,7 @@
 #include "varuna/manager/checkpoint_scan.h"
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 
 namespace varuna {
@@ -39,6 +41,16 @@ bool usable(const fs::path& store, int64_t step, std::optional<int64_t> known) {
 
 }  // namespace
 
+std::optional<double> checkpointAgeSeconds(const std::string& globalStore, int64_t step) {
+  std::error_code ec;
+  const auto marker = ckpt::checkpointDir(globalStore, step) / ckpt::kMarker;
+  const auto completed = std::filesystem::last_write_time(marker, ec);
+  if (ec) return std::nullopt;
+  // On the clock the file times are on: no conversion to another.
+  const auto age = std::filesystem::file_time_type::clock::now() - completed;
+  return std::max(0.0, std::chrono::duration<double>(age).count());
+}
+
 StoreScan scanCheckpointStore(const StoreScanRequest& request) {
   StoreScan scan;
   try {
@@ -46,11 +58,13 @@ StoreScan scanCheckpointStore(const StoreScanRequest& request) {
       const auto pointer = readPointer(request.globalStore);
       if (pointer && usable(request.globalStore, *pointer, request.known)) {
         scan.latest = pointer;
+        if (pointer != request.known) scan.latestAgeSeconds = checkpointAgeSeconds(request.globalStore, *pointer);
         return scan;
       }
     }
     scan.listed = true;
     scan.latest = ckpt::latestComplete(request.globalStore, &scan.skipped);
+    if (scan.latest && scan.latest != request.known) scan.latestAgeSeconds = checkpointAgeSeconds(request.globalStore, *scan.latest);
   } catch (const std::exception& e) {
     scan = StoreScan{};
     scan.listed = true;

@@ -62,6 +62,12 @@ const std::vector<Field>& fields() {
        "well above the longest step or pause between steps (default 600; 0: off)"},
       {"startup_timeout_s", &JobConfig::startupTimeoutS, "launch to a worker's first hello (default 120)"},
       {"checkpoint_timeout_s", &JobConfig::checkpointTimeoutS, "a preemption's checkpoint must finish within this (default 120)"},
+      {"no_salvage", &JobConfig::noSalvage,
+       "on a sudden loss (no notice), roll back to the latest checkpoint instead of checkpointing the step the "
+       "survivors hold (docs/salvage.md)"},
+      {"salvage_timeout_s", &JobConfig::salvageTimeoutS,
+       "the survivors' reports, then the salvage writes, must each finish within this, else the job falls back to "
+       "the latest checkpoint (default 30)"},
       {"agent_grace_s", &JobConfig::agentGraceS, "agents kill their workers when the manager is gone this long (default 5)"},
       {"max_failures", &JobConfig::maxFailures, "failures within --failure_window_s before giving up (default 3)"},
       {"failure_window_s", &JobConfig::failureWindowS, "window of --max_failures (default 600)"},
@@ -227,6 +233,10 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
   requirePositive(config.sshConnectTimeoutS, "ssh_connect_timeout_s");
   requirePositive(config.failureWindowS, "failure_window_s");
   if (config.restartBackoffS < 0) throw ConfigError("--restart_backoff_s must be >= 0");
+  if (!(config.salvageTimeoutS > 0)) {
+    throw ConfigError(strCat("--salvage_timeout_s must be > 0 (turn salvage off with --no_salvage), got ",
+                             config.salvageTimeoutS));
+  }
   if (config.hostRetryS < 0) throw ConfigError("--host_retry_s must be >= 0 (0: lost hosts come back only when the machine list is written)");
   if (config.hostRetryS > 0 && config.hostRetryMaxS < config.hostRetryS) {
     throw ConfigError(strCat("--host_retry_max_s (", config.hostRetryMaxS, ") must be >= --host_retry_s (",

@@ -158,6 +158,8 @@ void ManagerDaemon::createController(int firstGeneration) {
   options.chunkSize = config_.chunkSize;
   options.morphing = !config_.noMorphing;
   options.checkpointTimeout = millis(config_.checkpointTimeoutS);
+  options.salvage = !config_.noSalvage && !config_.noMorphing;
+  options.salvageTimeout = millis(config_.salvageTimeoutS);
   options.maxFailures = config_.maxFailures;
   options.failureWindow = millis(config_.failureWindowS);
   options.restartBackoff = millis(config_.restartBackoffS);
@@ -275,7 +277,11 @@ void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& conne
   // How long it may go without hearing from us before it exits on its own:
   // as long as its agent would wait (a silent agent is lost after the
   // heartbeat timeout, its workers killed after the agents' grace).
-  connection->send(proto::Welcome{hello.generation, millis(config_.heartbeatTimeoutS + config_.agentGraceS).count()});
+  // With salvage on, a worker that loses a peer waits for our order (twice
+  // the rounds' timeout at most) instead of exiting.
+  const bool salvage = !config_.noSalvage && !config_.noMorphing;
+  connection->send(proto::Welcome{hello.generation, millis(config_.heartbeatTimeoutS + config_.agentGraceS).count(),
+                                  salvage ? millis(config_.salvageTimeoutS).count() : 0});
   if (!all) return;
   morph_.connected(now);
   log::info("all ", workers_.size(), " workers of generation ", controller_->generation(), " connected (",
@@ -336,6 +342,8 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
     onCheckpointFailed(rank, *failed);
   } else if (const auto* ping = std::get_if<proto::Ping>(&message)) {
     if (worker->connection) worker->connection->send(proto::Pong{ping->sequence, ping->sentNs});
+  } else if (const auto* ready = std::get_if<proto::SalvageReady>(&message)) {
+    onSalvageReady(rank, *ready);
   }
 }
 
@@ -346,7 +354,10 @@ void ManagerDaemon::agentMessage(const std::string& host, const proto::Message& 
 void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {
   if (exited.generation != controller_->generation()) return;  // a straggler of an earlier launch
   const std::string how = exited.exitCode >= 0 ? strCat("code ", exited.exitCode) : strCat("signal ", exited.signal);
-  const bool expected = exited.exitCode == 0 || exited.exitCode == kExitCheckpointed;
+  // A salvage's writers exit with 77 and the ranks it ordered out with 76.
+  const bool salvaging = controller_->phase() == Phase::kSalvageWriting;
+  const bool expected = exited.exitCode == 0 || exited.exitCode == kExitCheckpointed ||
+                        exited.exitCode == kExitSalvaged || (salvaging && exited.exitCode == kExitSuperseded);
   if (expected) {
     log::info("rank ", exited.rank, " on ", host, " exited with ", how);
   } else {
@@ -448,6 +459,12 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
       orderWorkersOut(kill->reason);  // also those whose agent cannot act
     } else if (const auto* stop = std::get_if<action::Stop>(&a)) {
       doStop(*stop);
+    } else if (const auto* salvageStop = std::get_if<action::SalvageStop>(&a)) {
+      doSalvageStop(*salvageStop);
+    } else if (const auto* write = std::get_if<action::SalvageWrite>(&a)) {
+      doSalvageWrite(*write);
+    } else if (const auto* abandoned = std::get_if<action::SalvageAbandoned>(&a)) {
+      doSalvageAbandoned(*abandoned);
     }
   }
   writeState();
@@ -509,9 +526,10 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   // if the store could not be read, the last one seen.
   const auto now = Clock::now();
   const auto latest = checkpoints_->read(prep.scan);
-  checkpoints_->note(latest, now);
-  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt());
+  checkpoints_->note(latest, now, prep.scan.latestAgeSeconds);
+  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
   launch.resumeStep = latest.value_or(-1);
+  const int64_t reached = progress_.lastStep();  // of the generation before (-1: none seen)
   metrics_.launched(plan, launch.generation, launch.resumeStep, now);
   liveness_.launched(now);  // the startup timeout until its first step
   workers_.expect(plan);
@@ -521,8 +539,12 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   morph_.launched(now);
   log::info("generation ", launch.generation, ": ", plan.describe(),
             launch.resumeStep >= 0 ? strCat("; resuming from step ", launch.resumeStep) : std::string("; fresh start"));
-  events_->write("launch", {{"generation", launch.generation}, {"resume_step", launch.resumeStep},
-                            {"plan", planJson(plan)}});
+  json launchFields = {{"generation", launch.generation}, {"resume_step", launch.resumeStep}, {"plan", planJson(plan)},
+                       {"recovery", controller_->lastLaunchSalvaged() ? "salvage" : "checkpoint"}};
+  // Steps finished before that the new generation computes again (0 after a
+  // morph with notice or a salvage; the rollback otherwise).
+  if (reached >= 0) launchFields["steps_lost"] = std::max<int64_t>(0, reached - std::max<int64_t>(launch.resumeStep, 0));
+  events_->write("launch", launchFields);
   proto::LaunchWorkers message = launchMessage(config_, launch, env_, profiledPieces_);
   for (const auto& host : plan.hosts) {
     message.workers.clear();
@@ -544,7 +566,8 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
   }
   // The checkpoint the workers just wrote, if any (finishShutdown waits for it).
   checkpoints_->finalScan([this] {
-    metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt());  // the tick no longer runs
+    // The tick no longer runs.
+    metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
     writeState();
   });
   stepLog_->flush();
@@ -638,14 +661,15 @@ void ManagerDaemon::onTick() {
     lastCheckpointPoll_ = now;
     checkpoints_->poll();
   }
-  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt());
+  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
   metrics_.tick(now);
   if (stateFile_.due(now)) writeState();
 }
 
 void ManagerDaemon::checkSilentRanks(TimePoint now) {
   const Phase phase = controller_ ? controller_->phase() : Phase::kIdle;
-  if (phase != Phase::kRunning && phase != Phase::kCheckpointing) return;
+  // Salvaging too: a rank that stops then is not waited for.
+  if (phase != Phase::kRunning && phase != Phase::kCheckpointing && phase != Phase::kSalvaging) return;
   // Collected first: reporting one changes the running set.
   for (const auto& silent : liveness_.silentRanks(controller_->runningRanks(), workers_, now)) {
     if (!workers_.expects(silent.rank) || !controller_->runningRanks().count(silent.rank)) continue;
@@ -676,6 +700,10 @@ void ManagerDaemon::checkProgress(TimePoint now) {
   morph_.start(strCat("rank(s) ", hang->summary, " hung: no progress"), now);
   metrics_.morphStarted(JobMetrics::MorphCause::kNoProgress);
   apply(controller_->workerHung(hang->ranks.front(), now, hang->reason));
+  // A salvage goes on without every named rank (one failure counted, above).
+  for (size_t i = 1; i < hang->ranks.size() && controller_->phase() == Phase::kSalvaging; ++i) {
+    apply(controller_->workerHung(hang->ranks[i], now, hang->reason));
+  }
 }
 
 void ManagerDaemon::watchMachineList() {

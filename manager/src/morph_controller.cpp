@@ -16,6 +16,8 @@ const char* toString(Phase phase) {
     case Phase::kBackoff: return "backoff";
     case Phase::kWaitingForMachines: return "waiting-for-machines";
     case Phase::kPlanning: return "planning";
+    case Phase::kSalvaging: return "salvaging";
+    case Phase::kSalvageWriting: return "salvage-writing";
     case Phase::kFinished: return "finished";
     case Phase::kFailed: return "failed";
   }
@@ -31,6 +33,7 @@ std::string describeExit(int exitCode) {
     case kExitStorageError: meaning = "checkpoint storage failed"; break;
     case kExitCheckpointed: meaning = "checkpointed"; break;
     case kExitSuperseded: meaning = "superseded by a newer generation"; break;
+    case kExitSalvaged: meaning = "wrote its salvage share"; break;
     default: break;
   }
   return meaning ? strCat("code ", exitCode, " (", meaning, ")") : strCat("code ", exitCode);
@@ -86,6 +89,10 @@ std::vector<Action> MorphController::relaunch(TimePoint now) {
   running_.clear();
   for (const auto& p : plan_.placement) running_.insert(p.rank);
   phase_ = Phase::kRunning;
+  salvageReports_.clear();
+  salvageSilent_.clear();
+  lastLaunchSalvaged_ = salvageDone_;
+  salvageDone_ = false;
   (void)now;
   const auto resume = latestCheckpoint_();
   return {action::Launch{plan_, resume.value_or(-1), generation_}};
@@ -114,6 +121,10 @@ std::vector<Action> MorphController::failure(const std::string& reason, TimePoin
                                 "; giving up instead of restarting in a loop"),
                          1}};
   }
+  if (options_.salvage && (phase_ == Phase::kRunning || phase_ == Phase::kCheckpointing) && !running_.empty()) {
+    return beginSalvage(reason, now);
+  }
+  if (salvaging()) return {};  // the salvage under way ends the generation (or gives up and kills)
   const bool alreadyStopping = phase_ == Phase::kStopping || phase_ == Phase::kBackoff;
   phase_ = Phase::kStopping;
   if (running_.empty()) return allExited(now);
@@ -147,6 +158,7 @@ bool causedHere(int exitCode) { return exitCode != kExitPeerLost && exitCode != 
 
 std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePoint now) {
   if (!running_.erase(rank)) return {};  // an earlier generation's straggler
+  if (salvaging()) return salvageExit(rank, exitCode, now);
   if (exitCode == kExitConfigError && phase_ != Phase::kStopping && phase_ != Phase::kBackoff) {
     // Bad arguments or model: every relaunch would fail the same way.
     phase_ = Phase::kFailed;
@@ -188,6 +200,7 @@ std::vector<Action> MorphController::hostLost(const std::string& host, TimePoint
   lost_.insert(host);
   bool hadWorkers = false;  // its workers are gone with it
   for (const auto& p : plan_.ranksOn(host)) hadWorkers |= running_.erase(p.rank) > 0;
+  if (salvaging()) return salvageHostLost(host, now);
   switch (phase_) {
     case Phase::kRunning:
       if (!hadWorkers) return {};  // e.g. a preempted host leaving after the morph
@@ -288,6 +301,10 @@ void MorphController::readmitHost(const std::string& host) {
 
 std::vector<Action> MorphController::workerHung(int rank, TimePoint now, const std::string& why) {
   if (!running_.count(rank)) return {};
+  // A hung rank reports nothing: a salvage goes on without it (and kills it
+  // once the writes are done); the salvage's own deadline bounds the rest.
+  if (options_.salvage) salvageSilent_.insert(rank);
+  if (salvaging()) return phase_ == Phase::kSalvaging ? decideIfAllReported(now) : std::vector<Action>{};
   return failure(why.empty() ? strCat("rank ", rank, " stopped sending heartbeats") : why, now);
 }
 
@@ -313,6 +330,11 @@ std::vector<Action> MorphController::tick(TimePoint now) {
     return failure("the on-demand checkpoint did not finish in time", now);
   }
   if (phase_ == Phase::kBackoff && now >= deadline_) return relaunch(now);
+  if (salvaging() && now >= deadline_) {
+    return abandonSalvage(strCat(phase_ == Phase::kSalvaging ? "the survivors' reports" : "the salvage writes",
+                                 " did not finish within ", options_.salvageTimeout.count() / 1000.0, " s"),
+                          now);
+  }
   return {};
 }
 

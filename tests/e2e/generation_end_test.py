@@ -83,7 +83,7 @@ def test_frozen_agent_workers_are_gone_within_the_bound():
                 # --host_retry_s 0: the frozen host is not started again (a new
                 # agent would stop the frozen one; this test watches it thaw).
                 extra_args=["--heartbeat_timeout_s", "3", "--restart_backoff_s", "0.2", "--agent_grace_s", "2",
-                            "--host_retry_s", "0"],
+                            "--host_retry_s", "0", "--no_salvage"],  # salvage: salvage_test.py
                 train_args=["--checkpoint_every", "10"]).start()
     watcher = StoreWatcher(m.store, 1)
     watcher.start()

@@ -70,7 +70,9 @@ def start_job(cluster, name, first_steps):
 def test_frozen_agent_workers_gone_and_store_untouched():
     with Cluster(3, str(ROOT / "cluster-frozen")) as c:
         h0, h1, h2 = c.hosts
-        m = manager(c, "frozen", c.hosts, steps=100000, train_args=["--checkpoint_every", "10"])
+        # --no_salvage: this is about the kill-all reaching a frozen agent's workers.
+        m = manager(c, "frozen", c.hosts, steps=100000, train_args=["--checkpoint_every", "10"],
+                    extra_args=["--no_salvage"])
         m.start()
         watcher = StoreWatcher(m.store, 1)
         watcher.start()

@@ -109,7 +109,8 @@ def test_sigstop_worker_is_detected_by_heartbeat_timeout():
 
 
 def test_worker_killed_relaunches_from_latest_checkpoint():
-    m = manager("kill9", steps=300, extra_args=["--restart_backoff_s", "0.2"],
+    # --no_salvage: the rollback path (salvage_test.py has the salvage).
+    m = manager("kill9", steps=300, extra_args=["--restart_backoff_s", "0.2", "--no_salvage"],
                 train_args=["--checkpoint_every", "20"]).start()
     m.wait_step(45)
     victim = [p for p, cmd in processes_of_job(m.job) if "train_gpt" in cmd and "--rank 1 " in cmd]
@@ -130,7 +131,7 @@ def test_every_process_of_a_host_killed():
     """kill -9 of the agent and the workers of 127.0.0.2 (the kernel closes their
     connections): the manager decides at once and carries on with 127.0.0.1,
     starts the host's agent again after --host_retry_s and grows back to both."""
-    m = manager("host-killed", steps=300, extra_args=["--restart_backoff_s", "0.2"],
+    m = manager("host-killed", steps=300, extra_args=["--restart_backoff_s", "0.2", "--no_salvage"],
                 train_args=["--checkpoint_every", "20"]).start()
     m.wait_step(45)
     on_host = [p for p, cmd in processes_of_job(m.job)

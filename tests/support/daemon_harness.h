@@ -55,6 +55,9 @@ inline JobConfig daemonTestConfig(const std::filesystem::path& dir, const std::s
   config.stateDir = (dir / "state").string();
   config.agentPath = "/bin/false";
   config.program = {"./train"};
+  // The fake workers of these tests do not salvage (they never answer a
+  // salvage_stop): the rollback path, unless a test turns salvage on.
+  config.noSalvage = true;
   return config;
 }
 

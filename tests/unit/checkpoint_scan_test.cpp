@@ -84,3 +84,19 @@ TEST_CASE("store scan: a store that is not a folder gives no checkpoint and no e
   REQUIRE_NOTHROW(scan = scanCheckpointStore({(dir / "store").string(), true, std::nullopt}));
   CHECK_FALSE(scan.latest);
 }
+
+TEST_CASE("store scan: the age of a newly found checkpoint comes from its marker", "[scan]") {
+  // What a restarted manager reports as varuna_last_checkpoint_age_seconds:
+  // the checkpoint's own age, not the time since this process saw it.
+  const auto store = test::scratchDir("scan-age");
+  writeCheckpoint(store, 30);
+  const auto marker = ckpt::checkpointDir(store, 30) / ckpt::kMarker;
+  fs::last_write_time(marker, fs::file_time_type::clock::now() - std::chrono::hours(2));
+  for (bool thorough : {false, true}) {
+    const auto scan = scanCheckpointStore({store.string(), thorough, std::nullopt});
+    REQUIRE(scan.latestAgeSeconds);
+    CHECK(*scan.latestAgeSeconds == Approx(7200).margin(60));
+  }
+  // Known to the caller already: not looked at again.
+  CHECK_FALSE(scanCheckpointStore({store.string(), false, 30}).latestAgeSeconds);
+}

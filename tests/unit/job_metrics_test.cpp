@@ -10,11 +10,14 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "test_env.h"
+#include "varuna/common/checkpoint_files.h"
 #include "varuna/common/errors.h"
+#include "varuna/manager/checkpoint_scan.h"
 #include "varuna/manager/daemon/job_metrics.h"
 #include "varuna/manager/daemon/metrics_server.h"
 #include "varuna/manager/job_config.h"
@@ -279,6 +282,47 @@ TEST_CASE("metrics: checkpoints, their age and how long they took") {
   CHECK(periodic.sample_sum == Approx(3));
   m.checkpointFailed();
   CHECK(counter(m, "varuna_checkpoint_failures_total") == 1);
+}
+
+TEST_CASE("metrics: a restarted manager reports the age of the checkpoint in the store, not since it started") {
+  // The store as a manager restarted with the same --state_dir finds it: a
+  // checkpoint completed two hours ago.
+  const auto store = test::scratchDir("old-checkpoint");
+  const auto dir = ckpt::checkpointDir(store, 40);
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / ckpt::kMarker) << "40\n";
+  std::filesystem::last_write_time(dir / ckpt::kMarker, std::filesystem::file_time_type::clock::now() - 2h);
+  // On the store's thread, at the start-up scan (t0).
+  const auto age = checkpointAgeSeconds(store.string(), 40);
+  REQUIRE(age);
+  CHECK(*age == Approx(7200).margin(60));
+  CHECK_FALSE(checkpointAgeSeconds(store.string(), 41));  // none: unknown, not 0
+
+  JobMetrics m(16);  // the new manager's
+  const auto completed = t0 - std::chrono::duration_cast<TimePoint::duration>(std::chrono::duration<double>(*age));
+  m.checkpointSeen(40, TimePoint{}, completed);  // seen at start-up, before the loop: no seenAt
+  m.tick(t0);
+  CHECK(gauge(m, "varuna_last_checkpoint_age_seconds") == Approx(*age));
+  m.tick(t0 + 10s);
+  CHECK(gauge(m, "varuna_last_checkpoint_age_seconds") == Approx(*age + 10));
+  // A new checkpoint: its own age, not the old one's.
+  m.checkpointSeen(50, t0 + 20s, t0 + 19s);
+  m.tick(t0 + 25s);
+  CHECK(gauge(m, "varuna_last_checkpoint_age_seconds") == Approx(6));
+
+  // Without the completion time: unknown at start-up (NaN, never 0), then
+  // since first seen; known later for the same checkpoint, it wins.
+  JobMetrics old(16);
+  old.checkpointSeen(40, TimePoint{});
+  old.tick(t0);
+  CHECK(std::isnan(gauge(old, "varuna_last_checkpoint_age_seconds")));
+  old.checkpointSeen(40, TimePoint{}, completed);
+  old.tick(t0);
+  CHECK(gauge(old, "varuna_last_checkpoint_age_seconds") == Approx(*age));
+  // A store clock ahead of ours: 0, not negative.
+  old.checkpointSeen(50, t0, t0 + 5s);
+  old.tick(t0 + 1s);
+  CHECK(gauge(old, "varuna_last_checkpoint_age_seconds") == 0);
 }
 
 namespace {

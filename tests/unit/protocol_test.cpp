@@ -32,8 +32,11 @@ std::vector<Message> samples() {
           Pong{7, 123456789},
           Ack{false, "no such host"},
           CheckpointFailed{2, 40, "writing varuna_ckpt_40/piece_3_head.params.pt: No space left on device"},
-          Welcome{5, 15000},
-          ExitNow{5, "rank 1 exited with code 3 (lost a peer)"}};
+          Welcome{5, 15000, 30000},
+          ExitNow{5, "rank 1 exited with code 3 (lost a peer)"},
+          SalvageStop{5, "host 10.0.0.5 was lost"},
+          SalvageReady{3, 1, 1, 41, 5},
+          SalvageWrite{5, 41, 1, 2}};
 }
 
 }  // namespace
@@ -110,7 +113,13 @@ TEST_CASE("the first frame must be a hello with our version and token", "[protoc
 TEST_CASE("exit_now and welcome: malformed bodies are refused, the reason is bounded", "[protocol]") {
   CHECK(decodeBody(R"({"type":"exit_now","generation":3,"reason":"kill-all"})") == Message(ExitNow{3, "kill-all"}));
   CHECK(decodeBody(R"({"type":"welcome","generation":3,"lost_manager_grace_ms":15000})") ==
-        Message(Welcome{3, 15000}));
+        Message(Welcome{3, 15000}));  // an older manager's welcome: salvage off
+  CHECK(decodeBody(R"({"type":"welcome","generation":3,"lost_manager_grace_ms":15000,"salvage_timeout_ms":9000})") ==
+        Message(Welcome{3, 15000, 9000}));
+  CHECK_THROWS_WITH(decodeBody(R"({"type":"salvage_ready","rank":1,"stage":0,"replica":1,"generation":2})"),
+                    Catch::Contains("malformed message"));
+  CHECK_THROWS_WITH(decodeBody(R"({"type":"salvage_write","generation":2,"step":"4","writer_index":0,"writers":2})"),
+                    Catch::Contains("malformed message"));
   CHECK_THROWS_WITH(decodeBody(R"({"type":"exit_now","generation":3})"), Catch::Contains("malformed message"));
   CHECK_THROWS_WITH(decodeBody(R"({"type":"exit_now","generation":"3","reason":""})"), Catch::Contains("malformed message"));
   CHECK_THROWS_WITH(decodeBody(R"({"type":"welcome","generation":3})"), Catch::Contains("malformed message"));

@@ -32,6 +32,20 @@ c10::intrusive_ptr<c10d::TCPStore> connectStore(const std::string& addr, int por
   return c10::make_intrusive<c10d::TCPStore>(addr, opts);
 }
 
+// The future a collective completes; none for Gloo's point-to-point work,
+// which has no future (waitAbortable waits on it instead).
+c10::intrusive_ptr<c10::ivalue::Future> futureOf(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (dynamic_cast<c10d::ProcessGroupGloo::SendWork*>(work.get()) ||
+      dynamic_cast<c10d::ProcessGroupGloo::RecvWork*>(work.get())) {
+    return {};
+  }
+  try {
+    return work->getFuture();
+  } catch (const std::exception&) {
+    return {};  // a backend without futures: waited on as before
+  }
+}
+
 bool isLoopback(const std::string& addr) {
   return addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1";
 }
@@ -234,15 +248,80 @@ c10::intrusive_ptr<c10d::Work> Communicator::recv(torch::Tensor& tensor, int src
 
 void Communicator::waitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* during) {
   BlockedOnPeers blocked(options_.waitingOnPeers);
+  if (interrupted_) throw interruption(during);
   try {
-    if (!work->wait(options_.timeout)) throw std::runtime_error("timed out");
+    if (auto future = futureOf(work)) {
+      waitOnFuture(work, future);
+    } else {
+      waitAbortable(work);
+    }
   } catch (const PeerLostError&) {
     throw;
   } catch (const std::exception& e) {
+    if (interrupted_) throw interruption(during);
     std::string cause = e.what();
     if (auto nl = cause.find('\n'); nl != std::string::npos) cause.resize(nl);  // drop c10 backtraces
     throw monitor_->diagnose(during, cause);
   }
+  if (interrupted_) throw interruption(during);  // an aborted receive "completes" without data
+}
+
+void Communicator::waitAbortable(const c10::intrusive_ptr<c10d::Work>& work) {
+  {
+    std::lock_guard<std::mutex> lock(interruptMutex_);
+    abortable_ = work;
+  }
+  struct Clear {
+    Communicator& comm;
+    ~Clear() {
+      std::lock_guard<std::mutex> lock(comm.interruptMutex_);
+      comm.abortable_.reset();
+    }
+  } clear{*this};
+  if (interrupted_) return;  // interrupt() may have run before abortable_ was set
+  if (!work->wait(options_.timeout)) throw std::runtime_error("timed out");
+}
+
+void Communicator::waitOnFuture(const c10::intrusive_ptr<c10d::Work>& work,
+                                const c10::intrusive_ptr<c10::ivalue::Future>& future) {
+  auto wakeup = wakeup_;
+  future->addCallback([wakeup](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(wakeup->mutex);
+    wakeup->cv.notify_all();
+  });
+  {
+    std::unique_lock<std::mutex> lock(wakeup->mutex);
+    const bool ready = wakeup->cv.wait_for(lock, options_.timeout,
+                                           [&] { return future->completed() || interrupted_.load(); });
+    if (!ready) throw std::runtime_error("timed out");
+    if (!future->completed()) return;  // interrupted: waitFor throws
+  }
+  work->wait();  // completed: returns at once, or rethrows the work's error
+}
+
+void Communicator::interrupt(const std::string& reason) {
+  c10::intrusive_ptr<c10d::Work> abortable;
+  {
+    std::lock_guard<std::mutex> lock(interruptMutex_);
+    if (interrupted_) return;
+    interruptReason_ = reason;
+    abortable = abortable_;
+    std::lock_guard<std::mutex> wake(wakeup_->mutex);
+    interrupted_ = true;
+  }
+  wakeup_->cv.notify_all();
+  if (abortable) {
+    try {
+      abortable->abort();  // Gloo: wakes the receive or send waiting on its buffer
+    } catch (const std::exception&) {
+      // Not abortable: the wait ends at its timeout or when the peer's connection drops.
+    }
+  }
+}
+
+PeerLostError Communicator::interruption(const std::string& during) const {
+  std::lock_guard<std::mutex> lock(interruptMutex_);
+  return PeerLostError(strCat("interrupted while ", during, ": ", interruptReason_), -1);
 }
 
 void Communicator::agreeOnStartup(const std::string& key, const std::string& myError) {

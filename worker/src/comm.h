@@ -5,7 +5,11 @@
 // ProcessGroupGloo for CPU tensors, ProcessGroupNCCL for CUDA tensors.
 //
 // Failure handling: every wait goes through waitFor(), which turns a c10d error
-// or timeout into PeerLostError naming the lost rank. The name comes from
+// or timeout into PeerLostError naming the lost rank. interrupt() (from any
+// thread: the manager link, on the manager's salvage order) ends the wait
+// under way and every later one with PeerLostError: a survivor blocked on a
+// peer that is itself alive but stopped (salvaging) would otherwise wait for
+// the whole timeout. The name comes from
 // PeerMonitor: each rank bumps a heartbeat counter in the rendezvous store, and
 // the first rank that diagnoses a failure records it there so every other rank
 // reports the same culprit instead of the neighbour that merely exited.
@@ -107,6 +111,12 @@ class Communicator {
   // or an error message; throws ConfigError with the first error found.
   void agreeOnStartup(const std::string& key, const std::string& myError);
 
+  // Ends every current and later waitFor with PeerLostError(`reason`). Any
+  // thread; idempotent (the first reason stays).
+  void interrupt(const std::string& reason);
+  bool interrupted() const { return interrupted_.load(); }
+  PeerLostError interruption(const std::string& during) const;
+
   // Called when this rank fails for a local reason, before rethrowing.
   void recordFailure(const std::string& message);
   // How the destructor leaves the job: only a rank that finished cleanly (and
@@ -120,6 +130,23 @@ class Communicator {
   c10::intrusive_ptr<c10d::Backend> makeBackend(const std::string& prefix, int groupRank, int groupSize);
   std::string describeRank(int rank) const;
   void leave() noexcept;
+  // waitFor's two ways to wait interruptibly: Gloo's point-to-point work has
+  // no future but can be aborted; collectives complete a future.
+  void waitAbortable(const c10::intrusive_ptr<c10d::Work>& work);
+  void waitOnFuture(const c10::intrusive_ptr<c10d::Work>& work, const c10::intrusive_ptr<c10::ivalue::Future>& future);
+
+  // Interruption (interrupt()): the flag and reason, the point-to-point work
+  // being waited on (aborted), and the wake-up of a future wait. The wake-up
+  // is shared with futures' callbacks, which may run after a wait gave up.
+  struct Wakeup {
+    std::mutex mutex;
+    std::condition_variable cv;
+  };
+  std::atomic<bool> interrupted_{false};
+  std::shared_ptr<Wakeup> wakeup_ = std::make_shared<Wakeup>();
+  mutable std::mutex interruptMutex_;  // guards the two below
+  std::string interruptReason_;
+  c10::intrusive_ptr<c10d::Work> abortable_;
 
   CommOptions options_;
   StageToRankMap map_;

@@ -51,6 +51,25 @@ void ManagerLink::reportCheckpointFailure(int64_t step, const std::string& error
   wake_.notify_all();
 }
 
+void ManagerLink::setSalvageStopHandler(std::function<void(const std::string& reason)> handler) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  onSalvageStop_ = std::move(handler);
+}
+
+void ManagerLink::reportSalvageReady(const proto::SalvageReady& ready) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    salvageReady_ = ready;
+  }
+  wake_.notify_all();
+}
+
+std::optional<proto::SalvageWrite> ManagerLink::awaitSalvageWrite(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  wake_.wait_for(lock, timeout, [this] { return salvageWrite_.has_value(); });
+  return salvageWrite_;
+}
+
 void ManagerLink::setStep(int64_t step) {
   std::lock_guard<std::mutex> lock(mutex_);
   step_ = step;
@@ -97,6 +116,8 @@ void ManagerLink::run() {
     reports.swap(queue_);
     std::deque<proto::CheckpointFailed> failures;
     if (client) failures.swap(failures_);
+    std::optional<proto::SalvageReady> salvageReady;
+    if (client) salvageReady.swap(salvageReady_);
     const int64_t step = step_;
     lock.unlock();
     if (client) {
@@ -107,6 +128,10 @@ void ManagerLink::run() {
           auto message = client->receive(std::chrono::milliseconds(0));
           if (!message) break;
           onManagerMessage(*message, client);
+        }
+        if (client && salvageReady) {
+          client->send(*salvageReady, timings_.sendTimeout);
+          salvageReady.reset();
         }
         if (client) {
           const auto now = Clock::now();
@@ -141,6 +166,10 @@ void ManagerLink::run() {
         log::warn("lost the manager connection: ", e.what());
         lastProblem_ = e.what();
         client.reset();
+        if (salvageReady) {  // sent again on the next connection
+          std::lock_guard<std::mutex> relock(mutex_);
+          if (!salvageReady_) salvageReady_ = salvageReady;
+        }
         retryAt_ = Clock::now() + timings_.retryInterval;
       }
     }
@@ -149,8 +178,9 @@ void ManagerLink::run() {
     if (stopping) break;
     // Woken by a report, a failure to send or the destructor; at the latest
     // after readInterval, to read what the manager sent.
-    wake_.wait_for(lock, timings_.readInterval,
-                   [&] { return stop_ || !queue_.empty() || (client && !failures_.empty()); });
+    wake_.wait_for(lock, timings_.readInterval, [&] {
+      return stop_ || !queue_.empty() || (client && (!failures_.empty() || salvageReady_.has_value()));
+    });
   }
 }
 
@@ -181,8 +211,26 @@ void ManagerLink::onManagerMessage(const proto::Message& message, std::optional<
     }
     exitProcess(strCat("run_varuna ended generation ", order->generation, ": ", order->reason));
   }
-  if (const auto* welcome = std::get_if<proto::Welcome>(&message); welcome && welcome->lostManagerGraceMs > 0) {
-    timings_.lostManagerGrace = std::chrono::milliseconds(welcome->lostManagerGraceMs);
+  if (const auto* welcome = std::get_if<proto::Welcome>(&message)) {
+    if (welcome->lostManagerGraceMs > 0) timings_.lostManagerGrace = std::chrono::milliseconds(welcome->lostManagerGraceMs);
+    salvageTimeoutMs_ = std::max<int64_t>(0, welcome->salvageTimeoutMs);
+  }
+  onSalvageOrder(message);
+}
+
+void ManagerLink::onSalvageOrder(const proto::Message& message) {
+  if (const auto* stop = std::get_if<proto::SalvageStop>(&message); stop && stop->generation == options_.generation) {
+    // Called under the lock: the runtime unhooks the handler (under it)
+    // before what it reaches is destroyed. It only interrupts waits: quick.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (onSalvageStop_) onSalvageStop_(stop->reason);
+  } else if (const auto* write = std::get_if<proto::SalvageWrite>(&message);
+             write && write->generation == options_.generation) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      salvageWrite_ = *write;
+    }
+    wake_.notify_all();
   }
 }
 

@@ -9,7 +9,11 @@
 //  - ExitNow for this worker's generation: the generation is over; the
 //    process exits at once with kExitSuperseded (76) from this thread (the
 //    training thread may be blocked in c10d, so no destructor runs);
-//  - Pong: the manager answers (the link pings every grace / 5).
+//  - Pong: the manager answers (the link pings every grace / 5);
+//  - SalvageStop / SalvageWrite for this generation (docs/salvage.md): the
+//    first goes to the salvage handler (which interrupts the training
+//    thread's waits on peers), the second to the training thread waiting in
+//    awaitSalvageWrite().
 // A worker that has not heard from the manager for the grace (no connection,
 // hello refused, no answer; default kDefaultLostManagerGrace, the manager's
 // Welcome sets its own) takes its generation as over and exits with
@@ -28,6 +32,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -75,6 +80,18 @@ class ManagerLink {
   // copy); never blocks on I/O. `error` is cut to proto::kMaxErrorTextBytes.
   void reportCheckpointFailure(int64_t step, const std::string& error);
 
+  // Salvage. The manager's Welcome says whether it is on (> 0: how long a
+  // survivor waits for its order); 0 until a Welcome said so.
+  std::chrono::milliseconds salvageTimeout() const { return std::chrono::milliseconds(salvageTimeoutMs_.load()); }
+  // Called on the link thread when the manager stops the generation for a
+  // salvage. Set it once, before training.
+  void setSalvageStopHandler(std::function<void(const std::string& reason)> handler);
+  // Training thread, in salvage mode: sends the report at once (before any
+  // step report still queued), then waits up to `timeout` for the order to
+  // write (nullopt: none came). An ExitNow ends the process meanwhile.
+  void reportSalvageReady(const proto::SalvageReady& ready);
+  std::optional<proto::SalvageWrite> awaitSalvageWrite(std::chrono::milliseconds timeout);
+
  private:
   using Clock = std::chrono::steady_clock;
 
@@ -82,6 +99,8 @@ class ManagerLink {
   // Link thread only. Handles one frame from the manager; exits the process on
   // an ExitNow for this generation.
   void onManagerMessage(const proto::Message& message, std::optional<proto::ControlClient>& client);
+  // Link thread: a SalvageStop or SalvageWrite for this generation.
+  void onSalvageOrder(const proto::Message& message);
   // Link thread only: exits the process if the manager has not been heard
   // from for the grace.
   void checkGrace(Clock::time_point now);
@@ -101,6 +120,10 @@ class ManagerLink {
   std::condition_variable wake_;
   std::deque<proto::StepReport> queue_;
   std::deque<proto::CheckpointFailed> failures_;
+  std::optional<proto::SalvageReady> salvageReady_;  // to send
+  std::optional<proto::SalvageWrite> salvageWrite_;  // received
+  std::function<void(const std::string&)> onSalvageStop_;
+  std::atomic<int64_t> salvageTimeoutMs_{0};
   int64_t step_ = -1;  // the last finished step; -1 until this process finished one
   bool stop_ = false;
   std::thread thread_;  // last: starts after every member above is initialised

@@ -176,6 +176,7 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   synchroniseTiedWeights();
   guarded([this] { learnCutShapes(); });
   runTag_ = agreeOnRunTag();
+  armSalvage();
 }
 
 std::vector<double> Varuna::Impl::pieceCosts() const {
@@ -450,6 +451,8 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   const int m = static_cast<int>(micro.size());
   const StageSchedule& tasks = scheduleFor(m);
   const double scale = scaler_.scale();
+  snapshotChangingBuffers();
+  stepPoint_ = StepPoint::kComputing;
   buckets_.zero();
 
   std::vector<MicrobatchState> states(m);
@@ -541,6 +544,7 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   result.checkpointRequested = stats[2].item<double>() > 0;
   if (result.checkpointRequested) gCheckpointSignal.store(false);
   ++stepsDone_;
+  stepPoint_ = StepPoint::kSyncingBuffers;  // from here on this rank holds the new step (varuna_salvage.cpp)
   result.microbatches = m;
   result.computeSecondsPerMicrobatch = std::chrono::duration<double>(computeTime).count() / m;
   result.loss = stats[0].item<double>() / static_cast<double>(opt_.batchSize);
@@ -563,6 +567,7 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   }
   scaler_.update(result.overflow);
   synchroniseReplicaBuffers();
+  stepPoint_ = StepPoint::kBetweenSteps;
   return result;
 }
 
@@ -672,7 +677,13 @@ void Varuna::setOptimizer(std::shared_ptr<StageOptimizer> optimizer, LossScaleOp
 
 StepResult Varuna::step(const Batch& inputs, std::optional<double> clipGradMaxNorm) {
   const auto start = std::chrono::steady_clock::now();
-  StepResult result = impl_->guarded([&] { return impl_->step(inputs, clipGradMaxNorm); });
+  StepResult result;
+  try {
+    result = impl_->guarded([&] { return impl_->step(inputs, clipGradMaxNorm); });
+  } catch (const PeerLostError& lost) {
+    if (impl_->salvageOn()) impl_->salvage(lost);
+    throw;
+  }
   if (impl_->managerLink_) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     impl_->managerLink_->reportStep(proto::StepReport{impl_->opt_.rank, impl_->stage_, impl_->replica_,
@@ -683,7 +694,12 @@ StepResult Varuna::step(const Batch& inputs, std::optional<double> clipGradMaxNo
 }
 
 double Varuna::evaluate(const Batch& inputs) {
-  return impl_->guarded([&] { return impl_->evaluate(inputs); });
+  try {
+    return impl_->guarded([&] { return impl_->evaluate(inputs); });
+  } catch (const PeerLostError& lost) {
+    if (impl_->salvageOn()) impl_->salvage(lost);
+    throw;
+  }
 }
 
 int64_t Varuna::stepsDone() const { return impl_->stepsDone_; }

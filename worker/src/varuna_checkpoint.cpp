@@ -98,6 +98,8 @@ void Varuna::Impl::waitUntilComplete(const std::filesystem::path& dir) {
   const auto deadline = std::chrono::steady_clock::now() + opt_.peerTimeout;
   BlockedOnPeers blocked(&waitingOnPeers_);
   while (!ckpt::isIntact(dir)) {
+    // A peer was lost meanwhile and run_varuna salvages instead (its order).
+    if (comm_->interrupted()) throw comm_->interruption("waiting for the on-demand checkpoint to complete");
     if (std::chrono::steady_clock::now() > deadline) {
       throw ckpt::CheckpointError(strCat("on-demand checkpoint '", dir.string(), "' did not complete within ",
                                          opt_.peerTimeout.count(), " ms: some rank did not write its part"));
@@ -356,7 +358,13 @@ void Varuna::exitIfCheckpointRequested(const StepResult& result) {
     return;
   }
   const int64_t step = impl_->stepsDone_;
-  checkpoint(c.globalStore, step, c.tempdir, c.shard, /*onDemand=*/true);
+  try {
+    checkpoint(c.globalStore, step, c.tempdir, c.shard, /*onDemand=*/true);
+  } catch (const PeerLostError& lost) {
+    // The notice was too short: a host went before every part landed.
+    if (impl_->salvageOn()) impl_->salvage(lost);
+    throw;
+  }
   if (impl_->opt_.rank == 0) log::info("checkpointed step ", step, " on demand; exiting with ", kExitCheckpointed);
   exitWorker(kExitCheckpointed);
 }

@@ -53,6 +53,7 @@ struct CutShape {
 class Varuna::Impl {
  public:
   explicit Impl(VarunaOptions options);
+  ~Impl();
 
   StepResult step(const Batch& inputs, std::optional<double> clip);
   double evaluate(const Batch& inputs);
@@ -63,6 +64,14 @@ class Varuna::Impl {
                   bool shard, bool onDemand);
   int64_t loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete);
   std::optional<int64_t> loadLatestCheckpoint(const std::string& globalStore, std::optional<int64_t> atMost);
+
+  // Salvage (varuna_salvage.cpp, docs/salvage.md). On under run_varuna when
+  // its Welcome said so, with a checkpoint store and an optimizer.
+  bool salvageOn() const;
+  // This rank lost a peer: report the step held to run_varuna, write this
+  // stage's share if ordered to, and exit (kExitSalvaged, or kExitPeerLost
+  // without an order). Never returns.
+  [[noreturn]] void salvage(const PeerLostError& lost);
 
   // Runs `body`; a local failure is recorded for the peers before it propagates.
   template <typename F>
@@ -98,6 +107,9 @@ class Varuna::Impl {
   std::unique_ptr<CheckpointWriter> writer_;
   std::string runTag_;  // names this run's partial checkpoint folders (ckpt::runTag)
   int64_t stepsDone_ = 0;
+  // Where step() is, for salvage: what the memory holds if a peer is lost now.
+  enum class StepPoint { kBetweenSteps, kComputing, kSyncingBuffers };
+  StepPoint stepPoint_ = StepPoint::kBetweenSteps;
 
  private:
   bool first() const { return stage_ == 0; }
@@ -129,6 +141,13 @@ class Varuna::Impl {
   };
   std::vector<CrossStageTie> crossTies_;
   std::vector<SharedWeight> localTies_;  // both names on this stage
+
+  // Salvage (varuna_salvage.cpp).
+  void armSalvage();
+  void snapshotChangingBuffers();
+  int64_t stepHeld();  // puts the changing buffers back to that step's values
+  void writeSalvageShare(const proto::SalvageWrite& order);
+  std::vector<torch::Tensor> stepStartBuffers_;  // changing buffers as the step in progress found them
 
   // Writing and loading checkpoints (varuna_checkpoint.cpp).
   NamedTensors pieceParams(int local) const;

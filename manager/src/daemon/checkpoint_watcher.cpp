@@ -22,6 +22,11 @@ StoreScan scanStoreSafely(const StoreScanner& scanner, const StoreScanRequest& r
   }
 }
 
+// The steady-clock time `ageSeconds` before `now`.
+CheckpointWatcher::TimePoint completedAt(double ageSeconds, CheckpointWatcher::TimePoint now) {
+  return now - std::chrono::duration_cast<CheckpointWatcher::TimePoint::duration>(std::chrono::duration<double>(ageSeconds));
+}
+
 }  // namespace
 
 CheckpointWatcher::CheckpointWatcher(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard,
@@ -33,7 +38,9 @@ CheckpointWatcher::CheckpointWatcher(boost::asio::io_context& io, std::shared_pt
       worker_(std::make_unique<BackgroundWorker>(io, "varuna-store")) {}
 
 void CheckpointWatcher::scanNow() {
-  latest_ = read(scanStoreSafely(scanner_, request(/*thorough=*/true)));
+  const StoreScan scan = scanStoreSafely(scanner_, request(/*thorough=*/true));
+  latest_ = read(scan);
+  if (scan.latestAgeSeconds) latestCompletedAt_ = completedAt(*scan.latestAgeSeconds, std::chrono::steady_clock::now());
 }
 
 void CheckpointWatcher::poll() {
@@ -78,7 +85,7 @@ void CheckpointWatcher::prepareLaunch(int generation, std::function<void(const L
 }
 
 void CheckpointWatcher::scanned(const StoreScan& scan) {
-  note(read(scan), std::chrono::steady_clock::now());
+  note(read(scan), std::chrono::steady_clock::now(), scan.latestAgeSeconds);
 }
 
 std::optional<int64_t> CheckpointWatcher::read(const StoreScan& scan) {
@@ -106,8 +113,9 @@ std::optional<int64_t> CheckpointWatcher::read(const StoreScan& scan) {
   return scan.latest;
 }
 
-void CheckpointWatcher::note(std::optional<int64_t> latest, TimePoint now) {
+void CheckpointWatcher::note(std::optional<int64_t> latest, TimePoint now, std::optional<double> ageSeconds) {
   if (!latest || latest == latest_) return;
+  latestCompletedAt_ = ageSeconds ? std::optional(completedAt(*ageSeconds, now)) : std::nullopt;
   if (latest_ && *latest < *latest_) {
     // The newer one was found damaged (checkpoint_skipped says which): not a new checkpoint.
     latest_ = latest;

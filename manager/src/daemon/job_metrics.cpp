@@ -1,9 +1,12 @@
 #include "varuna/manager/daemon/job_metrics.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <limits>
 
 #include <nlohmann/json.hpp>
+
+#include "varuna/common/checkpoint_files.h"
 
 namespace varuna {
 namespace {
@@ -173,7 +176,8 @@ JobMetrics::JobMetrics(int64_t globalBatch) : globalBatch_(globalBatch) {
   checkpointStep_ = &gauge("varuna_last_checkpoint_step", "Step of the newest complete checkpoint (-1: none).");
   checkpointStep_->Set(-1);
   checkpointAge_ = &gauge("varuna_last_checkpoint_age_seconds",
-                          "Since the newest complete checkpoint was first seen in the store (NaN: none).");
+                          "Since the newest complete checkpoint was completed (its COMPLETE marker's time in the "
+                          "store; NaN: none).");
   checkpointAge_->Set(kNaN);
   checkpoints_ = &counter("varuna_checkpoints_total", "Complete checkpoints seen in the store.");
   checkpointFailures_ = &counter("varuna_checkpoint_failures_total", "Checkpoints the workers reported failed.");
@@ -285,12 +289,17 @@ void JobMetrics::checkpointOrdered(TimePoint now) {
   stepAtOrder_ = lastStep_;
 }
 
-void JobMetrics::checkpointSeen(std::optional<int64_t> latest, TimePoint seenAt) {
-  if (!latest || latest == checkpoint_) return;
+void JobMetrics::checkpointSeen(std::optional<int64_t> latest, TimePoint seenAt, std::optional<TimePoint> completedAt) {
+  if (!latest) return;
+  if (latest == checkpoint_) {
+    if (completedAt) checkpointAt_ = completedAt;  // its completion known later than itself
+    return;
+  }
   const int64_t step = *latest;
   const bool before = checkpoint_ && step < *checkpoint_;  // a damaged newer one fell back to it
   checkpoint_ = step;
-  checkpointSeenAt_ = seenAt;
+  checkpointAt_ = completedAt;
+  if (!checkpointAt_ && seenAt != TimePoint{}) checkpointAt_ = seenAt;
   checkpointStep_->Set(static_cast<double>(step));
   // One that was there before the first launch was not written by this job's
   // run under this manager: nothing to count or time.
@@ -310,7 +319,7 @@ void JobMetrics::checkpointSeen(std::optional<int64_t> latest, TimePoint seenAt)
 void JobMetrics::checkpointFailed() { checkpointFailures_->Increment(); }
 
 void JobMetrics::tick(TimePoint now) {
-  checkpointAge_->Set(checkpoint_ && checkpointSeenAt_ != TimePoint{} ? secondsBetween(checkpointSeenAt_, now) : kNaN);
+  checkpointAge_->Set(checkpoint_ && checkpointAt_ ? std::max(0.0, secondsBetween(*checkpointAt_, now)) : kNaN);
   if (firstLaunch_ != TimePoint{} && now > firstLaunch_) {
     goodput_->Set((trained_ - recomputed_) / secondsBetween(firstLaunch_, now));
   }

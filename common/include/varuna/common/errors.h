@@ -25,6 +25,9 @@ inline constexpr int kExitStorageError = 74;
 // (the manager recorded it in the store): it must not touch the store again.
 inline constexpr int kExitSuperseded = 76;
 inline constexpr int kExitCheckpointed = 75;     // on-demand checkpoint written (P2)
+// This worker lost a peer and wrote its stage's share of the salvaged
+// checkpoint the manager ordered (docs/salvage.md).
+inline constexpr int kExitSalvaged = 77;
 
 // Base of every expected failure. `exitCode()` is what a worker should exit with.
 class Error : public std::runtime_error {

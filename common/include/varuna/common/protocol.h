@@ -123,6 +123,10 @@ struct Pong {
 struct Welcome {
   int generation = 0;
   int64_t lostManagerGraceMs = 0;  // <= 0: keep the worker's default
+  // > 0: salvage is on (docs/salvage.md): a worker that loses a peer reports
+  // its last finished step (SalvageReady) and waits this long at most for
+  // the manager's order. 0: it exits with kExitPeerLost as before.
+  int64_t salvageTimeoutMs = 0;
   bool operator==(const Welcome&) const = default;
 };
 // To a worker, over its own connection: the manager ended this worker's
@@ -135,6 +139,30 @@ struct ExitNow {
   std::string reason;
   bool operator==(const ExitNow&) const = default;
 };
+// Salvage (docs/salvage.md). To a worker: the generation is over because a
+// peer was lost; stop (interrupting any wait on a peer) and report.
+struct SalvageStop {
+  int generation = 0;
+  std::string reason;  // cut to kMaxErrorTextBytes
+  bool operator==(const SalvageStop&) const = default;
+};
+// From a worker in salvage mode: the step its memory holds, whole (-1: none
+// it can vouch for, e.g. its buffers missed the step's synchronisation).
+struct SalvageReady {
+  int rank = 0, stage = 0, replica = 0;
+  int64_t step = -1;
+  int generation = 0;
+  bool operator==(const SalvageReady&) const = default;
+};
+// To a worker chosen to write its stage's share of the salvaged checkpoint:
+// writer `writerIndex` of `writers` (one per stage) writes `step` and exits
+// with kExitSalvaged.
+struct SalvageWrite {
+  int generation = 0;
+  int64_t step = 0;
+  int writerIndex = 0, writers = 0;
+  bool operator==(const SalvageWrite&) const = default;
+};
 struct Ack {
   bool ok = true;
   std::string error;
@@ -143,7 +171,7 @@ struct Ack {
 
 using Message = std::variant<Hello, Heartbeat, StepReport, WorkerExited, PreemptNotice, LaunchWorkers,
                              CheckpointAndExit, KillWorkers, Shutdown, Ping, Pong, Ack, CheckpointFailed, Welcome,
-                             ExitNow>;
+                             ExitNow, SalvageStop, SalvageReady, SalvageWrite>;
 
 // A malformed frame or message; the connection that sent it must be closed.
 class ProtocolError : public Error {

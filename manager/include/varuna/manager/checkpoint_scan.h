@@ -39,7 +39,18 @@ struct StoreScan {
   std::vector<ckpt::SkippedCheckpoint> skipped;  // complete-looking ones passed over, newest first
   std::string error;                             // non-empty: the store could not be read (latest unset)
   bool listed = false;                           // the store was listed (no usable pointer, or thorough)
+  // How long ago `latest` was completed (checkpointAgeSeconds), when it is
+  // not the request's `known` one (the caller has its age already).
+  std::optional<double> latestAgeSeconds;
 };
+
+// How long ago the complete checkpoint of `step` in `globalStore` was
+// completed: the age of its COMPLETE marker (written once, just before the
+// folder is renamed into place; a DAMAGED marker added later changes the
+// folder's time, not this one's). Unknown (nullopt) if it cannot be read; 0
+// if the store's clock is ahead of ours. Blocking I/O on the store: for the
+// store's thread (CheckpointWatcher's scans), never the event loop.
+std::optional<double> checkpointAgeSeconds(const std::string& globalStore, int64_t step);
 
 // Never throws: an error reading the store is StoreScan::error.
 StoreScan scanCheckpointStore(const StoreScanRequest& request);

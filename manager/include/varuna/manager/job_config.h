@@ -39,6 +39,8 @@ struct JobConfig {
   double hangTimeoutS = 600;        // no rank finished a step this long: the generation is hung (0: off)
   double startupTimeoutS = 120;     // launch -> first heartbeat of a worker
   double checkpointTimeoutS = 120;  // preemption notice -> all workers checkpointed
+  bool noSalvage = false;           // a sudden loss rolls back to the last checkpoint (docs/salvage.md)
+  double salvageTimeoutS = 30;      // each salvage round (reports, writes) finishes within this
   double agentGraceS = 5;           // agents kill their workers when the manager is gone this long
   int maxFailures = 3;              // within failureWindowS; one more stops the job
   double failureWindowS = 600;

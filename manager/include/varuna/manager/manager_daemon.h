@@ -112,6 +112,11 @@ class ManagerDaemon : private AgentPool::Observer {
   void onPreemptNotice(const std::shared_ptr<FramedConnection>& connection, const proto::PreemptNotice& notice);
   void onWorkerMessage(int rank, const proto::Message& message);
   void onWorkerExited(const std::string& host, const proto::WorkerExited& exited);
+  // Salvage (manager_daemon_salvage.cpp).
+  void onSalvageReady(int rank, const proto::SalvageReady& ready);
+  void doSalvageStop(const action::SalvageStop& stop);
+  void doSalvageWrite(const action::SalvageWrite& write);
+  void doSalvageAbandoned(const action::SalvageAbandoned& abandoned);
   // Peers the manager waits for (the listener's cap makes room for them).
   size_t expectedHellos() const;
 

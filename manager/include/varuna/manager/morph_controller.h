@@ -10,6 +10,10 @@
 // Lifecycle of a job generation:
 //   running --preempt / list change--> checkpointing --all exited--> relaunch
 //   running --failure--> stopping (kill all) --all exited--> backoff --> relaunch
+//   running --failure, salvage on--> salvaging (survivors report their step)
+//     --a step every stage holds--> salvage-writing (one survivor per stage
+//     writes it) --all exited--> relaunch; no such step, a writer failing or
+//     the salvage timeout: stopping (kill all), as without salvage
 // Events arriving during a morph only change the inputs of the next plan.
 // Worker exit codes: 0 done, 75 checkpointed (a morph), 2 a configuration
 // error (the job stops: a relaunch would fail the same way); anything else is
@@ -23,6 +27,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -30,6 +35,7 @@
 #include <vector>
 
 #include "varuna/manager/planner.h"
+#include "varuna/manager/salvage_choice.h"
 
 namespace varuna {
 
@@ -45,15 +51,35 @@ struct Checkpoint {};  // SIGUSR1 to every worker: checkpoint the finished step 
 struct KillAll {
   std::string reason;
 };
+// Salvage (docs/salvage.md): every worker still running stops, interrupting
+// any wait on a peer, and reports the step it holds (salvageReady).
+struct SalvageStop {
+  std::string reason;
+};
+// `writers[s]` writes stage s's share of step `step`; every other rank of
+// the generation is ordered out.
+struct SalvageWrite {
+  int64_t step = 0;
+  std::vector<int> writers;
+};
+// Salvage gave up (no common step, a writer failed, the timeout): the job
+// falls back to the latest complete checkpoint (a KillAll follows if ranks run).
+struct SalvageAbandoned {
+  std::string reason;
+};
 struct Stop {  // the manager is done
   std::string reason;
   int exitCode = 0;
 };
 }  // namespace action
-using Action = std::variant<action::Launch, action::Checkpoint, action::KillAll, action::Stop>;
+using Action = std::variant<action::Launch, action::Checkpoint, action::KillAll, action::Stop, action::SalvageStop,
+                            action::SalvageWrite, action::SalvageAbandoned>;
 
 // kPlanning: waiting for an asynchronous planner's plan (see PlanPending).
-enum class Phase { kIdle, kRunning, kCheckpointing, kStopping, kBackoff, kWaitingForMachines, kPlanning, kFinished, kFailed };
+enum class Phase {
+  kIdle, kRunning, kCheckpointing, kStopping, kBackoff, kWaitingForMachines, kPlanning, kSalvaging,
+  kSalvageWriting, kFinished, kFailed
+};
 const char* toString(Phase phase);
 // "code 74 (checkpoint storage failed)", "a signal", ...: a worker's exit for messages.
 std::string describeExit(int exitCode);
@@ -78,6 +104,11 @@ struct ControllerOptions {
   std::chrono::milliseconds failureWindow{std::chrono::minutes(10)};
   std::chrono::milliseconds restartBackoff{std::chrono::seconds(1)};  // doubles per recent failure
   int firstGeneration = 1;  // a restarted manager continues the numbering of the one before
+  // A generation that ends on a sudden loss is salvaged from the survivors'
+  // memory when it can be (docs/salvage.md); each of its two rounds (the
+  // reports, the writes) must finish within salvageTimeout.
+  bool salvage = false;
+  std::chrono::milliseconds salvageTimeout{std::chrono::seconds(30)};
   // Turns the machines at hand into a plan, at start and at every morph; may
   // throw ConfigError (no plan fits: wait for machines). Null: makePlan with
   // `stages` and `chunkSize`. AutoConfig plugs in here (autoConfigPlanner),
@@ -110,6 +141,9 @@ class MorphController {
   std::vector<Action> machinesChanged(std::vector<Machine> machines, TimePoint now);
   // `why`: what showed it (default: its heartbeats stopped), for the KillAll's reason.
   std::vector<Action> workerHung(int rank, TimePoint now, const std::string& why = {});
+  // A worker of the generation in salvage mode reports the step it holds
+  // (-1: none). `host` is where it runs.
+  std::vector<Action> salvageReady(int rank, int stage, int64_t step, TimePoint now);
   // The asynchronous planner has a plan (or an error) for a request it threw
   // PlanPending for: a launch waiting for it goes ahead, a machine change
   // that was waiting for it morphs if the plan changes.
@@ -130,6 +164,8 @@ class MorphController {
   const Plan& plan() const { return plan_; }
   int generation() const { return generation_; }
   const std::set<int>& runningRanks() const { return running_; }
+  // The launch being returned follows a salvage (its checkpoint is the salvaged step).
+  bool lastLaunchSalvaged() const { return lastLaunchSalvaged_; }
 
  private:
   std::vector<Action> relaunch(TimePoint now);
@@ -143,6 +179,17 @@ class MorphController {
   std::vector<Action> allExited(TimePoint now);
   // Running, the machines changed: morph if the plan would change.
   std::vector<Action> morphIfPlanChanges(TimePoint now);
+  // Salvage (morph_controller_salvage.cpp).
+  std::vector<Action> beginSalvage(const std::string& reason, TimePoint now);
+  std::vector<Action> salvageExit(int rank, int exitCode, TimePoint now);
+  std::vector<Action> salvageHostLost(const std::string& host, TimePoint now);
+  std::vector<Action> decideIfAllReported(TimePoint now);
+  // Salvage-writing: relaunch once every rank is gone; once the writers are
+  // done, hung ranks that will not go by themselves are killed.
+  std::vector<Action> salvageWritesProgress(TimePoint now);
+  std::vector<Action> decideSalvage(TimePoint now);
+  std::vector<Action> abandonSalvage(const std::string& why, TimePoint now);
+  bool salvaging() const { return phase_ == Phase::kSalvaging || phase_ == Phase::kSalvageWriting; }
   std::set<std::string> unavailable() const;
   PlanRequest planRequest() const;
   Plan makeNextPlan() const;
@@ -162,6 +209,12 @@ class MorphController {
   TimePoint deadline_{};  // checkpointing: give up; backoff: relaunch
   std::string stopReason_;  // non-empty: stop once the checkpoint is done
   bool recheckPlan_ = false;  // running: a machine change waits for the planner (planReady)
+  std::map<int, SalvageReport> salvageReports_;  // salvaging: by rank
+  std::set<int> salvageWriters_;                 // salvage-writing: writers not done yet
+  std::set<int> salvageSilent_;                  // hung ranks: not waited for, killed after the writes
+  bool salvageCleanupOrdered_ = false;           // the KillAll of hung ranks after the writes went out
+  bool salvageDone_ = false;        // the salvaged checkpoint is complete: the next launch resumes from it
+  bool lastLaunchSalvaged_ = false;
 };
 
 }  // namespace varuna

@@ -54,10 +54,14 @@ class CheckpointWatcher {
   // A scan's newest usable checkpoint (see the top), as readStoreScan does
   // for a launch's scan; then `note` it.
   std::optional<int64_t> read(const StoreScan& scan);
-  void note(std::optional<int64_t> latest, TimePoint now);
+  // `ageSeconds`: the scan's latestAgeSeconds, which dates its completion.
+  void note(std::optional<int64_t> latest, TimePoint now, std::optional<double> ageSeconds = std::nullopt);
 
   std::optional<int64_t> latest() const { return latest_; }
   TimePoint latestSeenAt() const { return latestSeenAt_; }  // zero: not seen since this manager started
+  // When the latest was completed, from its marker's age (also for one
+  // completed before this manager started); unknown if the store did not say.
+  std::optional<TimePoint> latestCompletedAt() const { return latestCompletedAt_; }
   const std::set<int64_t>& skipped() const { return skipped_; }
 
  private:
@@ -70,6 +74,7 @@ class CheckpointWatcher {
   StoreScanner scanner_;
   std::optional<int64_t> latest_;
   TimePoint latestSeenAt_{};
+  std::optional<TimePoint> latestCompletedAt_;
   std::set<int64_t> skipped_;  // reported as checkpoint_skipped
   std::string readError_;      // the last error reading the store (logged once per text)
   bool scanInFlight_ = false;

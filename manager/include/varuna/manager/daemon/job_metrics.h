@@ -101,9 +101,14 @@ class JobMetrics {
   void hosts(const HostCounts& counts);
   // The workers were ordered to checkpoint now (a morph, the stop).
   void checkpointOrdered(TimePoint now);
-  // The newest complete checkpoint as the daemon knows it, and when it was
-  // first seen; called every tick, acts when it changes.
-  void checkpointSeen(std::optional<int64_t> latest, TimePoint seenAt);
+  // The newest complete checkpoint as the daemon knows it, when this manager
+  // first saw it (zero: before it started) and when it was completed, on the
+  // steady clock (now minus checkpointAgeSeconds when the store was scanned):
+  // its age comes from the checkpoint itself, so a restarted manager reports
+  // the true one; without it, the age counts from seenAt (none if zero).
+  // Called every tick, acts when it changes (or its completion becomes known).
+  void checkpointSeen(std::optional<int64_t> latest, TimePoint seenAt,
+                      std::optional<TimePoint> completedAt = std::nullopt);
   void checkpointFailed();
   // Every tick: what depends on the time (checkpoint age, goodput).
   void tick(TimePoint now);
@@ -152,7 +157,7 @@ class JobMetrics {
   int64_t lastStep_ = -1;              // steps done, as last reported by every rank
   std::map<int64_t, TimePoint> stepDoneAt_;  // since the newest checkpoint, for its duration
   std::optional<int64_t> checkpoint_;  // newest complete checkpoint seen
-  TimePoint checkpointSeenAt_{};
+  std::optional<TimePoint> checkpointAt_;  // when it was completed (or first seen): its age
   std::optional<TimePoint> checkpointOrderedAt_;  // an on-demand checkpoint is being written
   int64_t stepAtOrder_ = -1;
   std::optional<MorphCause> morph_;

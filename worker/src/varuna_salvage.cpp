@@ -1,0 +1,132 @@
+// Salvage (docs/salvage.md): when a peer is lost without notice, the
+// survivors still hold the state of the last step they finished. Each one
+// reports that step to run_varuna and waits; the manager picks a step that
+// some survivor of every stage holds and orders one survivor per stage to
+// write its stage's share of that step's checkpoint, a normal, fenced and
+// complete checkpoint the next generation resumes from.
+//
+// Which step a rank holds: a step counts once the rank has finished the
+// step's job-wide exchange (the all-reduce of loss and gradient norm), after
+// which it applies the update without waiting on anyone. Before that, its
+// parameters, optimizer state and loss scale are still those of the step
+// before; only the running statistics a forward changed (BatchNorm) moved,
+// and they are put back from the copy step() takes when it starts. After
+// the update only replica 0's buffers are sure (the others wait for its
+// broadcast): a rank of another replica that loses a peer there holds no
+// whole step (-1). The rank's own generators are not kept: a salvaged
+// checkpoint has no layout (stage_to_rank_map), so the next generation
+// seeds fresh streams, as after any morph to another layout.
+#include "blocked_on_peers.h"
+#include "varuna/common/log.h"
+#include "varuna_impl.h"
+
+namespace varuna {
+
+Varuna::Impl::~Impl() {
+  // The link thread calls the handler, which reaches comm_: unhook it first.
+  if (managerLink_) managerLink_->setSalvageStopHandler(nullptr);
+}
+
+bool Varuna::Impl::salvageOn() const {
+  return managerLink_ && comm_ && optimizer_ && !opt_.checkpointing.globalStore.empty() &&
+         managerLink_->salvageTimeout().count() > 0;
+}
+
+void Varuna::Impl::armSalvage() {
+  if (!managerLink_) return;
+  managerLink_->setSalvageStopHandler([this](const std::string& reason) {
+    comm_->interrupt("run_varuna stopped the generation for a salvage: " + reason);
+  });
+}
+
+void Varuna::Impl::snapshotChangingBuffers() {
+  stepStartBuffers_.clear();
+  if (!managerLink_ || managerLink_->salvageTimeout().count() == 0) return;
+  torch::NoGradGuard noGrad;
+  for (const auto& name : model_->changingBuffers()) {
+    stepStartBuffers_.push_back(model_->namedBuffers().at(name).detach().clone());
+  }
+}
+
+int64_t Varuna::Impl::stepHeld() {
+  switch (stepPoint_) {
+    case StepPoint::kBetweenSteps:
+      return stepsDone_;
+    case StepPoint::kComputing: {
+      torch::NoGradGuard noGrad;
+      const auto& names = model_->changingBuffers();
+      for (size_t i = 0; i < names.size() && i < stepStartBuffers_.size(); ++i) {
+        model_->namedBuffers().at(names[i]).variable_data().copy_(stepStartBuffers_[i]);
+      }
+      return stepsDone_;
+    }
+    case StepPoint::kSyncingBuffers:
+      return replica_ == 0 || model_->changingBuffers().empty() ? stepsDone_ : -1;
+  }
+  return -1;
+}
+
+void Varuna::Impl::salvage(const PeerLostError& lost) {
+  comm_->interrupt("this rank is salvaging");  // no wait on a peer from here on
+  const int64_t step = stepHeld();
+  const auto timeout = 2 * managerLink_->salvageTimeout();  // the manager's two rounds
+  log::warn("rank ", opt_.rank, " lost a peer (", lost.what(), "); salvage: it holds ",
+            step >= 0 ? strCat("step ", step) : std::string("no whole step"), ", waiting up to ",
+            timeout.count() / 1000.0, " s for run_varuna's order");
+  managerLink_->reportSalvageReady(proto::SalvageReady{opt_.rank, stage_, replica_, step, opt_.manager.generation});
+  std::optional<proto::SalvageWrite> order;
+  {
+    BlockedOnPeers blocked(&waitingOnPeers_);  // waiting, not hung
+    order = managerLink_->awaitSalvageWrite(timeout);
+  }
+  if (!order) {
+    log::error("no salvage order from run_varuna within ", timeout.count() / 1000.0, " s; exiting with ", kExitPeerLost);
+    exitWorker(kExitPeerLost);
+  }
+  if (order->step != step) {
+    log::error("run_varuna ordered step ", order->step, " written but this rank holds ", step, "; exiting with ",
+               kExitPeerLost);
+    exitWorker(kExitPeerLost);
+  }
+  try {
+    writeSalvageShare(*order);
+  } catch (const ckpt::SupersededError& e) {
+    log::error(e.what());
+    exitWorker(kExitSuperseded);
+  } catch (const std::exception& e) {
+    log::error("writing the salvaged checkpoint of step ", step, " failed: ", e.what());
+    exitWorker(kExitStorageError);
+  }
+  log::info("wrote stage ", stage_, "'s share of the salvaged step ", step, "; exiting with ", kExitSalvaged);
+  exitWorker(kExitSalvaged);
+}
+
+void Varuna::Impl::writeSalvageShare(const proto::SalvageWrite& order) {
+  const auto& store = opt_.checkpointing.globalStore;
+  ckpt::checkNotSuperseded(store, opt_.manager.generation);
+  if (ckpt::isIntact(ckpt::checkpointDir(store, order.step))) return;  // e.g. a periodic checkpoint of that step
+  CheckpointJob job;
+  job.globalStore = store;
+  job.step = order.step;
+  for (int k = 0; k < model_->numPieces(); ++k) {
+    job.files.push_back({pieceFile(k, "params"), pieceState(k), std::nullopt});
+    job.files.push_back({pieceFile(k, "optim"), optimizer_->state(pieceParams(k)), std::nullopt});
+  }
+  if (order.writerIndex == 0) {
+    auto meta = checkpointMeta(order.step);
+    meta["stage_to_rank_map"] = "";  // no rank's generators are kept (see the top of this file)
+    meta["salvaged"] = {{"generation", opt_.manager.generation}, {"writers", order.writers}};
+    job.files.push_back({ckpt::kMeta, {}, meta.dump(1)});
+  }
+  CheckpointWriterOptions options;
+  // Its own run: the writers' parts never combine with a periodic
+  // checkpoint's parts of the same generation.
+  options.writer = {opt_.manager.generation, ckpt::runTag(opt_.manager.generation, "") + "s", order.writerIndex,
+                    order.writers};
+  options.keepCheckpoints = opt_.checkpointing.keepCheckpoints;
+  options.onFailure = [](int64_t, const std::string&) {};  // run() throws instead
+  CheckpointWriter writer(std::move(options));
+  writer.run(job);
+}
+
+}  // namespace varuna
