@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from varuna_e2e import (  # noqa: E402
     Manager, assert_losses_continue, assert_nothing_left, log, processes_of_job, run_tests, wait_for)
 
+SOURCE = Path(__file__).resolve().parents[2]
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-salvage-")))
 shutil.rmtree(ROOT, ignore_errors=True)
 ROOT.mkdir(parents=True)
@@ -58,8 +59,8 @@ def kill(pids):
             pass
 
 
-def reference_losses(name, machines, steps):
-    ref = manager(name, machines=machines, steps=steps).start()
+def reference_losses(name, machines, steps, **kw):
+    ref = manager(name, machines=machines, steps=steps, **kw).start()
     assert ref.wait_exit() == 0, ref.tail()
     return ref.losses()
 
@@ -90,6 +91,25 @@ def test_a_host_killed_between_checkpoints_loses_no_step():
     assert sorted(writing[0]["writers"]) == [0, 1], writing  # replica 0, the survivor
     assert not m.events("kill_all") and not m.events("salvage_abandoned")
     assert_losses_continue(m.losses(), reference_losses("host-reference", ["127.0.0.1 slots=2"], steps), steps)
+    assert_nothing_left(m.job)
+
+
+def test_the_python_trainer_salvages_too():
+    """The same host loss with examples/python/train_gpt.py: salvage lives in
+    the runtime, under the Python front end as under C++ (its optimizer state
+    comes from torch.optim through the bridge)."""
+    steps = 80
+    python = os.environ.get("VARUNA_PYTHON", str(SOURCE / ".venv" / "bin" / "python"))
+    program = [python, str(SOURCE / "examples" / "python" / "train_gpt.py")]
+    m = manager("python", steps=steps, program=program, train_args=["--checkpoint_every", "1000"]).start()
+    m.wait_step(30)
+    kill(processes_of_host(m, "127.0.0.2"))
+    m.wait_event("launch", count=2, timeout=RECOVERY_BOUND_S)
+    assert m.wait_exit() == 0, m.tail()
+    launch = m.events("launch")[1]
+    assert launch["recovery"] == "salvage" and launch["steps_lost"] == 0 and launch["resume_step"] >= 30, launch
+    want = reference_losses("python-reference", ["127.0.0.1 slots=2"], steps, program=program)
+    assert_losses_continue(m.losses(), want, steps)
     assert_nothing_left(m.job)
 
 
@@ -163,5 +183,6 @@ def test_kills_at_random_moments_never_mix_steps():
 
 if __name__ == "__main__":
     run_tests([test_a_host_killed_between_checkpoints_loses_no_step,
+               test_the_python_trainer_salvages_too,
                test_a_whole_stage_killed_falls_back_to_the_periodic_checkpoint,
                test_kills_at_random_moments_never_mix_steps])
