@@ -133,9 +133,14 @@ def build_timeline(events, steps):
             kind, label = "loss", "launch failed"
         elif name == "worker_exited":
             code, signal = e.get("exit_code", 0), e.get("signal", 0)
-            if code not in (0, 75) and not failed_since_launch:
+            # 77: a salvage writer done; the rest of a salvage follows its loss.
+            if code not in (0, 75, 77) and not failed_since_launch:
                 kind = "loss"
                 label = "rank %s: %s" % (e.get("rank", "?"), ("signal %d" % signal) if code < 0 else ("exit %d" % code))
+        elif name == "salvage_started":
+            if not loss_since_launch:  # a survivor's report was the first sign of the loss
+                kind, label = "loss", "salvage: %s" % e.get("reason", "")[:40]
+            failed_since_launch = True
         elif name == "kill_all":
             if not loss_since_launch:  # e.g. a checkpoint that did not finish in time
                 kind, label = "loss", "kill all: %s" % e.get("reason", "")[:40]

@@ -267,6 +267,9 @@ Finalized finalize(const fs::path& globalStore, int64_t step, const WriterIdenti
   std::error_code ec;
   fs::rename(dir, target, ec);
   if (ec) {
+    // Another run completed this step meanwhile (a periodic checkpoint and a
+    // salvage of the same step): it is there, which is what counts.
+    if (isIntact(target)) return Finalized::kAlreadyComplete;
     throw CheckpointError(strCat("cannot rename '", dir.string(), "' to '", target.string(), "': ", ec.message()));
   }
   fsyncPath(globalStore, O_RDONLY | O_DIRECTORY);

@@ -335,8 +335,10 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   if (const auto* heartbeat = std::get_if<proto::Heartbeat>(&message)) {
     worker->waiting = heartbeat->waiting;
     liveness_.noteStep(*worker, heartbeat->step, /*report=*/false, now);
+    reachedStep_ = std::max(reachedStep_, heartbeat->step);
   } else if (const auto* report = std::get_if<proto::StepReport>(&message)) {
     liveness_.noteStep(*worker, report->step, /*report=*/true, now);
+    reachedStep_ = std::max(reachedStep_, report->step);
     onStepReport(*report);
   } else if (const auto* failed = std::get_if<proto::CheckpointFailed>(&message)) {
     onCheckpointFailed(rank, *failed);
@@ -529,7 +531,7 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   checkpoints_->note(latest, now, prep.scan.latestAgeSeconds);
   metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
   launch.resumeStep = latest.value_or(-1);
-  const int64_t reached = progress_.lastStep();  // of the generation before (-1: none seen)
+  const int64_t reached = reachedStep_;  // the job's highest step so far (-1: none seen by this manager)
   metrics_.launched(plan, launch.generation, launch.resumeStep, now);
   liveness_.launched(now);  // the startup timeout until its first step
   workers_.expect(plan);
@@ -540,7 +542,8 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   log::info("generation ", launch.generation, ": ", plan.describe(),
             launch.resumeStep >= 0 ? strCat("; resuming from step ", launch.resumeStep) : std::string("; fresh start"));
   json launchFields = {{"generation", launch.generation}, {"resume_step", launch.resumeStep}, {"plan", planJson(plan)},
-                       {"recovery", controller_->lastLaunchSalvaged() ? "salvage" : "checkpoint"}};
+                       {"recovery", controller_->lastLaunchSalvaged() && launch.resumeStep == salvageStep_
+                                        ? "salvage" : "checkpoint"}};
   // Steps finished before that the new generation computes again (0 after a
   // morph with notice or a salvage; the rollback otherwise).
   if (reached >= 0) launchFields["steps_lost"] = std::max<int64_t>(0, reached - std::max<int64_t>(launch.resumeStep, 0));

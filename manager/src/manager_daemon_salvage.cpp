@@ -29,7 +29,7 @@ void ManagerDaemon::doSalvageStop(const action::SalvageStop& stop) {
   const int generation = controller_->generation();
   log::warn("salvaging generation ", generation, ": ", stop.reason, "; asking the survivors which step they hold");
   events_->write("salvage_started", {{"generation", generation}, {"reason", stop.reason},
-                                     {"reached_step", progress_.lastStep()}});
+                                     {"reached_step", reachedStep_}});
   for (const auto& [rank, worker] : workers_.all()) {
     if (worker.connection) worker.connection->send(proto::SalvageStop{generation, stop.reason});
   }
@@ -41,7 +41,8 @@ void ManagerDaemon::doSalvageWrite(const action::SalvageWrite& write) {
   log::info("salvage: step ", write.step, " is held by every stage; writers (by stage): ",
             json(write.writers).dump());
   events_->write("salvage_writing", {{"generation", generation}, {"step", write.step}, {"writers", write.writers},
-                                     {"steps_lost", std::max<int64_t>(0, progress_.lastStep() - write.step)}});
+                                     {"steps_lost", std::max<int64_t>(0, reachedStep_ - write.step)}});
+  salvageStep_ = write.step;
   std::set<int> chosen(write.writers.begin(), write.writers.end());
   for (int index = 0; index < writers; ++index) {
     if (auto* worker = workers_.find(write.writers[index]); worker && worker->connection) {
@@ -60,7 +61,7 @@ void ManagerDaemon::doSalvageAbandoned(const action::SalvageAbandoned& abandoned
   log::warn("salvage abandoned: ", abandoned.reason, "; resuming from the latest complete checkpoint",
             latest ? strCat(" (step ", *latest, ")") : std::string());
   events_->write("salvage_abandoned", {{"generation", controller_->generation()}, {"reason", abandoned.reason},
-                                       {"reached_step", progress_.lastStep()},
+                                       {"reached_step", reachedStep_},
                                        {"latest_checkpoint", latest ? json(*latest) : json(nullptr)}});
 }
 

@@ -105,21 +105,27 @@ std::vector<Action> MorphController::beginMorph(TimePoint now) {
   return {action::Checkpoint{}};
 }
 
+std::optional<std::vector<Action>> MorphController::countFailure(const std::string& reason, TimePoint now) {
+  failures_.push_back(now);
+  while (!failures_.empty() && now - failures_.front() > options_.failureWindow) failures_.pop_front();
+  if (static_cast<int>(failures_.size()) <= options_.maxFailures) return std::nullopt;
+  phase_ = Phase::kFailed;
+  const auto minutes = std::chrono::duration_cast<std::chrono::minutes>(options_.failureWindow).count();
+  return std::vector<Action>{
+      action::KillAll{reason},
+      action::Stop{strCat(failures_.size(), " failures within ", minutes, " min, the last: ", reason,
+                          "; giving up instead of restarting in a loop"),
+                   1}};
+}
+
 std::vector<Action> MorphController::failure(const std::string& reason, TimePoint now, bool counts) {
   if (phase_ == Phase::kFinished || phase_ == Phase::kFailed) return {};
   if (!options_.morphing) {
     phase_ = Phase::kFailed;
     return {action::KillAll{reason}, action::Stop{reason + " (morphing is off: --no_morphing)", 1}};
   }
-  if (counts) failures_.push_back(now);
-  while (!failures_.empty() && now - failures_.front() > options_.failureWindow) failures_.pop_front();
-  if (static_cast<int>(failures_.size()) > options_.maxFailures) {
-    phase_ = Phase::kFailed;
-    const auto minutes = std::chrono::duration_cast<std::chrono::minutes>(options_.failureWindow).count();
-    return {action::KillAll{reason},
-            action::Stop{strCat(failures_.size(), " failures within ", minutes, " min, the last: ", reason,
-                                "; giving up instead of restarting in a loop"),
-                         1}};
+  if (counts) {
+    if (auto givingUp = countFailure(reason, now)) return *givingUp;
   }
   if (options_.salvage && (phase_ == Phase::kRunning || phase_ == Phase::kCheckpointing) && !running_.empty()) {
     return beginSalvage(reason, now);
@@ -312,6 +318,9 @@ std::vector<Action> MorphController::stop(const std::string& reason, TimePoint n
   if (phase_ == Phase::kFinished || phase_ == Phase::kFailed) return {};
   const bool again = !stopReason_.empty();
   stopReason_ = reason;
+  // A salvage under way writes the step the survivors hold: let it finish
+  // (its rounds have deadlines), then stop instead of relaunching.
+  if (salvaging() && !again) return {};
   if (phase_ == Phase::kRunning && !running_.empty()) {
     phase_ = Phase::kCheckpointing;
     deadline_ = now + options_.checkpointTimeout;
@@ -330,11 +339,7 @@ std::vector<Action> MorphController::tick(TimePoint now) {
     return failure("the on-demand checkpoint did not finish in time", now);
   }
   if (phase_ == Phase::kBackoff && now >= deadline_) return relaunch(now);
-  if (salvaging() && now >= deadline_) {
-    return abandonSalvage(strCat(phase_ == Phase::kSalvaging ? "the survivors' reports" : "the salvage writes",
-                                 " did not finish within ", options_.salvageTimeout.count() / 1000.0, " s"),
-                          now);
-  }
+  if (salvaging() && now >= deadline_) return salvageDeadline(now);
   return {};
 }
 

@@ -9,11 +9,19 @@
 #include "varuna/manager/morph_controller.h"
 
 namespace varuna {
+namespace {
+// As in morph_controller.cpp: a rank's own failure, not the echo of another's.
+bool crashedHere(int exitCode) {
+  return exitCode != kExitPeerLost && exitCode != kExitSuperseded && exitCode != kExitSalvaged;
+}
+}  // namespace
 
 std::vector<Action> MorphController::beginSalvage(const std::string& reason, TimePoint now) {
   phase_ = Phase::kSalvaging;
   deadline_ = now + options_.salvageTimeout;
   salvageWriters_.clear();
+  salvageCleanupOrdered_ = false;
+  salvageCrashCounted_ = false;
   std::vector<Action> out{action::SalvageStop{reason}};
   auto decided = decideIfAllReported(now);  // reports may have come before the loss was known here
   out.insert(out.end(), decided.begin(), decided.end());
@@ -23,6 +31,10 @@ std::vector<Action> MorphController::beginSalvage(const std::string& reason, Tim
 std::vector<Action> MorphController::salvageReady(int rank, int stage, int64_t step, TimePoint now) {
   if (!options_.salvage || !running_.count(rank)) return {};
   if (phase_ != Phase::kRunning && phase_ != Phase::kCheckpointing && phase_ != Phase::kSalvaging) return {};
+  if (stage < 0 || stage >= plan_.stages) {
+    log::warn("ignoring rank ", rank, "'s salvage report: stage ", stage, " is not one of the plan's ", plan_.stages);
+    return {};
+  }
   std::string host;
   for (const auto& p : plan_.placement) {
     if (p.rank == rank) host = p.host;
@@ -48,13 +60,21 @@ std::vector<Action> MorphController::decideSalvage(TimePoint now) {
   const auto choice = chooseSalvage(reports, plan_.stages, leaving_);
   if (!choice) return abandonSalvage(whyNoSalvage(reports, plan_.stages), now);
   phase_ = Phase::kSalvageWriting;
-  deadline_ = now + options_.salvageTimeout;
+  // A writer writes a stage's whole share, as much as an on-demand checkpoint.
+  deadline_ = now + std::max(options_.salvageTimeout, options_.checkpointTimeout);
   salvageWriters_ = std::set<int>(choice->writers.begin(), choice->writers.end());
-  salvageCleanupOrdered_ = false;
   return {action::SalvageWrite{choice->step, choice->writers}};
 }
 
 std::vector<Action> MorphController::salvageExit(int rank, int exitCode, TimePoint now) {
+  // A crash (not the echo of the loss) counts towards --max_failures even when
+  // a survivor's report started the salvage before the crash was known here.
+  if (phase_ == Phase::kSalvaging && crashedHere(exitCode) && !salvageCrashCounted_) {
+    salvageCrashCounted_ = true;
+    if (auto givingUp = countFailure(strCat("rank ", rank, " exited with ", describeExit(exitCode)), now)) {
+      return *givingUp;
+    }
+  }
   if (phase_ == Phase::kSalvaging) return decideIfAllReported(now);  // one survivor fewer to wait for
   if (salvageWriters_.erase(rank) && exitCode != kExitSalvaged) {
     return abandonSalvage(strCat("writer rank ", rank, " exited with ", describeExit(exitCode)), now);
@@ -63,12 +83,7 @@ std::vector<Action> MorphController::salvageExit(int rank, int exitCode, TimePoi
 }
 
 std::vector<Action> MorphController::salvageWritesProgress(TimePoint now) {
-  if (running_.empty()) {
-    // Every writer wrote its share (the last one completed the checkpoint)
-    // and every other rank is gone: the next generation resumes from it.
-    salvageDone_ = true;
-    return relaunch(now);
-  }
+  if (running_.empty()) return salvageComplete(now);
   if (!salvageWriters_.empty() || salvageCleanupOrdered_) return {};
   for (int rank : running_) {
     if (salvageSilent_.count(rank)) {
@@ -76,7 +91,38 @@ std::vector<Action> MorphController::salvageWritesProgress(TimePoint now) {
       return {action::KillAll{strCat("the salvage is written; killing hung rank ", rank, " and what is left")}};
     }
   }
-  return {};  // the others were ordered out and are on their way
+  return {};  // the others were ordered out and are on their way (the deadline kills them if not)
+}
+
+std::vector<Action> MorphController::salvageComplete(TimePoint now) {
+  // Every writer wrote its share (the last one completed the checkpoint) and
+  // every other rank is gone: the next generation resumes from it, unless
+  // the operator asked to stop meanwhile.
+  if (!stopReason_.empty()) {
+    phase_ = Phase::kFinished;
+    return {action::Stop{stopReason_, 0}};
+  }
+  salvageDone_ = true;
+  return relaunch(now);
+}
+
+std::vector<Action> MorphController::salvageDeadline(TimePoint now) {
+  if (phase_ == Phase::kSalvaging) {
+    // Whoever has not reported is not waited for any longer (busy outside
+    // the runtime, or stuck): decide with the reports in; they are killed
+    // once the writes are done.
+    for (int rank : running_) {
+      if (!salvageReports_.count(rank)) salvageSilent_.insert(rank);
+    }
+    return decideSalvage(now);
+  }
+  if (salvageWriters_.empty()) {
+    if (salvageCleanupOrdered_) return {};  // the kill's exits are on their way
+    salvageCleanupOrdered_ = true;
+    return {action::KillAll{"the salvage is written; killing the ranks still running"}};
+  }
+  const auto limit = std::max(options_.salvageTimeout, options_.checkpointTimeout);
+  return abandonSalvage(strCat("the salvage writes did not finish within ", limit.count() / 1000.0, " s"), now);
 }
 
 std::vector<Action> MorphController::salvageHostLost(const std::string& host, TimePoint now) {

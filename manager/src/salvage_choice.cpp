@@ -44,7 +44,9 @@ std::optional<SalvageChoice> chooseSalvage(const std::vector<SalvageReport>& rep
                                            const std::set<std::string>& leavingHosts) {
   const auto byStep = groupByStep(reports);
   for (auto it = byStep.rbegin(); it != byStep.rend(); ++it) {
-    if (static_cast<int>(it->second.size()) < stages) continue;
+    bool everyStage = true;
+    for (int s = 0; s < stages && everyStage; ++s) everyStage = it->second.count(s) > 0;
+    if (!everyStage) continue;
     return SalvageChoice{it->first, pickWriters(it->second, stages, leavingHosts)};
   }
   return std::nullopt;

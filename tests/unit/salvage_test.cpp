@@ -139,28 +139,53 @@ TEST_CASE("a stage lost with all its replicas falls back to the latest checkpoin
   h.controller.workerExited(1, kExitSuperseded, h.now);
   h.controller.workerExited(3, kExitSuperseded, h.now);
   CHECK(h.controller.phase() == Phase::kBackoff);
-  const auto launch = find<action::Launch>(h.controller.tick(h.now + 1s));
+  CHECK(h.controller.tick(h.now + 1s).empty());  // two crashes counted: the backoff doubled
+  const auto launch = find<action::Launch>(h.controller.tick(h.now + 2s));
   CHECK(launch.resumeStep == 10);
   CHECK_FALSE(h.controller.lastLaunchSalvaged());
 }
 
 TEST_CASE("salvage rounds are bounded: missing reports, slow writes", "[salvage]") {
-  SECTION("a survivor that never reports") {
+  SECTION("a survivor that never reports is not waited for past the deadline") {
+    Harness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
+    h.controller.hostLost("d", h.now);
+    h.controller.salvageReady(0, 0, 5, h.now);
+    h.controller.salvageReady(1, 1, 5, h.now);
+    CHECK(h.controller.tick(h.now + 19s).empty());
+    const auto write = find<action::SalvageWrite>(h.controller.tick(h.now + 20s));  // without rank 2
+    CHECK(write.writers == std::vector<int>{0, 1});
+    h.controller.workerExited(0, kExitSalvaged, h.now + 21s);
+    CHECK(has<action::KillAll>(h.controller.workerExited(1, kExitSalvaged, h.now + 21s)));  // rank 2 goes
+    CHECK(has<action::Launch>(h.controller.workerExited(2, -1, h.now + 22s)));
+  }
+  SECTION("without the missing report no stage is whole: abandoned") {
     Harness h;
     h.controller.hostLost("b", h.now);
     h.controller.salvageReady(0, 0, 5, h.now);
-    CHECK(h.controller.tick(h.now + 19s).empty());
     const auto actions = h.controller.tick(h.now + 20s);
-    CHECK(find<action::SalvageAbandoned>(actions).reason == "the survivors' reports did not finish within 20 s");
+    CHECK(find<action::SalvageAbandoned>(actions).reason == "no surviving replica of stage 1 holds a whole step");
     CHECK(has<action::KillAll>(actions));
   }
-  SECTION("a writer that never finishes") {
+  SECTION("a writer that never finishes: the write round gets the checkpoint timeout (30 s here)") {
     Harness h;
     h.controller.hostLost("b", h.now);
     h.controller.salvageReady(0, 0, 5, h.now);
     h.controller.salvageReady(1, 1, 5, h.now + 3s);
-    const auto actions = h.controller.tick(h.now + 23s);
-    CHECK(find<action::SalvageAbandoned>(actions).reason == "the salvage writes did not finish within 20 s");
+    CHECK(h.controller.tick(h.now + 32s).empty());
+    const auto actions = h.controller.tick(h.now + 33s);
+    CHECK(find<action::SalvageAbandoned>(actions).reason == "the salvage writes did not finish within 30 s");
+  }
+  SECTION("the writes done, a rank that does not leave is killed at the deadline; the salvage stands") {
+    Harness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
+    h.controller.hostLost("d", h.now);
+    h.controller.salvageReady(0, 0, 5, h.now);
+    h.controller.salvageReady(1, 1, 5, h.now);
+    h.controller.salvageReady(2, 0, 5, h.now);  // ordered out, but its exit never comes
+    h.controller.workerExited(0, kExitSalvaged, h.now);
+    CHECK(h.controller.workerExited(1, kExitSalvaged, h.now).empty());
+    CHECK(has<action::KillAll>(h.controller.tick(h.now + 30s)));
+    CHECK(has<action::Launch>(h.controller.workerExited(2, -1, h.now + 31s)));
+    CHECK(h.controller.lastLaunchSalvaged());
   }
 }
 
@@ -234,6 +259,46 @@ TEST_CASE("a rank that hangs during the salvage is not waited for, and is killed
   CHECK(h.controller.tick(h.now + 6s).empty());
   CHECK(has<action::Launch>(h.controller.workerExited(2, -1, h.now + 7s)));
   CHECK(h.controller.lastLaunchSalvaged());
+}
+
+TEST_CASE("a stop asked for during a salvage (or a checkpoint that becomes one) stops once it is written",
+          "[salvage]") {
+  SECTION("SIGTERM, then a loss during the stop's checkpoint") {
+    Harness h;
+    CHECK(has<action::Checkpoint>(h.controller.stop("SIGTERM", h.now)));
+    CHECK(has<action::SalvageStop>(h.controller.hostLost("b", h.now)));
+    h.controller.salvageReady(0, 0, 5, h.now);
+    h.controller.salvageReady(1, 1, 5, h.now);
+    h.controller.workerExited(0, kExitSalvaged, h.now);
+    const auto stop = find<action::Stop>(h.controller.workerExited(1, kExitSalvaged, h.now));
+    CHECK(stop.exitCode == 0);
+    CHECK(h.controller.phase() == Phase::kFinished);
+  }
+  SECTION("SIGTERM during the salvage; a second one kills at once") {
+    Harness h;
+    h.controller.hostLost("b", h.now);
+    CHECK(h.controller.stop("SIGTERM", h.now).empty());  // the salvage goes on
+    h.controller.salvageReady(0, 0, 5, h.now);
+    CHECK(has<action::SalvageWrite>(h.controller.salvageReady(1, 1, 5, h.now)));
+    CHECK(has<action::KillAll>(h.controller.stop("SIGTERM again", h.now)));
+  }
+}
+
+TEST_CASE("a crash counts towards --max_failures even when a survivor's report came first", "[salvage]") {
+  auto options = Harness::defaults();
+  options.maxFailures = 0;
+  Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+  CHECK(has<action::SalvageStop>(h.controller.salvageReady(0, 0, 5, h.now)));  // not counted: an echo
+  const auto actions = h.controller.workerExited(1, -1, h.now);  // the crash itself
+  CHECK(find<action::Stop>(actions).exitCode == 1);
+  CHECK(h.controller.phase() == Phase::kFailed);
+}
+
+TEST_CASE("salvage choice: a report of a stage outside the plan is ignored", "[salvage]") {
+  Harness h;
+  CHECK(h.controller.salvageReady(0, 7, 5, h.now).empty());
+  CHECK(h.controller.phase() == Phase::kRunning);
+  CHECK_FALSE(chooseSalvage({{0, 0, 5, "a"}, {1, 5, 5, "a"}}, 2, {}));
 }
 
 TEST_CASE("salvage off: a sudden loss kills and rolls back as before", "[salvage]") {

@@ -108,6 +108,21 @@ class BuildTimelineTest(unittest.TestCase):
         marks = varuna_report.build_timeline(events, [])["marks"]
         self.assertEqual([(m["t"], m["kind"]) for m in marks], [(5.0, "loss")])
 
+    def test_a_salvage_marks_its_loss_once_and_not_its_writers(self):
+        def marks_of(events):
+            return [(m["t"], m["kind"]) for m in varuna_report.build_timeline(events, [])["marks"]]
+        launch = event(0, "launch", generation=1, resume_step=-1, plan=plan(2, 2))
+        writers = [event(5.2, "worker_exited", rank=0, exit_code=77, signal=0, generation=1),
+                   event(5.2, "worker_exited", rank=1, exit_code=76, signal=0, generation=1)]
+        # The killed rank's exit first: it is the loss.
+        self.assertEqual(marks_of([launch, event(5, "worker_exited", rank=2, exit_code=-1, signal=9, generation=1),
+                                   event(5.1, "salvage_started", reason="rank 2 exited with a signal")] + writers),
+                         [(5.0, "loss")])
+        # A survivor's report first: the salvage is the loss.
+        self.assertEqual(marks_of([launch, event(5, "salvage_started", reason="rank 0 lost a peer"),
+                                   event(5.1, "worker_exited", rank=2, exit_code=-1, signal=9, generation=1)] + writers),
+                         [(5.0, "loss")])
+
     def test_no_data_is_an_error(self):
         with self.assertRaises(ValueError):
             varuna_report.build_timeline([], [])

@@ -223,7 +223,12 @@ void ManagerLink::onSalvageOrder(const proto::Message& message) {
     // Called under the lock: the runtime unhooks the handler (under it)
     // before what it reaches is destroyed. It only interrupts waits: quick.
     std::lock_guard<std::mutex> lock(mutex_);
-    if (onSalvageStop_) onSalvageStop_(stop->reason);
+    if (!onSalvageStop_) {
+      exitProcess(strCat("run_varuna stopped generation ", stop->generation, " for a salvage (", stop->reason,
+                         ") before this worker could take part"),
+                  kExitPeerLost);
+    }
+    onSalvageStop_(stop->reason);
   } else if (const auto* write = std::get_if<proto::SalvageWrite>(&message);
              write && write->generation == options_.generation) {
     {
@@ -242,11 +247,11 @@ void ManagerLink::checkGrace(Clock::time_point now) {
                      options_.generation, " is taken as over"));
 }
 
-void ManagerLink::exitProcess(const std::string& why) {
+void ManagerLink::exitProcess(const std::string& why, int code) {
   // The training thread may be blocked in c10d or writing a checkpoint: the
   // process ends from here, without destructors (exitWorker).
-  log::error(why, "; exiting with code ", kExitSuperseded);
-  exitWorker(kExitSuperseded);
+  log::error(why, "; exiting with code ", code);
+  exitWorker(code);
 }
 
 }  // namespace varuna

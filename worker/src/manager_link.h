@@ -84,7 +84,9 @@ class ManagerLink {
   // survivor waits for its order); 0 until a Welcome said so.
   std::chrono::milliseconds salvageTimeout() const { return std::chrono::milliseconds(salvageTimeoutMs_.load()); }
   // Called on the link thread when the manager stops the generation for a
-  // salvage. Set it once, before training.
+  // salvage. Set it once the worker can salvage; a salvage_stop that comes
+  // before (or after it was unset) ends the process with kExitPeerLost:
+  // there is nothing to salvage yet, and the manager must not wait for it.
   void setSalvageStopHandler(std::function<void(const std::string& reason)> handler);
   // Training thread, in salvage mode: sends the report at once (before any
   // step report still queued), then waits up to `timeout` for the order to
@@ -104,7 +106,7 @@ class ManagerLink {
   // Link thread only: exits the process if the manager has not been heard
   // from for the grace.
   void checkGrace(Clock::time_point now);
-  [[noreturn]] void exitProcess(const std::string& why);
+  [[noreturn]] void exitProcess(const std::string& why, int code = kExitSuperseded);
 
   ManagerLinkOptions options_;
   int rank_;

@@ -440,6 +440,7 @@ void Varuna::Impl::checkOutgoing(const torch::Tensor& out, int64_t b) const {
 void Varuna::Impl::setOptimizer(std::shared_ptr<StageOptimizer> optimizer, LossScaleOptions lossScale) {
   if (!optimizer) throw ConfigError("setOptimizer: the optimizer is null");
   optimizer_ = std::move(optimizer);
+  optimizerSet_ = true;
   if (opt_.precision != Precision::kFp16) lossScale = LossScaleOptions{.dynamic = false, .initialScale = 1.0};
   scaler_ = LossScaler(lossScale);
 }

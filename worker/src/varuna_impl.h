@@ -68,6 +68,7 @@ class Varuna::Impl {
   // Salvage (varuna_salvage.cpp, docs/salvage.md). On under run_varuna when
   // its Welcome said so, with a checkpoint store and an optimizer.
   bool salvageOn() const;
+  bool salvageCapable() const;
   // This rank lost a peer: report the step held to run_varuna, write this
   // stage's share if ordered to, and exit (kExitSalvaged, or kExitPeerLost
   // without an order). Never returns.
@@ -148,6 +149,7 @@ class Varuna::Impl {
   int64_t stepHeld();  // puts the changing buffers back to that step's values
   void writeSalvageShare(const proto::SalvageWrite& order);
   std::vector<torch::Tensor> stepStartBuffers_;  // changing buffers as the step in progress found them
+  std::atomic<bool> optimizerSet_{false};        // read by the link thread (salvage_stop)
 
   // Writing and loading checkpoints (varuna_checkpoint.cpp).
   NamedTensors pieceParams(int local) const;

@@ -16,6 +16,9 @@
 // whole step (-1). The rank's own generators are not kept: a salvaged
 // checkpoint has no layout (stage_to_rank_map), so the next generation
 // seeds fresh streams, as after any morph to another layout.
+#include <chrono>
+#include <thread>
+
 #include "blocked_on_peers.h"
 #include "varuna/common/log.h"
 #include "varuna_impl.h"
@@ -27,21 +30,35 @@ Varuna::Impl::~Impl() {
   if (managerLink_) managerLink_->setSalvageStopHandler(nullptr);
 }
 
+// Whether this worker can write a salvaged share at all. Not with CUDA yet:
+// a NCCL wait cannot be interrupted (its future completes when the work is
+// queued), so such a worker leaves instead of keeping the manager waiting.
+bool Varuna::Impl::salvageCapable() const {
+  return !opt_.device.is_cuda() && !opt_.checkpointing.globalStore.empty() && optimizerSet_.load();
+}
+
 bool Varuna::Impl::salvageOn() const {
-  return managerLink_ && comm_ && optimizer_ && !opt_.checkpointing.globalStore.empty() &&
-         managerLink_->salvageTimeout().count() > 0;
+  return managerLink_ && comm_ && salvageCapable() && managerLink_->salvageTimeout().count() > 0;
 }
 
 void Varuna::Impl::armSalvage() {
   if (!managerLink_) return;
   managerLink_->setSalvageStopHandler([this](const std::string& reason) {
+    if (!salvageCapable()) {
+      log::error("run_varuna stopped the generation for a salvage (", reason, "), which this worker cannot take ",
+                 "part in (", opt_.device.is_cuda() ? "CUDA" : "no checkpoint store or no optimizer",
+                 "); exiting with ", kExitPeerLost);
+      exitWorker(kExitPeerLost);
+    }
     comm_->interrupt("run_varuna stopped the generation for a salvage: " + reason);
   });
 }
 
 void Varuna::Impl::snapshotChangingBuffers() {
   stepStartBuffers_.clear();
-  if (!managerLink_ || managerLink_->salvageTimeout().count() == 0) return;
+  // Whenever run_varuna may ask for a salvage (its welcome may still be on
+  // its way): a few small tensors.
+  if (!managerLink_) return;
   torch::NoGradGuard noGrad;
   for (const auto& name : model_->changingBuffers()) {
     stepStartBuffers_.push_back(model_->namedBuffers().at(name).detach().clone());
@@ -55,7 +72,8 @@ int64_t Varuna::Impl::stepHeld() {
     case StepPoint::kComputing: {
       torch::NoGradGuard noGrad;
       const auto& names = model_->changingBuffers();
-      for (size_t i = 0; i < names.size() && i < stepStartBuffers_.size(); ++i) {
+      if (stepStartBuffers_.size() != names.size()) return -1;  // no copy of the step's start: nothing whole
+      for (size_t i = 0; i < names.size(); ++i) {
         model_->namedBuffers().at(names[i]).variable_data().copy_(stepStartBuffers_[i]);
       }
       return stepsDone_;
@@ -103,8 +121,12 @@ void Varuna::Impl::salvage(const PeerLostError& lost) {
 
 void Varuna::Impl::writeSalvageShare(const proto::SalvageWrite& order) {
   const auto& store = opt_.checkpointing.globalStore;
+  // A periodic checkpoint still being written lands (or fails) first: its
+  // completion and retention must not race with this one's.
+  if (writer_) writer_->drain();
   ckpt::checkNotSuperseded(store, opt_.manager.generation);
-  if (ckpt::isIntact(ckpt::checkpointDir(store, order.step))) return;  // e.g. a periodic checkpoint of that step
+  const auto dir = ckpt::checkpointDir(store, order.step);
+  if (ckpt::isIntact(dir)) return;  // e.g. a periodic checkpoint of that step
   CheckpointJob job;
   job.globalStore = store;
   job.step = order.step;
@@ -127,6 +149,18 @@ void Varuna::Impl::writeSalvageShare(const proto::SalvageWrite& order) {
   options.onFailure = [](int64_t, const std::string&) {};  // run() throws instead
   CheckpointWriter writer(std::move(options));
   writer.run(job);
+  // Exit 77 promises a complete checkpoint: the last writer to land completes
+  // it; the others wait for that (on a store that is slow to show files, a
+  // writer may not see the last part and leave the completion to another).
+  const auto deadline = std::chrono::steady_clock::now() + 2 * managerLink_->salvageTimeout();
+  while (!ckpt::isIntact(dir)) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw ckpt::CheckpointError(strCat("the salvaged checkpoint '", dir.string(), "' did not complete within ",
+                                         2 * managerLink_->salvageTimeout().count() / 1000.0,
+                                         " s: another writer's part is missing"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 }  // namespace varuna

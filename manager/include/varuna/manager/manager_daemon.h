@@ -195,6 +195,10 @@ class ManagerDaemon : private AgentPool::Observer {
   MorphTimer morph_;  // the morph under way, for the morph_complete event
   JobMetrics metrics_;  // set at the points where events are logged
   int morphs_ = 0;
+  // The highest step any rank said it finished (heartbeats, reports), over
+  // the generations this manager ran: what a relaunch loses is measured from it.
+  int64_t reachedStep_ = -1;
+  int64_t salvageStep_ = -1;  // the step the last salvage ordered written
   std::vector<std::string> slowHosts_;
   int checkpointFailures_ = 0;            // CheckpointFailed reports of every generation
   nlohmann::json lastCheckpointFailure_;  // the newest one, for state.json

@@ -175,6 +175,9 @@ class MorphController {
   // lost, a rank that lost a peer or was superseded) do not count: machines
   // that come and go must never stop an unattended job.
   std::vector<Action> failure(const std::string& reason, TimePoint now, bool counts = true);
+  // Counts a failure of the job's own; the actions that give up if it makes
+  // too many in the window.
+  std::optional<std::vector<Action>> countFailure(const std::string& reason, TimePoint now);
   std::vector<Action> beginMorph(TimePoint now);
   std::vector<Action> allExited(TimePoint now);
   // Running, the machines changed: morph if the plan would change.
@@ -187,6 +190,11 @@ class MorphController {
   // Salvage-writing: relaunch once every rank is gone; once the writers are
   // done, hung ranks that will not go by themselves are killed.
   std::vector<Action> salvageWritesProgress(TimePoint now);
+  // A round's deadline: reports missing -> decide with those in; writes
+  // done but ranks left -> kill them; writes missing -> abandon.
+  std::vector<Action> salvageDeadline(TimePoint now);
+  // After the writes: stop if a stop was asked for meanwhile, else relaunch.
+  std::vector<Action> salvageComplete(TimePoint now);
   std::vector<Action> decideSalvage(TimePoint now);
   std::vector<Action> abandonSalvage(const std::string& why, TimePoint now);
   bool salvaging() const { return phase_ == Phase::kSalvaging || phase_ == Phase::kSalvageWriting; }
@@ -212,7 +220,8 @@ class MorphController {
   std::map<int, SalvageReport> salvageReports_;  // salvaging: by rank
   std::set<int> salvageWriters_;                 // salvage-writing: writers not done yet
   std::set<int> salvageSilent_;                  // hung ranks: not waited for, killed after the writes
-  bool salvageCleanupOrdered_ = false;           // the KillAll of hung ranks after the writes went out
+  bool salvageCleanupOrdered_ = false;           // the KillAll of what is left after the writes went out
+  bool salvageCrashCounted_ = false;             // a crash seen during the salvage counted as a failure
   bool salvageDone_ = false;        // the salvaged checkpoint is complete: the next launch resumes from it
   bool lastLaunchSalvaged_ = false;
 };
