@@ -88,6 +88,7 @@ struct Options {
   std::string runVaruna;
   bool keep = false;
   bool smoke = false;
+  bool directBeats = false;  // each worker heartbeats the manager itself instead of through its agent
 };
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -229,14 +230,17 @@ class Bench {
   fs::path managerLog() const { return dir_ / "run_varuna.log"; }
 
  private:
-  // The load: heartbeats at --heartbeat_hz from each worker's hello, one
-  // step report a second per rank from the rendezvous, one agent heartbeat a
-  // second; a checkpoint order is answered at once (exit 75).
+  // The load: heartbeats at --heartbeat_hz from each worker's hello (to its
+  // agent, which relays them every 250 ms, as varuna_agent does; with
+  // --direct_beats each to the manager), one step report a second per rank
+  // from the rendezvous, one agent heartbeat a second; a checkpoint order is
+  // answered at once (exit 75).
   static sim::SimOptions simOptions(const Options& options) {
     sim::SimOptions sim;
     sim.tick = kTick;
     sim.agentHeartbeat = std::chrono::seconds(1);
     sim.workerHeartbeat = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(1000.0 / options.heartbeatHz)));
+    sim.beatsThroughAgent = !options.directBeats;
     sim.step = std::chrono::seconds(1);
     sim.checkpointDelay = std::chrono::milliseconds(0);
     sim.agentGrace = std::chrono::seconds(5);
@@ -664,6 +668,9 @@ int main(int argc, char** argv) {
   app.add_option("--startup_timeout_s", options.startupTimeoutS, "for the agents, then the workers, to connect")
       ->check(CLI::PositiveNumber);
   app.add_option("--run_varuna", options.runVaruna, "the run_varuna to measure (default: <build>/bin/run_varuna)");
+  app.add_flag("--direct_beats", options.directBeats,
+               "every worker heartbeats the manager over its own connection (the protocol before agents relayed "
+               "them; for comparison)");
   app.add_flag("--keep", options.keep, "keep the temp folder (run_varuna's log, state, events)");
   app.add_flag("--smoke", options.smoke,
                "a few seconds at a tiny size (4 hosts x 4 slots, 2 stages, 1 s warm-up, 2 s window; options given "
@@ -719,9 +726,11 @@ int main(int argc, char** argv) {
   if (!clean) status = 1;
 
   char line[1024];
-  std::printf("\nrun_varuna with %d simulated workers on %d hosts, %.0f heartbeats/s each, over %.1f s:\n",
-              r.workers, options.hosts, options.heartbeatHz, r.windowS);
-  std::printf("  messages to the manager   %.0f /s (heartbeats, step reports, pings, agent heartbeats)\n", rate);
+  std::printf("\nrun_varuna with %d simulated workers on %d hosts, %.0f heartbeats/s each (%s), over %.1f s:\n",
+              r.workers, options.hosts, options.heartbeatHz,
+              options.directBeats ? "each to the manager" : "relayed by their agents every 250 ms", r.windowS);
+  std::printf("  messages to the manager   %.0f /s (%s, step reports, pings, agent heartbeats)\n", rate,
+              options.directBeats ? "heartbeats" : "relayed beats");
   // A smoke run is too short and too small for the targets: its figures are not judged.
   auto verdict = [&](bool met) { return options.smoke ? "not judged: --smoke" : met ? "met" : "MISSED"; };
   std::printf("  manager CPU               %.3f of a core   (target <= 0.10: %s)\n", cpu, verdict(cpuMet));
@@ -753,9 +762,10 @@ int main(int argc, char** argv) {
                 "{\"workers\": %d, \"seconds\": %.1f, \"cpu_fraction_of_core\": %.4f, \"p50_ms\": %.3f, "
                 "\"p99_ms\": %.3f, \"max_ms\": %.3f, \"messages_per_s\": %.0f, \"latency_samples\": %zu, "
                 "\"bench_cpu_fraction_of_core\": %.4f, \"manager_cpu_wait_fraction\": %.4f, \"manager_wakeups_per_s\": %.0f, "
-                "\"cpu_pressure_some\": %.4f, \"manager_exit\": %d, \"clean\": %s, \"smoke\": %s}",
+                "\"cpu_pressure_some\": %.4f, \"manager_exit\": %d, \"clean\": %s, \"smoke\": %s, \"beats\": \"%s\"}",
                 r.workers, r.windowS, cpu, p50, p99, maxMs, rate, r.rttMs.size(), benchCpu, waitFraction, wakeups, pressure,
-                r.managerKilled ? -9 : r.managerExit, clean ? "true" : "false", options.smoke ? "true" : "false");
+                r.managerKilled ? -9 : r.managerExit, clean ? "true" : "false", options.smoke ? "true" : "false",
+                options.directBeats ? "direct" : "relayed");
   std::cout << std::flush;
   std::printf("%s\n", line);
   return status;

@@ -20,6 +20,12 @@ json toJson(const Hello& m) {
 json toJson(const Heartbeat& m) {
   return {{"type", "heartbeat"}, {"rank", m.rank}, {"step", m.step}, {"waiting", m.waiting}};
 }
+json toJson(const WorkerBeats& m) {
+  json beats = json::array();
+  // [rank, step, waiting] triples: a host's worth of beats in one small frame.
+  for (const auto& b : m.beats) beats.push_back({b.rank, b.step, b.waiting});
+  return {{"type", "worker_beats"}, {"generation", m.generation}, {"beats", beats}};
+}
 json toJson(const StepReport& m) {
   return {{"type", "step_report"}, {"rank", m.rank}, {"stage", m.stage}, {"replica", m.replica}, {"step", m.step},
           {"loss", m.loss}, {"step_seconds", m.stepSeconds}, {"compute_seconds_per_microbatch", m.computeSecondsPerMicrobatch}};
@@ -75,6 +81,11 @@ Message fromJson(const json& j) {
     return Hello{j.at("version"), j.at("token"), j.at("role"), j.at("host"), j.at("rank"), j.at("generation")};
   }
   if (type == "heartbeat") return Heartbeat{j.at("rank"), j.at("step"), j.value("waiting", false)};
+  if (type == "worker_beats") {
+    WorkerBeats m{j.at("generation"), {}};
+    for (const auto& b : j.at("beats")) m.beats.push_back({b.at(0), b.at(1), b.at(2)});
+    return m;
+  }
   if (type == "step_report") {
     return StepReport{j.at("rank"), j.at("stage"), j.at("replica"), j.at("step"), j.at("loss"), j.at("step_seconds"),
                       j.at("compute_seconds_per_microbatch")};

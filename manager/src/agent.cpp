@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstring>
 #include <deque>
@@ -14,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "varuna/common/agent_beat.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 
@@ -53,7 +56,7 @@ std::vector<std::string> workerArgv(const std::string& program, const proto::Lau
 }
 
 std::vector<std::string> workerEnv(const proto::LaunchWorkers& launch, const proto::WorkerSpec& spec,
-                                   const AgentOptions& options, const std::string& managerAddress) {
+                                   const AgentOptions& options, const std::string& managerAddress, bool beatSocket) {
   std::map<std::string, std::string> env;
   for (char** e = environ; *e; ++e) {
     const std::string kv = *e;
@@ -72,6 +75,11 @@ std::vector<std::string> workerEnv(const proto::LaunchWorkers& launch, const pro
   env["VARUNA_JOB"] = options.job;
   env["VARUNA_HOST"] = options.host;
   env["VARUNA_GENERATION"] = std::to_string(launch.generation);
+  if (beatSocket) {
+    env[kAgentBeatFdEnv] = std::to_string(kAgentBeatFd);
+  } else {
+    env.erase(kAgentBeatFdEnv);  // never an inherited one: that descriptor is not ours
+  }
   std::vector<std::string> out;
   for (const auto& [k, v] : env) out.push_back(k + "=" + v);
   return out;
@@ -162,7 +170,9 @@ Agent::Agent(asio::io_context& io, AgentOptions options, asio::ip::tcp::socket m
       heartbeatTimer_(io),
       graceTimer_(io),
       readDeadlineTimer_(io),
-      killTimer_(io) {}
+      killTimer_(io),
+      beatSocket_(io),
+      beatForwardTimer_(io) {}
 
 void Agent::start() {
   signals_.add(SIGHUP);  // the SSH session that started us may go; we stay
@@ -171,6 +181,7 @@ void Agent::start() {
                   [this](const std::string& reason) { onManagerLost(reason); });
   manager_->send(proto::Hello{proto::kVersion, options_.token, "agent", options_.host, -1, -1});
   scheduleHeartbeat();
+  scheduleBeatForward();
   lastFrame_ = std::chrono::steady_clock::now();
   scheduleReadDeadline();
 }
@@ -193,6 +204,54 @@ void Agent::scheduleHeartbeat() {
     if (ec || exiting_ || !manager_->open()) return;
     manager_->send(proto::Heartbeat{-1, 0});
     scheduleHeartbeat();
+  });
+}
+
+int Agent::openBeatSocket(int generation) {
+  boost::system::error_code ignored;
+  beatSocket_.close(ignored);  // the previous launch's: its workers' beats no longer count
+  pendingBeats_.clear();
+  beatGeneration_ = generation;
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, fds) != 0) {
+    log::warn("no beat socket for generation ", generation, " (", std::strerror(errno),
+              "): its workers beat to the manager directly");
+    return -1;
+  }
+  beatSocket_.assign(asio::local::datagram_protocol(), fds[0]);
+  readBeats();
+  return fds[1];
+}
+
+void Agent::readBeats() {
+  beatSocket_.async_receive(asio::buffer(beatBuffer_), [this](const boost::system::error_code& ec, size_t bytes) {
+    if (ec == asio::error::operation_aborted || exiting_) return;
+    if (ec) {
+      log::warn("reading the workers' beats failed: ", ec.message());
+      return;
+    }
+    // Only ranks this agent runs in the current launch count.
+    if (const auto record = AgentBeatRecord::decode(beatBuffer_.data(), bytes)) {
+      const bool ours = std::any_of(workers_.begin(), workers_.end(), [&](const auto& entry) {
+        return entry.second.rank == record->rank && entry.second.generation == beatGeneration_;
+      });
+      if (ours) pendingBeats_[record->rank] = proto::WorkerBeat{record->rank, record->step, record->waiting != 0};
+    }
+    readBeats();
+  });
+}
+
+void Agent::scheduleBeatForward() {
+  beatForwardTimer_.expires_after(options_.beatForwardInterval);
+  beatForwardTimer_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec || exiting_) return;
+    if (!pendingBeats_.empty() && manager_->open()) {
+      proto::WorkerBeats relay{beatGeneration_, {}};
+      for (const auto& [rank, beat] : pendingBeats_) relay.beats.push_back(beat);
+      manager_->send(relay);
+    }
+    pendingBeats_.clear();
+    scheduleBeatForward();
   });
 }
 
@@ -260,10 +319,11 @@ void Agent::launch(const proto::LaunchWorkers& launch) {
     }
     return;
   }
+  const int beatFd = openBeatSocket(launch.generation);
   for (const auto& spec : launch.workers) {
     const std::string logPath =
         (logDir / strCat("g", launch.generation, "_rank", spec.rank, ".log")).string();
-    const pid_t pid = spawn(program, launch, spec, logPath);
+    const pid_t pid = spawn(program, launch, spec, logPath, beatFd);
     if (pid < 0) {
       manager_->send(proto::WorkerExited{options_.host, spec.rank, 127, 0, launch.generation,
                                          strCat("fork failed: ", std::strerror(errno))});
@@ -272,14 +332,15 @@ void Agent::launch(const proto::LaunchWorkers& launch) {
     workers_[pid] = Worker{spec.rank, launch.generation, logPath};
     log::info("generation ", launch.generation, ": rank ", spec.rank, " started (pid ", pid, ", log ", logPath, ")");
   }
+  if (beatFd >= 0) ::close(beatFd);  // the workers hold it now
 }
 
 pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launch, const proto::WorkerSpec& spec,
-                   const std::string& logPath) {
+                   const std::string& logPath, int beatFd) {
   // Everything the child needs is built before fork: only async-signal-safe
   // calls happen between fork and exec.
   auto argvStrings = workerArgv(program, launch, spec);
-  auto envStrings = workerEnv(launch, spec, options_, managerAddress_);
+  auto envStrings = workerEnv(launch, spec, options_, managerAddress_, beatFd >= 0);
   auto argv = cStrings(argvStrings);
   auto envp = cStrings(envStrings);
   const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -312,7 +373,14 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
     ::dup2(logFd, 1);
     ::dup2(logFd, 2);
   }
-  ::close_range(3, ~0U, 0);  // the agent's sockets stay the agent's
+  // The beat socket on its agreed descriptor (dup2 clears close-on-exec;
+  // one already there keeps it, so it is cleared by hand).
+  if (beatFd == kAgentBeatFd) {
+    ::fcntl(kAgentBeatFd, F_SETFD, 0);
+  } else if (beatFd >= 0) {
+    ::dup2(beatFd, kAgentBeatFd);
+  }
+  ::close_range(beatFd >= 0 ? kAgentBeatFd + 1 : kAgentBeatFd, ~0U, 0);  // the agent's sockets stay the agent's
   if (::chdir(launch.codeDir.c_str()) != 0) {
     const char msg[] = "varuna_agent: cannot enter code_dir\n";
     (void)!::write(2, msg, sizeof(msg) - 1);
@@ -368,6 +436,9 @@ void Agent::finish(int exitCode, const std::string& reason) {
   heartbeatTimer_.cancel();
   graceTimer_.cancel();
   readDeadlineTimer_.cancel();
+  beatForwardTimer_.cancel();
+  boost::system::error_code ignored;
+  beatSocket_.close(ignored);
   // Workers die at once on SIGKILL; the timer only guards against a child
   // that cannot be reaped (e.g. stuck in the kernel).
   killTimer_.expires_after(options_.killWait);

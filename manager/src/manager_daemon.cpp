@@ -333,9 +333,7 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   const auto now = Clock::now();
   worker->lastSeen = now;
   if (const auto* heartbeat = std::get_if<proto::Heartbeat>(&message)) {
-    worker->waiting = heartbeat->waiting;
-    liveness_.noteStep(*worker, heartbeat->step, /*report=*/false, now);
-    reachedStep_ = std::max(reachedStep_, heartbeat->step);
+    onWorkerBeat(*worker, heartbeat->step, heartbeat->waiting, now);
   } else if (const auto* report = std::get_if<proto::StepReport>(&message)) {
     liveness_.noteStep(*worker, report->step, /*report=*/true, now);
     reachedStep_ = std::max(reachedStep_, report->step);
@@ -349,8 +347,31 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   }
 }
 
+void ManagerDaemon::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now) {
+  worker.lastSeen = now;
+  worker.waiting = waiting;
+  liveness_.noteStep(worker, step, /*report=*/false, now);
+  reachedStep_ = std::max(reachedStep_, step);
+}
+
+void ManagerDaemon::onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats) {
+  if (!controller_ || beats.generation != controller_->generation()) return;  // a launch that is over
+  const auto& placement = controller_->plan().placement;
+  const auto now = Clock::now();
+  for (const auto& beat : beats.beats) {
+    // Only the current launch's ranks on that agent's host whose own
+    // connection is up: a rank that is gone, written off or cut off from us
+    // is judged as if it beat to us directly.
+    if (beat.rank < 0 || static_cast<size_t>(beat.rank) >= placement.size()) continue;
+    if (placement[static_cast<size_t>(beat.rank)].host != host) continue;
+    WorkerState* worker = workers_.find(beat.rank);
+    if (worker && worker->connection && worker->connection->open()) onWorkerBeat(*worker, beat.step, beat.waiting, now);
+  }
+}
+
 void ManagerDaemon::agentMessage(const std::string& host, const proto::Message& message) {
   if (const auto* exited = std::get_if<proto::WorkerExited>(&message)) onWorkerExited(host, *exited);
+  if (const auto* beats = std::get_if<proto::WorkerBeats>(&message)) onWorkerBeats(host, *beats);
 }
 
 void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {

@@ -113,7 +113,7 @@ class Attack:
             s = self._connect()
             self.hellos.append(s)
             host = ("h" * 900_000) if i % 2 == 0 else ("\u00e9" * 7_000)  # 900 kB ASCII, or 14 kB of UTF-8
-            body = json.dumps({"type": "hello", "version": 1, "token": "0" * 48, "role": "worker",
+            body = json.dumps({"type": "hello", "version": 2, "token": "0" * 48, "role": "worker",
                                "host": host, "rank": 0, "generation": 1}, ensure_ascii=False).encode()
             self.outgoing[s] = frame(body)
         for i in range(GARBAGE):

@@ -3,7 +3,8 @@
 // agent that loses the manager kills its workers after its grace and exits,
 // one that hears nothing from a connected manager for --lost_manager_ms does
 // the same (a silent partition), and workers start with SIGUSR1 blocked (a
-// checkpoint request during their start-up waits instead of killing them).
+// checkpoint request during their start-up waits instead of killing them),
+// and their heartbeats on the beat socket reach the manager relayed.
 #include <catch2/catch.hpp>
 
 #include <signal.h>
@@ -86,10 +87,12 @@ struct AgentUnderTest {
   }
 
   // Two workers that only sleep (`exec`: the sleep is the agent's child itself).
-  std::set<pid_t> launchSleepers() {
+  std::set<pid_t> launchSleepers() { return launch({"/bin/sh", "-c", "exec sleep 120"}); }
+
+  std::set<pid_t> launch(const std::vector<std::string>& argv) {
     proto::LaunchWorkers launch;
     launch.workers = {{0, 0}, {1, 1}};
-    launch.argv = {"/bin/sh", "-c", "exec sleep 120"};
+    launch.argv = argv;
     launch.codeDir = dir.string();
     launch.stageToRankMap = "0;1;";
     launch.chunkSize = 1;
@@ -183,4 +186,47 @@ TEST_CASE("agent: workers start with SIGUSR1 blocked, so an early checkpoint req
     CHECK(test::waitUntil([&] { return (signalSet(pid, "ShdPnd") & bit(SIGUSR1)) != 0; }, 5s));
     CHECK_FALSE(gone(pid));
   }
+}
+
+TEST_CASE("agent: its workers' beats on the beat socket reach the manager, the newest per rank per relay",
+          "[agent]") {
+  AgentUnderTest t("agent-beats", "30");
+  // Each worker sends a record of the wrong size (ignored), then 50 beats
+  // back to back (step 100 x rank + i, waiting on odd ranks) on the socket the
+  // agent names, then sleeps. Only the newest of each rank is relayed.
+  const std::string worker = R"(
+import os, socket, struct, time
+fd = int(os.environ["VARUNA_AGENT_BEAT_FD"])
+s = socket.socket(fileno=os.dup(fd))
+assert s.family == socket.AF_UNIX and s.type == socket.SOCK_DGRAM
+rank = int(os.environ["RANK"])
+s.send(b"not a beat")
+for i in range(50):
+    s.send(struct.pack("=iiq", rank, rank % 2, 100 * rank + i))
+time.sleep(120)
+)";
+  t.launch({"/usr/bin/python3", "-c", worker});
+  std::map<int, proto::WorkerBeat> newest;
+  std::map<int, int> relaysWith;
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (std::chrono::steady_clock::now() < deadline &&
+         !(newest.count(0) && newest.at(0).step == 49 && newest.count(1) && newest.at(1).step == 149)) {
+    auto message = t.link->receive(1s);
+    if (!message) continue;
+    const auto* relay = std::get_if<proto::WorkerBeats>(&*message);
+    if (!relay) continue;
+    CHECK(relay->generation == 1);
+    for (const auto& beat : relay->beats) {
+      newest[beat.rank] = beat;
+      ++relaysWith[beat.rank];
+    }
+  }
+  REQUIRE(newest.size() == 2);
+  CHECK(newest.at(0).step == 49);
+  CHECK_FALSE(newest.at(0).waiting);
+  CHECK(newest.at(1).step == 149);
+  CHECK(newest.at(1).waiting);
+  // Relayed, not forwarded one by one: 50 beats each in a few relays.
+  CHECK(relaysWith.at(0) < 25);
+  CHECK(relaysWith.at(1) < 25);
 }

@@ -34,6 +34,8 @@ struct SimCluster::Agent {
   std::vector<std::shared_ptr<Worker>> workers;  // alive
   std::vector<proto::WorkerExited> held;         // reports of a frozen agent
   Clock::time_point nextHeartbeat;
+  std::map<int, proto::WorkerBeat> pendingBeats;  // the newest beat of each worker since the last relay
+  Clock::time_point nextBeatForward;
   std::optional<Clock::time_point> killWorkersAt;  // lost the manager: its grace
   bool expectClose = false;  // the manager's close follows an order (Shutdown, a refusal)
 };
@@ -457,8 +459,37 @@ void SimCluster::tickAgent(Agent& agent, Clock::time_point now) {
   for (; now >= agent.nextHeartbeat && agent.state == Agent::State::kUp; agent.nextHeartbeat += options_.agentHeartbeat) {
     send(*agent.peer, heartbeat);
   }
+  relayBeats(agent, now);
   if (agent.state == Agent::State::kUp) wakeAgentsBy(agent.nextHeartbeat);
   if (agent.killWorkersAt) wakeAgentsBy(*agent.killWorkersAt);
+}
+
+void SimCluster::relayBeats(Agent& agent, Clock::time_point now) {
+  if (agent.pendingBeats.empty()) return;
+  if (now >= agent.nextBeatForward) {
+    proto::WorkerBeats relay{agent.generation, {}};
+    for (const auto& [rank, beat] : agent.pendingBeats) relay.beats.push_back(beat);
+    agent.pendingBeats.clear();
+    send(*agent.peer, proto::encode(relay));
+    agent.nextBeatForward = now + options_.agentBeatForward;
+    return;
+  }
+  wakeAgentsBy(agent.nextBeatForward);
+}
+
+void SimCluster::beat(Worker& w, bool waiting) {
+  const auto agent = w.agent.lock();
+  if (options_.beatsThroughAgent && agent && agent->state == Agent::State::kUp && agent->generation == w.generation) {
+    agent->pendingBeats[w.rank] = proto::WorkerBeat{w.rank, w.step, waiting};
+    wakeAgentsBy(std::max(agent->nextBeatForward, Clock::now()));
+    return;
+  }
+  if (w.frameStep != w.step || w.frameWaiting != waiting || w.heartbeatFrame.empty()) {
+    w.heartbeatFrame = proto::encode(proto::Heartbeat{w.rank, w.step, waiting});
+    w.frameStep = w.step;
+    w.frameWaiting = waiting;
+  }
+  send(*w.peer, w.heartbeatFrame);
 }
 
 void SimCluster::schedule(const std::shared_ptr<Worker>& w) {
@@ -503,14 +534,7 @@ void SimCluster::tickWorker(const std::shared_ptr<Worker>& w, Clock::time_point 
     }
   }
   if (options_.workerHeartbeat.count() > 0) {
-    for (; now >= w->nextHeartbeat && w->peer->open(); w->nextHeartbeat += options_.workerHeartbeat) {
-      if (w->frameStep != w->step || w->frameWaiting != waiting || w->heartbeatFrame.empty()) {
-        w->heartbeatFrame = proto::encode(proto::Heartbeat{w->rank, w->step, waiting});
-        w->frameStep = w->step;
-        w->frameWaiting = waiting;
-      }
-      send(*w->peer, w->heartbeatFrame);
-    }
+    for (; now >= w->nextHeartbeat && w->peer->open(); w->nextHeartbeat += options_.workerHeartbeat) beat(*w, waiting);
   }
 }
 

@@ -18,8 +18,14 @@
 //    thawed; a gone one never);
 //  - the manager's connection gone: its workers are killed after `agentGrace`.
 // What a simulated worker does, as a worker's ManagerLink does:
-//  - hello {role worker, host, rank, generation}; Heartbeat{rank, step,
-//    waiting} every `workerHeartbeat` (rank r's at r/N of the period);
+//  - hello {role worker, host, rank, generation}; a beat {rank, step,
+//    waiting} every `workerHeartbeat` (rank r's at r/N of the period), to
+//    its agent, which relays the newest of each of its workers in one
+//    WorkerBeats every `agentBeatForward`, as a worker started by
+//    varuna_agent does (agent_beat.h); a Heartbeat to the manager instead
+//    when `beatsThroughAgent` is off, when it has no agent (a stray), or
+//    while its agent is frozen or gone (standing in for the pings that keep
+//    a real worker heard then, and for its fallback to direct heartbeats);
 //  - once every rank of its generation is connected (the rendezvous), a
 //    StepReport every `step` (rank r's at r/N of the period, beats re-phased
 //    the same way from there, as the bench always paced them); step counts
@@ -92,6 +98,8 @@ struct SimOptions {
   std::chrono::milliseconds tick{5};  // the one timer that paces everything below
   std::chrono::milliseconds agentHeartbeat{1000};
   std::chrono::milliseconds workerHeartbeat{500};  // 0: none
+  bool beatsThroughAgent = true;                   // as varuna_agent's workers; false: each beats the manager
+  std::chrono::milliseconds agentBeatForward{250}; // an agent relays its workers' beats this often
   std::chrono::milliseconds step{200};             // a step report this often per rank; 0: none
   std::chrono::milliseconds checkpointDelay{0};    // CheckpointAndExit -> exit 75 this much later
   std::chrono::milliseconds agentGrace{5000};      // an agent that lost the manager kills its workers after this
@@ -231,6 +239,10 @@ class SimCluster {
   void scheduleTick();
   void onTick();
   void tickAgent(Agent& agent, Clock::time_point now);
+  // An agent's WorkerBeats, when beats are pending and its relay is due.
+  void relayBeats(Agent& agent, Clock::time_point now);
+  // A worker's heartbeat: through its agent, or to the manager (see above).
+  void beat(Worker& worker, bool waiting);
   // The agents' loop runs at the next tick at or after `at` (a beat or a grace due).
   void wakeAgentsBy(Clock::time_point at) { agentsWakeAt_ = std::min(agentsWakeAt_, at); }
   // (Re)queues the worker's next wake-up: the earliest of its start, beat,

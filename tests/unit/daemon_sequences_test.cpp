@@ -355,3 +355,18 @@ TEST_CASE("sequences: a rank whose step stalls while its peers wait is declared 
   CHECK(f.cluster->launches() == 2);
   CHECK(f.daemon->handlerFailures() == 0);
 }
+
+TEST_CASE("sequences: workers heard only through their agents' relayed beats stay alive", "[sequences]") {
+  // No step reports: after its hello a worker's only word is the beat its
+  // agent relays (WorkerBeats), which must count as its heartbeat.
+  sim::SimOptions options = fastSim();
+  options.step = 0ms;
+  REQUIRE(options.beatsThroughAgent);
+  SimDaemon f("seq_relayed_beats", Job{{"node-a", "node-b"}, 2, 2, 4}, {}, options);
+  REQUIRE(f.runUntil([&] { return f.cluster->welcomedWorkers(1) == 4; }));
+  f.runFor(5000ms);  // 2.5 x heartbeat_timeout_s
+  CHECK(f.events("worker_hung").empty());
+  CHECK(f.cluster->liveWorkers(1) == 4);
+  CHECK(f.cluster->launches() == 1);
+  CHECK(f.daemon->handlerFailures() == 0);
+}

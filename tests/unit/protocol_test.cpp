@@ -36,7 +36,9 @@ std::vector<Message> samples() {
           ExitNow{5, "rank 1 exited with code 3 (lost a peer)"},
           SalvageStop{5, "host 10.0.0.5 was lost"},
           SalvageReady{3, 1, 1, 41, 5},
-          SalvageWrite{5, 41, 1, 2}};
+          SalvageWrite{5, 41, 1, 2},
+          WorkerBeats{5, {{0, 12, false}, {3, -1, true}}},
+          WorkerBeats{6, {}}};
 }
 
 }  // namespace

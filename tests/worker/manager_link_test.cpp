@@ -1,7 +1,9 @@
 // The worker's ManagerLink against a fake manager: it exits the process on an
 // exit order of its generation, after the grace when refused, unanswered or
 // unable to connect, never without a manager; its heartbeat carries the step
-// and whether the training thread waits on a peer. And the runtime's SIGUSR1
+// and whether the training thread waits on a peer; with an agent's beat
+// socket the heartbeats go there instead, and to the manager again when the
+// agent's end is gone or the descriptor is no datagram socket. And the runtime's SIGUSR1
 // handler takes a request that was pending (blocked) before it was installed.
 // Each link runs in a forked child (its exit is the process's), the test
 // process plays the manager.
@@ -9,7 +11,9 @@
 // Catch2's comes after them.
 #include "manager_link.h"
 
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +22,7 @@
 #include <thread>
 
 #include "fake_manager.h"
+#include "varuna/common/agent_beat.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
@@ -110,6 +115,36 @@ std::optional<proto::Heartbeat> heartbeatWhere(test::FakePeer& peer, F&& match, 
     if (auto* h = std::get_if<proto::Heartbeat>(&*m); h && match(*h)) return *h;
   }
   return std::nullopt;
+}
+
+// A link (rank 3, generation 4, step 7, beats every 50 ms) in a forked child
+// that lives until killed, beating through `agentBeatFd`; `othersEnd` (the
+// test's end, inherited by the fork) is closed in the child, so that the
+// test closing its copy closes that end for good.
+pid_t linkWithBeatSocket(const std::string& address, int agentBeatFd, int othersEnd) {
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  ::close(othersEnd);
+  ManagerLinkOptions options;
+  options.address = address;
+  options.token = "t0k";
+  options.generation = kGeneration;
+  options.host = "127.0.0.1";
+  options.heartbeatInterval = 50ms;
+  options.agentBeatFd = agentBeatFd;
+  auto* link = new ManagerLink(options, kRank, fastTimings(30s));  // the process ends first
+  link->setStep(7);
+  std::this_thread::sleep_for(60s);
+  ::_exit(0);
+}
+
+// The next beat record on `fd` within `timeout`.
+std::optional<AgentBeatRecord> receiveBeat(int fd, std::chrono::milliseconds timeout) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(timeout.count())) != 1) return std::nullopt;
+  char buffer[64];
+  const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+  return n > 0 ? AgentBeatRecord::decode(buffer, static_cast<size_t>(n)) : std::nullopt;
 }
 
 double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
@@ -280,4 +315,49 @@ TEST_CASE("the checkpoint signal handler takes a SIGUSR1 that was pending before
   INFO("status " << status);
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
+}
+
+TEST_CASE("manager link: with an agent's beat socket heartbeats go there; with its end gone, to the manager",
+          "[manager_link]") {
+  test::FakeManager manager;
+  int pair[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_DGRAM, 0, pair) == 0);
+  const pid_t pid = linkWithBeatSocket(manager.address(), pair[1], pair[0]);
+  REQUIRE(pid >= 0);
+  ::close(pair[1]);
+  auto peer = acceptHello(manager);
+  // Five beats through the agent's socket, carrying the step...
+  for (int i = 0; i < 5; ++i) {
+    const auto beat = receiveBeat(pair[0], 5s);
+    REQUIRE(beat);
+    CHECK(beat->rank == kRank);
+    CHECK(beat->step == 7);
+    CHECK(beat->waiting == 0);
+  }
+  // ...and none of them to the manager (only the link's pings, if any).
+  while (auto m = peer.receive(0ms)) CHECK_FALSE(std::holds_alternative<proto::Heartbeat>(*m));
+  // The agent's end is gone (a dead agent): the link beats to the manager.
+  ::close(pair[0]);
+  auto direct = heartbeatWhere(peer, [](const proto::Heartbeat& h) { return h.step == 7; }, 5s);
+  REQUIRE(direct);
+  CHECK(direct->rank == kRank);
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+}
+
+TEST_CASE("manager link: a beat descriptor that is no datagram socket is never written; beats go to the manager",
+          "[manager_link]") {
+  test::FakeManager manager;
+  int pipeFds[2];
+  REQUIRE(::pipe(pipeFds) == 0);
+  const pid_t pid = linkWithBeatSocket(manager.address(), pipeFds[1], pipeFds[0]);
+  REQUIRE(pid >= 0);
+  ::close(pipeFds[1]);
+  auto peer = acceptHello(manager);
+  REQUIRE(heartbeatWhere(peer, [](const proto::Heartbeat& h) { return h.step == 7; }, 5s));
+  pollfd p{pipeFds[0], POLLIN, 0};
+  CHECK(::poll(&p, 1, 0) == 0);  // nothing was written into the pipe
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  ::close(pipeFds[0]);
 }

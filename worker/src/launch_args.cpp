@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 
+#include "varuna/common/agent_beat.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/schedule.h"
 
@@ -49,6 +50,7 @@ LaunchArgs parseLaunchArgs(int argc, const char* const* argv, const std::map<std
   args.jobToken = envText("VARUNA_JOB_TOKEN");
   args.generation = envNumber<int>(env, "VARUNA_GENERATION", -1);
   args.hostAddr = envText("VARUNA_HOST");
+  args.agentBeatFd = envNumber<int>(env, kAgentBeatFdEnv, -1);
   args.globalStore = envText("VARUNA_GLOBAL_STORE");
   args.keepCheckpoints = envNumber<int>(env, "VARUNA_KEEP_CHECKPOINTS", -1);
   if (env.count("VARUNA_KEEP_CHECKPOINTS") && args.keepCheckpoints < 0) {

@@ -1,7 +1,14 @@
 #include "manager_link.h"
 
-#include <algorithm>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "varuna/common/agent_beat.h"
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
 
@@ -9,6 +16,19 @@ namespace varuna {
 namespace {
 
 double seconds(std::chrono::milliseconds duration) { return static_cast<double>(duration.count()) / 1000; }
+
+// A private close-on-exec copy of the agent's beat socket, or -1 when `fd`
+// is not a Unix datagram socket (not started by an agent, or the program
+// reused the descriptor): nothing is ever sent into a socket of another kind.
+int adoptAgentBeatSocket(int fd) {
+  if (fd < 0) return -1;
+  int type = 0, domain = 0;
+  socklen_t length = sizeof(type);
+  if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &length) != 0 || type != SOCK_DGRAM) return -1;
+  length = sizeof(domain);
+  if (::getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &length) != 0 || domain != AF_UNIX) return -1;
+  return ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+}
 
 }  // namespace
 
@@ -20,6 +40,7 @@ ManagerLink::ManagerLink(ManagerLinkOptions options, int rank, ManagerLinkTiming
       waitingOnPeers_(waitingOnPeers),
       lastHeard_(Clock::now()),
       retryAt_(lastHeard_),
+      agentBeatFd_(adoptAgentBeatSocket(options_.agentBeatFd)),
       thread_([this] { run(); }) {}
 
 ManagerLink::~ManagerLink() {
@@ -29,6 +50,7 @@ ManagerLink::~ManagerLink() {
   }
   wake_.notify_all();
   thread_.join();
+  if (agentBeatFd_ >= 0) ::close(agentBeatFd_);
 }
 
 void ManagerLink::reportStep(const proto::StepReport& report) {
@@ -138,7 +160,7 @@ void ManagerLink::run() {
           const bool heartbeatDue = now - lastSent >= options_.heartbeatInterval;
           if (reports.empty() && failures.empty() && heartbeatDue && !stopping) {
             const bool waiting = waitingOnPeers_ && waitingOnPeers_->load(std::memory_order_relaxed);
-            client->send(proto::Heartbeat{rank_, step, waiting}, timings_.sendTimeout);
+            sendHeartbeat(*client, step, waiting);
             lastSent = now;
           }
           for (const auto& r : reports) client->send(r, timings_.sendTimeout);
@@ -182,6 +204,20 @@ void ManagerLink::run() {
       return stop_ || !queue_.empty() || (client && (!failures_.empty() || salvageReady_.has_value()));
     });
   }
+}
+
+void ManagerLink::sendHeartbeat(proto::ControlClient& client, int64_t step, bool waiting) {
+  if (agentBeatFd_ >= 0) {
+    const auto record = AgentBeatRecord{rank_, waiting ? 1 : 0, step}.encode();
+    if (::send(agentBeatFd_, record.data(), record.size(), MSG_DONTWAIT | MSG_NOSIGNAL) >= 0) return;
+    // A full queue (the agent is busy or stopped): this beat is dropped; the
+    // manager judges a stopped agent on its own heartbeats.
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) return;
+    log::warn("cannot beat through the agent (", std::strerror(errno), "); beating to the manager directly");
+    ::close(agentBeatFd_);
+    agentBeatFd_ = -1;
+  }
+  client.send(proto::Heartbeat{rank_, step, waiting}, timings_.sendTimeout);
 }
 
 void ManagerLink::onManagerMessage(const proto::Message& message, std::optional<proto::ControlClient>& client) {

@@ -14,6 +14,9 @@
 //    first goes to the salvage handler (which interrupts the training
 //    thread's waits on peers), the second to the training thread waiting in
 //    awaitSalvageWrite().
+// Heartbeats of a worker started by an agent go to the agent's beat socket
+// (agent_beat.h), which relays them; if that socket is missing or fails, to
+// the manager directly. The rest (hello, reports, pings) always goes direct.
 // A worker that has not heard from the manager for the grace (no connection,
 // hello refused, no answer; default kDefaultLostManagerGrace, the manager's
 // Welcome sets its own) takes its generation as over and exits with
@@ -107,6 +110,8 @@ class ManagerLink {
   // from for the grace.
   void checkGrace(Clock::time_point now);
   [[noreturn]] void exitProcess(const std::string& why, int code = kExitSuperseded);
+  // Link thread: a heartbeat to the manager, through the agent when it can.
+  void sendHeartbeat(proto::ControlClient& client, int64_t step, bool waiting);
 
   ManagerLinkOptions options_;
   int rank_;
@@ -117,6 +122,7 @@ class ManagerLink {
   Clock::time_point retryAt_;
   std::string lastProblem_;      // why the manager is not heard, for the exit message
   std::string lastRefusal_;      // logged once per text
+  int agentBeatFd_ = -1;         // a private copy of the agent's beat socket; -1: beat to the manager
 
   std::mutex mutex_;  // guards the members below it (the link thread and the callers)
   std::condition_variable wake_;

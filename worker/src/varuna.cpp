@@ -81,6 +81,7 @@ void VarunaOptions::applyLaunchArgs(const LaunchArgs& args) {
   if (checkpointing.globalStore.empty()) checkpointing.globalStore = args.globalStore;
   if (args.keepCheckpoints >= 0) checkpointing.keepCheckpoints = args.keepCheckpoints;
   manager.host = args.hostAddr;
+  manager.agentBeatFd = args.agentBeatFd;
   if (!args.schedule.empty()) launcherSchedule = parseScheduleKind(args.schedule);
   launcherPieceCosts = args.pieceCosts;
   launcherProfiledPieces = args.profiledPieces;

@@ -19,7 +19,9 @@
 
 namespace varuna::proto {
 
-inline constexpr uint32_t kVersion = 1;
+// 2: salvage (SalvageStop/Ready/Write, Welcome.salvage_timeout_ms) and
+// workers' heartbeats relayed by their agent (WorkerBeats).
+inline constexpr uint32_t kVersion = 2;
 inline constexpr uint32_t kMaxFrameBytes = 1u << 20;  // 1 MiB: control messages are small
 // Free-form error texts a worker reports (CheckpointFailed::error) are cut to
 // this many bytes by the codec, on both sides: they end up in the manager's
@@ -39,7 +41,8 @@ struct Hello {  // first frame of every connection
   int generation = -1;  // workers and agents: the launch they belong to
   bool operator==(const Hello&) const = default;
 };
-// From a worker (every 0.5 s) and an agent (rank -1) to the manager; from the
+// From a worker (every 0.5 s; one started by an agent beats through it,
+// WorkerBeats) and an agent (rank -1) to the manager; from the
 // manager to every agent (rank -1), so an agent across a silent partition
 // knows the manager is gone (docs/protocol.md).
 struct Heartbeat {
@@ -50,6 +53,22 @@ struct Heartbeat {
   // while it computes and its peers wait is hung (the manager's liveness rule).
   bool waiting = false;
   bool operator==(const Heartbeat&) const = default;
+};
+// From an agent: the latest heartbeat of each of its workers that beat since
+// its previous WorkerBeats (a worker started by an agent beats to it over a
+// local socket, agent_beat.h; the agent relays them a few times a second).
+// The manager reads each entry as that worker's Heartbeat: one frame per
+// host instead of one per worker and beat (docs/protocol.md).
+struct WorkerBeat {
+  int rank = 0;
+  int64_t step = -1;
+  bool waiting = false;
+  bool operator==(const WorkerBeat&) const = default;
+};
+struct WorkerBeats {
+  int generation = 0;  // of the launch whose workers beat
+  std::vector<WorkerBeat> beats;
+  bool operator==(const WorkerBeats&) const = default;
 };
 struct StepReport {
   int rank = 0, stage = 0, replica = 0;
@@ -171,7 +190,7 @@ struct Ack {
 
 using Message = std::variant<Hello, Heartbeat, StepReport, WorkerExited, PreemptNotice, LaunchWorkers,
                              CheckpointAndExit, KillWorkers, Shutdown, Ping, Pong, Ack, CheckpointFailed, Welcome,
-                             ExitNow, SalvageStop, SalvageReady, SalvageWrite>;
+                             ExitNow, SalvageStop, SalvageReady, SalvageWrite, WorkerBeats>;
 
 // A malformed frame or message; the connection that sent it must be closed.
 class ProtocolError : public Error {

@@ -14,6 +14,10 @@
 //  - starts every worker with SIGUSR1 blocked: a checkpoint request that
 //    arrives before the worker's program installed its handler stays pending
 //    instead of killing it (installCheckpointSignalHandler unblocks it),
+//  - relays its workers' heartbeats: each worker of a launch beats over a
+//    Unix datagram socket the agent hands it (agent_beat.h); every
+//    `beatForwardInterval` the newest beat of each worker goes to the
+//    manager in one WorkerBeats frame,
 //  - spawns every worker with a parent-death signal (SIGKILL): an agent that
 //    dies without cleaning up (OOM-killed, SIGKILL, a crash) takes its
 //    workers along. (A frozen agent cannot act: run_varuna then orders its
@@ -27,6 +31,7 @@
 
 #include <utility>  // before Asio: its headers miss it with this GCC
 #include <boost/asio.hpp>
+#include <array>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -51,6 +56,9 @@ struct AgentOptions {
   std::chrono::milliseconds lostManager{15000};
   std::chrono::milliseconds heartbeatInterval{1000};
   std::chrono::milliseconds killWait{3000};  // SIGTERM -> SIGKILL
+  // How often the workers' heartbeats are relayed (when any came): well
+  // under any heartbeat timeout the manager can be given (>= 1 s in practice).
+  std::chrono::milliseconds beatForwardInterval{250};
 };
 
 class Agent {
@@ -72,8 +80,15 @@ class Agent {
   void onMessage(const proto::Message& message);
   void onManagerLost(const std::string& reason);
   void launch(const proto::LaunchWorkers& launch);
+  // `beatFd`: the workers' end of the launch's beat socket (-1: none).
   pid_t spawn(const std::string& program, const proto::LaunchWorkers& launch, const proto::WorkerSpec& spec,
-              const std::string& logPath);
+              const std::string& logPath, int beatFd);
+  // A new beat socket for a launch of `generation`; returns the workers' end
+  // (the caller closes it once they are spawned), -1 if none could be made
+  // (the workers then beat to the manager directly).
+  int openBeatSocket(int generation);
+  void readBeats();
+  void scheduleBeatForward();
   void signalWorkers(int signal, bool wholeGroup);
   void killWorkers(const std::string& reason);
   void reapChildren();
@@ -97,6 +112,13 @@ class Agent {
   // fires, so a frame costs no timer operation.
   std::chrono::steady_clock::time_point lastFrame_;
   boost::asio::steady_timer killTimer_;
+  // The current launch's beat socket, the newest beat of each of its ranks
+  // since the last relay, and the relay's timer.
+  boost::asio::local::datagram_protocol::socket beatSocket_;
+  std::array<char, 64> beatBuffer_{};
+  int beatGeneration_ = -1;
+  std::map<int, proto::WorkerBeat> pendingBeats_;
+  boost::asio::steady_timer beatForwardTimer_;
   std::map<pid_t, Worker> workers_;
   bool exiting_ = false;
   int exitCode_ = 0;

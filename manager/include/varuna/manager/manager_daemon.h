@@ -111,6 +111,9 @@ class ManagerDaemon : private AgentPool::Observer {
   void onNotifierHello(const std::shared_ptr<FramedConnection>& connection);
   void onPreemptNotice(const std::shared_ptr<FramedConnection>& connection, const proto::PreemptNotice& notice);
   void onWorkerMessage(int rank, const proto::Message& message);
+  // A worker's heartbeat, from its own connection or relayed by its agent.
+  void onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now);
+  void onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats);
   void onWorkerExited(const std::string& host, const proto::WorkerExited& exited);
   // Salvage (manager_daemon_salvage.cpp).
   void onSalvageReady(int rank, const proto::SalvageReady& ready);

@@ -30,6 +30,7 @@ struct LaunchArgs {
   std::string jobToken;     // VARUNA_JOB_TOKEN
   int generation = -1;      // VARUNA_GENERATION
   std::string hostAddr;     // VARUNA_HOST
+  int agentBeatFd = -1;     // VARUNA_AGENT_BEAT_FD: the agent's beat socket (agent_beat.h); -1: none
   std::string globalStore;  // VARUNA_GLOBAL_STORE: the job's checkpoint root
   int keepCheckpoints = -1; // VARUNA_KEEP_CHECKPOINTS (run_varuna --keep_checkpoints); -1: not given
   // run_varuna's AutoConfig choices (environment only); they win over the

@@ -48,6 +48,9 @@ struct ManagerLinkOptions {
   int generation = -1;
   std::string host;
   std::chrono::milliseconds heartbeatInterval{500};
+  // The agent's beat socket (agent_beat.h): heartbeats go there, and the
+  // agent relays them; -1 (or not a Unix datagram socket): to the manager.
+  int agentBeatFd = -1;
 };
 
 // Where and how the runtime writes checkpoints it takes on its own: the

@@ -1,0 +1,46 @@
+// The heartbeat a worker sends its agent (docs/protocol.md, "Heartbeats
+// through the agent"). An agent starts every worker of a launch with one end
+// of a Unix datagram socket pair on file descriptor kAgentBeatFd (named in
+// the environment as kAgentBeatFdEnv); the worker's ManagerLink sends one
+// fixed-size datagram per heartbeat there instead of a frame to the
+// manager, and the agent relays the newest beat of each worker in one
+// WorkerBeats frame a few times a second. A thousand workers then cost the
+// manager a frame per host, not one per worker and beat. Both ends come from
+// the same build; a record of another size is ignored.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace varuna {
+
+inline constexpr int kAgentBeatFd = 3;
+inline constexpr const char* kAgentBeatFdEnv = "VARUNA_AGENT_BEAT_FD";
+
+struct AgentBeatRecord {
+  int32_t rank = 0;
+  int32_t waiting = 0;  // 1: the training thread is blocked on a peer
+  int64_t step = -1;    // the last finished step
+
+  static constexpr size_t kBytes = 16;
+
+  std::array<char, kBytes> encode() const {
+    std::array<char, kBytes> out{};
+    std::memcpy(out.data(), &rank, 4);
+    std::memcpy(out.data() + 4, &waiting, 4);
+    std::memcpy(out.data() + 8, &step, 8);
+    return out;
+  }
+  static std::optional<AgentBeatRecord> decode(const char* data, size_t bytes) {
+    if (bytes != kBytes) return std::nullopt;
+    AgentBeatRecord r;
+    std::memcpy(&r.rank, data, 4);
+    std::memcpy(&r.waiting, data + 4, 4);
+    std::memcpy(&r.step, data + 8, 8);
+    return r;
+  }
+};
+
+}  // namespace varuna
