@@ -1,7 +1,8 @@
 """The example GPT's building blocks and data sampler in plain PyTorch, shared
-by the benchmarks' peers (bench/pipeline/peer_pipelining.py,
-bench/morph/peer_dp.py). They mirror examples/gpt/gpt_model.cpp and
-char_dataset.cpp so peer and runtime train the same model on the same samples."""
+by the benchmarks' peers (bench/pipeline/peer_pipelining.py, and
+bench/common/dp_peer.py used by bench/morph and bench/goodput). They mirror
+examples/gpt/gpt_model.cpp and char_dataset.cpp so peer and runtime train the
+same model on the same samples."""
 import os
 
 import torch

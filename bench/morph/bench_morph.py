@@ -43,179 +43,35 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+# Process, wait and clean-up helpers shared with bench/goodput.
+sys.path.insert(0, str(HERE.parent / "common"))
+from bench_support import (AGENT_RUN_ROOT, START_METHODS, TORCHRUN_ENV, BenchError, descendants,  # noqa: E402
+                           expect_none_left, fast_rdzv_conf, free_port, kill_all, make_log, median_of,
+                           notify_preempt, parse_jsonl, require_built, run_guarded, run_varuna_argv, spawn,
+                           stop_manager, stop_torchrun, tail, torchrun_argv, unwind_on_signals, wait_for)
+import bench_support  # noqa: E402
+
 MODEL = ["--d_model", "64", "--layers", "4", "--heads", "4", "--seq_len", "32"]
 GLOBAL_BATCH, CHUNK = 16, 4
 HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
 LEAVING = "127.0.0.2"
-# The agents' run folders (connection.json): varuna_agent's default
-# <temp dir>/varuna/JOB/HOST, where the temp dir honours TMPDIR as
-# std::filesystem::temp_directory_path does (CTest's smoke run sets it).
-AGENT_RUN_ROOT = Path(tempfile.gettempdir()) / "varuna"
-# Every process the bench starts (and their descendants, which inherit the
-# environment) carries this marker, so leftovers can be found and killed.
-MARKER = "VARUNA_BENCH_MORPH=%s" % uuid.uuid4().hex
-
-
-def log(*parts):
-    print("[morph %s]" % time.strftime("%H:%M:%S"), *parts, flush=True)
-
-
-class BenchError(Exception):
-    pass
-
-
-def wait_for(what, predicate, timeout, interval=0.02):
-    """Polls predicate() until it returns a true value; raises naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError("timed out after %.0f s waiting for %s" % (timeout, what))
-        time.sleep(interval)
-
-
-def free_port(count=1):
-    """A port p such that p .. p+count-1 are free now (bound and released)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + count > 65000:
-            continue
-        try:
-            for extra in range(1, count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + extra))
-            return port
-        except OSError:
-            continue
-    raise BenchError("found no %d consecutive free ports" % count)
-
-
-# --- processes ----------------------------------------------------------------------
-
-def proc_table():
-    """pid -> (ppid, environ bytes) of every process we can read."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % entry.name) as f:
-                stat = f.read()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "(comm) state"
-            with open("/proc/%s/environ" % entry.name, "rb") as f:
-                environ = f.read()
-        except (OSError, ValueError):
-            continue
-        table[int(entry.name)] = (ppid, environ)
-    return table
-
-
-def descendants(root, table=None):
-    table = table or proc_table()
-    children = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def marked_processes():
-    needle = MARKER.encode() + b"\0"
-    return [pid for pid, (_, env) in proc_table().items() if needle in env and pid != os.getpid()]
-
-
-def describe(pids):
-    out = []
-    for pid in pids:
-        try:
-            with open("/proc/%d/cmdline" % pid, "rb") as f:
-                out.append("%d %s" % (pid, f.read().replace(b"\0", b" ").decode(errors="replace")[:120]))
-        except OSError:
-            pass
-    return "; ".join(out)
-
-
-def kill_all(pids, sig=signal.SIGKILL):
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def expect_none_left(what, timeout=15):
-    """Waits until no process the bench started is left (the job stopped on its own)."""
-    wait_for("no process left after %s (left: %s)" % (what, describe(marked_processes())),
-             lambda: not marked_processes(), timeout)
-
-
-def kill_leftovers(timeout=15):
-    """SIGKILLs every process the bench started, directly or not, and waits for them to go.
-    Returns the ones still there after the timeout (none, unless something is very wrong)."""
-    pids = marked_processes()
-    if pids:
-        log("killing %d leftover process(es): %s" % (len(pids), describe(pids)))
-        kill_all(pids)
-    deadline = time.monotonic() + timeout
-    while marked_processes() and time.monotonic() < deadline:
-        kill_all(marked_processes())
-        time.sleep(0.05)
-    return marked_processes()
-
-
-def spawn(argv, log_path, **kw):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **kw.pop("env", {}))
-    key, value = MARKER.split("=")
-    env[key] = value
-    out = open(log_path, "ab")
-    try:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, **kw)
-    finally:
-        out.close()
-
-
-def tail(path, lines=30):
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no %s)" % path
+log = make_log("morph")
 
 
 # --- ours: run_varuna ------------------------------------------------------------------
 
 def read_events(state_dir):
-    path = state_dir / "events.jsonl"
     try:
-        text = path.read_text()
+        return parse_jsonl((state_dir / "events.jsonl").read_text())
     except OSError:
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line being written
-    return out
 
 
 def varuna_step(state_dir):
@@ -231,13 +87,9 @@ def varuna_round(args, rnd, work):
     d.mkdir(parents=True)
     (d / "machines.txt").write_text("".join(h + "\n" for h in HOSTS))
     state_dir, log_path = d / "state", d / "manager.log"
-    bin_dir = args.build / "bin"
-    argv = [str(bin_dir / "run_varuna"), "--job", job, "--machine_list", str(d / "machines.txt"),
-            "--nstages", "2", "--batch_size", str(GLOBAL_BATCH), "--chunk_size", str(CHUNK),
-            "--global_store", str(d / "store"), "--state_dir", str(state_dir),
-            "--code_dir", str(args.build / "examples" / "gpt"), "--port", "0",
-            "--master_port", str(free_port(2)),  # generation g uses master_port + g - 1
-            "--", "./train_gpt", "--steps", "1000000", *MODEL, "--threads", "1", "--log_every", "1000000"]
+    argv = run_varuna_argv(args.build, job, d, d / "machines.txt", 2, GLOBAL_BATCH, CHUNK,
+                           free_port(2),  # generations 1 and 2
+                           train=["--steps", "1000000", *MODEL, "--threads", "1", "--log_every", "1000000"])
     manager = spawn(argv, log_path)
 
     def alive():
@@ -250,14 +102,8 @@ def varuna_round(args, rnd, work):
                  lambda: alive() and varuna_step(state_dir) >= args.warm_steps, args.timeout)
         connection = AGENT_RUN_ROOT / job / LEAVING / "connection.json"
         t_notice = time.time()
-        try:
-            r = subprocess.run([str(bin_dir / "notify_manager_preempt"), "--connection_file", str(connection)],
-                               capture_output=True, text=True, timeout=30)
-        except subprocess.TimeoutExpired:
-            raise BenchError("notify_manager_preempt did not return within 30 s")
+        notify_preempt(args.build, connection)
         t_notified = time.time()
-        if r.returncode != 0:
-            raise BenchError("notify_manager_preempt failed (%d): %s" % (r.returncode, r.stderr.strip()))
         done = wait_for("morph_complete (%s)" % log_path,
                         lambda: alive() and [e for e in read_events(state_dir) if e["event"] == "morph_complete"],
                         args.timeout)[0]
@@ -279,30 +125,17 @@ def varuna_round(args, rnd, work):
             "rendezvous_load_first_step_s": done["rendezvous_load_first_step_s"],
             "resume_step": resume,
         }
-        # Stop: SIGTERM makes the manager checkpoint and stop the job.
-        manager.send_signal(signal.SIGTERM)
-        try:
-            manager.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            raise BenchError("run_varuna still running %.0f s after SIGTERM:\n%s" % (args.timeout, tail(log_path)))
-        expect_none_left("run_varuna stopped")  # its agents and workers went with it
+        stop_manager(manager, log_path, args.timeout)
         return result
     finally:
-        kill_leftovers()
+        bench_support.kill_leftovers(log)
         shutil.rmtree(AGENT_RUN_ROOT / job, ignore_errors=True)
 
 
 # --- peer: torchrun elastic ------------------------------------------------------------
 
 def read_worker_events(folder):
-    out = []
-    for path in folder.glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+    return [e for path in folder.glob("rank*.jsonl") for e in parse_jsonl(path.read_text())]
 
 
 def read_torchrun_log(path):
@@ -325,43 +158,23 @@ def read_torchrun_log(path):
     return out
 
 
-# How torchrun starts its workers: forked from the agent, which has torch
-# imported already, running the script with runpy (--run-path --start-method
-# fork; the default here, the faster), or torchrun's own default, a new
-# interpreter per worker that imports torch itself (~2.5-3.5 s here).
-START_METHODS = {"exec": [], "fork": ["--run-path", "--start-method", "fork"]}
-
-
 def peer_round(args, rnd, work):
     d = work / ("peer%d" % rnd)
     events = d / "events"
     events.mkdir(parents=True)
     port = free_port()
-    torchrun = args.venv / "bin" / "torchrun"
-    # Tuned for a fast restart. Timeouts are whole seconds (get_as_int): a dead
-    # node leaves the rendezvous keep_alive_interval x keep_alive_max_attempt
-    # after its last heartbeat (1 x 2 s; 1 x 1 would expire live nodes whose
-    # heartbeat is a little late); the lone survivor then waits
-    # last_call_timeout (1 s, the minimum) for others before closing the round.
-    conf = "join_timeout=60,last_call_timeout=1,close_timeout=5,heartbeat=5,keep_alive_interval=1," \
-           "keep_alive_max_attempt=2,read_timeout=30"
     nodes = {}
     for addr, is_host in (("127.0.0.1", 1), (LEAVING, 0)):
-        argv = [str(torchrun), "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-                "--rdzv_endpoint", "127.0.0.1:%d" % port, "--rdzv_id", "bench-morph-%d-%d" % (os.getpid(), rnd),
-                "--rdzv_conf", "%s,is_host=%d" % (conf, is_host), "--local_addr", addr,
-                "--max_restarts", "3", "--monitor_interval", "0.1", *START_METHODS[args.peer_start],
-                str(HERE / "peer_dp.py"), "--events", str(events), "--ckpt", str(d / "ckpt.pt"),
-                *MODEL, "--batch", str(GLOBAL_BATCH), *(["--fast_exit"] if args.peer_fast_exit else [])]
-        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the rendezvous store shared
-        # (the default), restarted workers can read the previous attempt's Gloo
-        # addresses and fail to connect (pytorch/pytorch#135712; seen here:
-        # three restarts in a row failed); unshared, rank 0's worker hosts a
-        # fresh store each attempt. LOGLEVEL=INFO: the agent logs its
-        # decisions with timestamps, which the phases below come from.
-        nodes[addr] = spawn(argv, d / ("torchrun-%s.log" % addr),
-                            env={"GLOO_SOCKET_IFNAME": "lo", "LOGLEVEL": "INFO",
-                                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        # A dead node expires 1 x 2 s after its last heartbeat (1 x 1 would expire
+        # live nodes whose heartbeat is a little late). The rendezvous store is
+        # hosted by the first node's agent (is_host=1): only the second is lost.
+        argv = torchrun_argv(args.venv, "1:2", 2, port, "bench-morph-%d-%d" % (os.getpid(), rnd),
+                             fast_rdzv_conf(2, is_host), addr, 3, args.peer_start,
+                             [str(HERE / "peer_dp.py"), "--events", str(events), "--ckpt", str(d / "ckpt.pt"),
+                              *MODEL, "--batch", str(GLOBAL_BATCH),
+                              *(["--fast_exit"] if args.peer_fast_exit else [])])
+        # TORCHRUN_ENV's LOGLEVEL=INFO: the phases below come from the agent's log.
+        nodes[addr] = spawn(argv, d / ("torchrun-%s.log" % addr), env=TORCHRUN_ENV)
     survivor, victim = nodes["127.0.0.1"], nodes[LEAVING]
 
     def alive():
@@ -414,30 +227,42 @@ def peer_round(args, rnd, work):
             "worker_restarts": len(restarts),
             "resume_step": min(e["resume_step"] for e in new if e["event"] == "loaded"),
         }
-        survivor.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
-        try:
-            survivor.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            raise BenchError("torchrun still running 30 s after SIGTERM:\n%s" % tail(d / "torchrun-127.0.0.1.log"))
+        stop_torchrun({"127.0.0.1": survivor}, lambda addr: d / ("torchrun-%s.log" % addr))
         expect_none_left("torchrun stopped")
         return result
     finally:
-        kill_leftovers()
+        bench_support.kill_leftovers(log)
 
 
 # --- report --------------------------------------------------------------------------
 
-def med(rounds, key):
-    values = [r[key] for r in rounds if r.get(key) is not None]
-    return statistics.median(values) if values else None
+med = median_of
 
 
 def fmt(x):
     return "%.2f" % x if x is not None else "-"
 
 
-def interrupted(signum, frame):
-    raise KeyboardInterrupt
+def run_rounds(args, sides, work, ours, peer):
+    """Every side once a round, appending each round's figures to ours and peer."""
+    for rnd in range(args.rounds):
+        if "varuna" in sides:
+            r = varuna_round(args, rnd, work)
+            ours.append(r)
+            log("round %d varuna: notice -> first 2x1 step %.2f s (manager: %.2f s = checkpoint+teardown %.2f "
+                "+ launch+connect %.2f + rendezvous+load+first step %.2f; notice delivered after %.3f s); "
+                "resumed at step %s" % (rnd, r["notice_to_first_step_s"], r["manager_total_s"],
+                                        r["checkpoint_and_teardown_s"], r["launch_and_connect_s"],
+                                        r["rendezvous_load_first_step_s"], r["notice_delivery_s"],
+                                        r["resume_step"]))
+        if "torchrun" in sides:
+            r = peer_round(args, rnd, work)
+            peer.append(r)
+            log("round %d torchrun: kill -> first step on 2 workers %.2f s (agent sees the failure %s + "
+                "re-rendezvous %s + spawn, import torch, model, optimizer %s + process group, load, DDP, "
+                "first step %.2f); %d worker start(s); resumed at step %s"
+                % (rnd, r["kill_to_first_step_s"], fmt(r["detect_s"]), fmt(r["rendezvous_s"]), fmt(r["start_s"]),
+                   r["resume_s"], r["worker_restarts"], r["resume_step"]))
 
 
 def main():
@@ -459,57 +284,14 @@ def main():
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.warm_steps = 1, 3
-    for path in (args.build / "bin" / "run_varuna", args.build / "bin" / "notify_manager_preempt",
-                 args.build / "examples" / "gpt" / "train_gpt", args.venv / "bin" / "torchrun"):
-        if not path.exists():
-            sys.exit("bench_morph: %s does not exist; build it (ninja -C build run_varuna varuna_agent "
-                     "notify_manager_preempt train_gpt) or pass --build / --venv" % path)
+    require_built("bench_morph", args.build, args.venv,
+                  "ninja -C build run_varuna varuna_agent notify_manager_preempt train_gpt")
     sides = args.sides.split(",")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-morph-"))
     work.mkdir(parents=True, exist_ok=True)
-    # Ctrl-C, SIGTERM and SIGHUP unwind through the rounds' clean-ups (SIGINT set
-    # explicitly: a shell's background job inherits it ignored).
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupted)
+    unwind_on_signals()  # through the rounds' clean-ups
     ours, peer = [], []
-    try:
-        for rnd in range(args.rounds):
-            if "varuna" in sides:
-                r = varuna_round(args, rnd, work)
-                ours.append(r)
-                log("round %d varuna: notice -> first 2x1 step %.2f s (manager: %.2f s = checkpoint+teardown %.2f "
-                    "+ launch+connect %.2f + rendezvous+load+first step %.2f; notice delivered after %.3f s); "
-                    "resumed at step %s" % (rnd, r["notice_to_first_step_s"], r["manager_total_s"],
-                                            r["checkpoint_and_teardown_s"], r["launch_and_connect_s"],
-                                            r["rendezvous_load_first_step_s"], r["notice_delivery_s"],
-                                            r["resume_step"]))
-            if "torchrun" in sides:
-                r = peer_round(args, rnd, work)
-                peer.append(r)
-                log("round %d torchrun: kill -> first step on 2 workers %.2f s (agent sees the failure %s + "
-                    "re-rendezvous %s + spawn, import torch, model, optimizer %s + process group, load, DDP, "
-                    "first step %.2f); %d worker start(s); resumed at step %s"
-                    % (rnd, r["kill_to_first_step_s"], fmt(r["detect_s"]), fmt(r["rendezvous_s"]), fmt(r["start_s"]),
-                       r["resume_s"], r["worker_restarts"], r["resume_step"]))
-    except KeyboardInterrupt:
-        log("interrupted")
-        failure = 130
-    except BenchError as e:
-        log("error:", e)
-        failure = 1
-    else:
-        failure = 0
-    finally:
-        left = kill_leftovers()
-        if args.keep or args.workdir or failure:
-            log("work folder kept:", work)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    if left:
-        log("error: processes still alive after SIGKILL: %s" % describe(left))
-        sys.exit(1)
-    if failure:
-        sys.exit(failure)
+    run_guarded(lambda: run_rounds(args, sides, work, ours, peer), log, work, args.keep or args.workdir)
 
     morph_s, restart_s = med(ours, "notice_to_first_step_s"), med(peer, "kill_to_first_step_s")
     rows = [

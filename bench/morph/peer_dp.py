@@ -24,66 +24,25 @@ import time
 
 T_START = time.time()  # before `import torch`: process start as torchrun sees it
 
-import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
-import torch  # noqa: E402
+# Imported here, alone, to time it (T_IMPORTED); the rest of torch comes after.
+import torch  # noqa: E402,F401
 
 T_IMPORTED = time.time()
 
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from datetime import timedelta  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from peer_gpt import Block, batch as samples, load_text  # noqa: E402
-
-
-class Gpt(nn.Module):
-    """The whole example GPT in one process; the LM head is tied to the token
-    embedding, as train_gpt's is by default."""
-
-    def __init__(self, vocab, d, layers, heads, seq):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-
-    def forward(self, tokens):
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.size(1)))
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x) @ self.wte.weight.t()
-
-
-def load_tokens(path):
-    """The text as token ids over its sorted byte alphabet (char_dataset.cpp's vocabulary)."""
-    raw = torch.frombuffer(bytearray(load_text(path)), dtype=torch.uint8).long()
-    alphabet = torch.unique(raw)  # sorted
-    lookup = torch.zeros(256, dtype=torch.long)
-    lookup[alphabet] = torch.arange(len(alphabet))
-    return lookup[raw], len(alphabet)
+# The DDP peer's model, data, checkpoints and step, shared with bench/goodput's peer.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common"))
+import dp_peer  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--events", required=True, help="folder for the per-worker event files")
-    p.add_argument("--ckpt", required=True, help="checkpoint file (rank 0 writes it after every step)")
-    p.add_argument("--steps", type=int, default=100000)
-    p.add_argument("--batch", type=int, default=16, help="global batch, split over the workers")
-    p.add_argument("--d_model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--data", default="/usr/share/common-licenses")
-    p.add_argument("--data_seed", type=int, default=7)
+    p = dp_peer.peer_parser("checkpoint file (rank 0 writes it after every step)", steps=100000, batch=16)
     p.add_argument("--fast_exit", action="store_true",
                    help="os._exit(1) when a collective fails, skipping the interpreter's teardown, and die on "
                         "SIGTERM at once (a worker forked by torchrun inherits its handler, which raises instead)")
@@ -93,51 +52,30 @@ def main():
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    out = open(os.path.join(args.events, "rank%d.%d.jsonl" % (rank, os.getpid())), "a", buffering=1)
-
-    def record(event, t=None, **fields):
-        out.write(json.dumps({"event": event, "t": t or time.time(), "rank": rank, "world": world,
-                              "restart": restart, "pid": os.getpid(), **fields}) + "\n")
+    events = dp_peer.EventLog(args.events, rank, world, restart=restart)
+    record = events.record
 
     record("start", T_START)
     record("imported", T_IMPORTED)
-    torch.set_num_threads(1)
-    tokens, vocab = load_tokens(args.data)
-    torch.manual_seed(1234)  # same initial weights on every worker (DDP broadcasts rank 0's anyway)
-    model = Gpt(vocab, args.d_model, args.layers, args.heads, args.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    tokens, vocab, model, optimizer = dp_peer.build_model(args)
     record("model_ready")
-    # A lost peer shows up as a closed connection at once; the timeout only bounds a silent hang.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    dp_peer.init_group()
     record("pg_ready")
-    first = 0
-    if os.path.exists(args.ckpt):
-        state = torch.load(args.ckpt)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        first = state["step"]
+    first = dp_peer.resume(args.ckpt, model, optimizer)
     ddp = DistributedDataParallel(model)
     record("loaded", resume_step=first, parameters=sum(p.numel() for p in model.parameters()))
 
-    if args.batch % world:
-        raise SystemExit("--batch %d does not split over %d workers" % (args.batch, world))
-    share = args.batch // world
+    share = dp_peer.share_of(args.batch, world)
     try:
         for step in range(first, args.steps):
-            x, y = samples(tokens, step * args.batch + rank * share, share, args.seq_len, args.data_seed)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
-            loss.backward()
-            optimizer.step()
+            loss = dp_peer.train_step(ddp, optimizer, tokens, vocab, args, step, rank, share)
             if rank == 0:
-                tmp = args.ckpt + ".tmp"
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, tmp)
-                os.replace(tmp, args.ckpt)
+                dp_peer.save(args.ckpt, model, optimizer, step + 1)
             record("step", step=step, loss=loss.item())
     except RuntimeError as e:  # a peer died mid-collective: let torchrun restart us
         record("error", error=str(e)[:200])
         if args.fast_exit:
-            out.flush()
+            events.flush()
             os._exit(1)
         raise
     dist.destroy_process_group()

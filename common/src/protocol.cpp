@@ -83,7 +83,12 @@ Message fromJson(const json& j) {
   if (type == "heartbeat") return Heartbeat{j.at("rank"), j.at("step"), j.value("waiting", false)};
   if (type == "worker_beats") {
     WorkerBeats m{j.at("generation"), {}};
-    for (const auto& b : j.at("beats")) m.beats.push_back({b.at(0), b.at(1), b.at(2)});
+    const auto& beats = j.at("beats");
+    if (!beats.is_array()) throw ProtocolError("worker_beats: beats must be an array");
+    for (const auto& b : beats) {
+      if (!b.is_array() || b.size() != 3) throw ProtocolError("worker_beats: each beat must be [rank, step, waiting]");
+      m.beats.push_back({b.at(0), b.at(1), b.at(2)});
+    }
     return m;
   }
   if (type == "step_report") {

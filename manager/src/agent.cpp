@@ -210,6 +210,7 @@ void Agent::scheduleHeartbeat() {
 int Agent::openBeatSocket(int generation) {
   boost::system::error_code ignored;
   beatSocket_.close(ignored);  // the previous launch's: its workers' beats no longer count
+  ++beatEpoch_;
   pendingBeats_.clear();
   beatGeneration_ = generation;
   int fds[2];
@@ -224,14 +225,19 @@ int Agent::openBeatSocket(int generation) {
 }
 
 void Agent::readBeats() {
-  beatSocket_.async_receive(asio::buffer(beatBuffer_), [this](const boost::system::error_code& ec, size_t bytes) {
-    if (ec == asio::error::operation_aborted || exiting_) return;
+  // A receive that completed before a relaunch closed its socket still runs
+  // (closing cancels only what has not completed): it belongs to the old
+  // launch, and must neither count nor start a second read on the new socket.
+  const uint64_t epoch = beatEpoch_;
+  beatSocket_.async_receive(asio::buffer(beatBuffer_), [this, epoch](const boost::system::error_code& ec, size_t bytes) {
+    if (ec == asio::error::operation_aborted || exiting_ || epoch != beatEpoch_) return;
     if (ec) {
       log::warn("reading the workers' beats failed: ", ec.message());
       return;
     }
     // Only ranks this agent runs in the current launch count.
-    if (const auto record = AgentBeatRecord::decode(beatBuffer_.data(), bytes)) {
+    const auto record = AgentBeatRecord::decode(beatBuffer_.data(), bytes);
+    if (record && monotonicNs() - record->sentNs <= kMaxAgentBeatAgeNs) {
       const bool ours = std::any_of(workers_.begin(), workers_.end(), [&](const auto& entry) {
         return entry.second.rank == record->rank && entry.second.generation == beatGeneration_;
       });

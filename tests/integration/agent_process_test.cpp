@@ -191,18 +191,24 @@ TEST_CASE("agent: workers start with SIGUSR1 blocked, so an early checkpoint req
 TEST_CASE("agent: its workers' beats on the beat socket reach the manager, the newest per rank per relay",
           "[agent]") {
   AgentUnderTest t("agent-beats", "30");
-  // Each worker sends a record of the wrong size (ignored), then 50 beats
-  // back to back (step 100 x rank + i, waiting on odd ranks) on the socket the
-  // agent names, then sleeps. Only the newest of each rank is relayed.
+  // Each worker checks that it holds no descriptor of the agent's but the
+  // beat socket (3), sends a record of the wrong size (ignored), 50 beats back
+  // to back (step 100 x rank + i, waiting on odd ranks), then one stamped 10 s
+  // ago (stale: dropped), then sleeps. Only the newest fresh beat of each rank
+  // is relayed.
   const std::string worker = R"(
 import os, socket, struct, time
 fd = int(os.environ["VARUNA_AGENT_BEAT_FD"])
+assert fd == 3
+listed = [int(n) for n in os.listdir("/proc/self/fd")]
+assert [n for n in listed if n > 3 and os.path.exists("/proc/self/fd/%d" % n)] == [], listed
 s = socket.socket(fileno=os.dup(fd))
 assert s.family == socket.AF_UNIX and s.type == socket.SOCK_DGRAM
 rank = int(os.environ["RANK"])
 s.send(b"not a beat")
 for i in range(50):
-    s.send(struct.pack("=iiq", rank, rank % 2, 100 * rank + i))
+    s.send(struct.pack("=iiqq", rank, rank % 2, 100 * rank + i, time.monotonic_ns()))
+s.send(struct.pack("=iiqq", rank, 0, 100 * rank + 99, time.monotonic_ns() - 10 * 10**9))
 time.sleep(120)
 )";
   t.launch({"/usr/bin/python3", "-c", worker});
@@ -221,11 +227,21 @@ time.sleep(120)
       ++relaysWith[beat.rank];
     }
   }
+  // Two more relay periods: the stale beats must not come later either.
+  const auto drainEnd = std::chrono::steady_clock::now() + 600ms;
+  while (std::chrono::steady_clock::now() < drainEnd) {
+    auto message = t.link->receive(100ms);
+    const auto* relay = message ? std::get_if<proto::WorkerBeats>(&*message) : nullptr;
+    if (relay) {
+      for (const auto& beat : relay->beats) newest[beat.rank] = beat;
+    }
+  }
   REQUIRE(newest.size() == 2);
   CHECK(newest.at(0).step == 49);
   CHECK_FALSE(newest.at(0).waiting);
   CHECK(newest.at(1).step == 149);
   CHECK(newest.at(1).waiting);
+  // The stale beat (step ..99) was never relayed: the newest is the last fresh one.
   // Relayed, not forwarded one by one: 50 beats each in a few relays.
   CHECK(relaysWith.at(0) < 25);
   CHECK(relaysWith.at(1) < 25);

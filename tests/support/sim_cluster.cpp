@@ -62,6 +62,7 @@ struct SimCluster::Worker {
   int exitCode = 0;
   std::chrono::milliseconds lostManagerGrace{15000};  // until the Welcome says otherwise
   std::string heartbeatFrame;  // encoded Heartbeat{rank, frameStep, frameWaiting}
+  bool directBeatSent = false;  // its first heartbeat after the hello (to the manager) went out
   int64_t frameStep = std::numeric_limits<int64_t>::min();
   bool frameWaiting = false;
 };
@@ -224,6 +225,7 @@ void SimCluster::launch(const std::shared_ptr<Agent>& agent, const proto::Launch
   // A relaunch replaces what ran there (reported, with its own generation).
   killAgentWorkers(*agent, /*report=*/true);
   agent->generation = launch.generation;
+  agent->pendingBeats.clear();  // the old workers' (varuna_agent: a new beat socket per launch)
   const auto now = Clock::now();
   auto [it, fresh] = generations_.try_emplace(launch.generation);
   Generation& gen = it->second;
@@ -471,6 +473,7 @@ void SimCluster::relayBeats(Agent& agent, Clock::time_point now) {
     for (const auto& [rank, beat] : agent.pendingBeats) relay.beats.push_back(beat);
     agent.pendingBeats.clear();
     send(*agent.peer, proto::encode(relay));
+    ++relays_;
     agent.nextBeatForward = now + options_.agentBeatForward;
     return;
   }
@@ -479,11 +482,16 @@ void SimCluster::relayBeats(Agent& agent, Clock::time_point now) {
 
 void SimCluster::beat(Worker& w, bool waiting) {
   const auto agent = w.agent.lock();
-  if (options_.beatsThroughAgent && agent && agent->state == Agent::State::kUp && agent->generation == w.generation) {
+  const bool agentThere = agent && agent->state != Agent::State::kGone && agent->generation == w.generation;
+  if (options_.beatsThroughAgent && agentThere && w.directBeatSent) {
+    if (agent->state != Agent::State::kUp) return;  // a stopped agent's queue: dropped as stale once it runs
     agent->pendingBeats[w.rank] = proto::WorkerBeat{w.rank, w.step, waiting};
     wakeAgentsBy(std::max(agent->nextBeatForward, Clock::now()));
+    ++relaysBeats_;
     return;
   }
+  w.directBeatSent = true;  // the first after the hello goes to the manager itself, as a ManagerLink's
+  ++directHeartbeats_;
   if (w.frameStep != w.step || w.frameWaiting != waiting || w.heartbeatFrame.empty()) {
     w.heartbeatFrame = proto::encode(proto::Heartbeat{w.rank, w.step, waiting});
     w.frameStep = w.step;

@@ -23,9 +23,10 @@
 //    its agent, which relays the newest of each of its workers in one
 //    WorkerBeats every `agentBeatForward`, as a worker started by
 //    varuna_agent does (agent_beat.h); a Heartbeat to the manager instead
-//    when `beatsThroughAgent` is off, when it has no agent (a stray), or
-//    while its agent is frozen or gone (standing in for the pings that keep
-//    a real worker heard then, and for its fallback to direct heartbeats);
+//    for the first beat after its hello, when `beatsThroughAgent` is off,
+//    when it has no agent (a stray) or its agent is gone (a real worker's
+//    fallback to direct heartbeats); none while its agent is frozen (a real
+//    one's queue fills and is dropped as stale);
 //  - once every rank of its generation is connected (the rendezvous), a
 //    StepReport every `step` (rank r's at r/N of the period, beats re-phased
 //    the same way from there, as the bench always paced them); step counts
@@ -214,6 +215,11 @@ class SimCluster {
   std::vector<int> liveRanks(int generation) const;
   // Frames every simulated peer sent; connections lost (Callbacks::onConnectionLost).
   uint64_t framesSent() const { return framesSent_; }
+  // Heartbeats: sent to the manager by workers, handed to their agents, and
+  // the agents' WorkerBeats relays.
+  uint64_t directHeartbeats() const { return directHeartbeats_; }
+  uint64_t relayedBeats() const { return relaysBeats_; }
+  uint64_t relays() const { return relays_; }
   int lostConnections() const { return lostConnections_; }
   // Sends a frame from rank `rank` of the newest generation (the bench's
   // pings); false if that worker is not connected.
@@ -301,6 +307,7 @@ class SimCluster {
   std::vector<Order> orders_;
   std::vector<ExitReport> exitReports_;
   uint64_t framesSent_ = 0;
+  uint64_t directHeartbeats_ = 0, relaysBeats_ = 0, relays_ = 0;
   int lostConnections_ = 0;
 };
 

@@ -278,6 +278,7 @@ TEST_CASE("sequences: a frozen agent's workers are ordered out and the job relau
   // node-b's workers were gone before anyone could report them (their agent is frozen).
   CHECK(exitsOf(*f.cluster, 2, 1).empty());
   CHECK(exitsOf(*f.cluster, 3, 1).empty());
+  CHECK(f.events("worker_hung").empty());  // the host's loss, not its workers'
   // Thawed, the agent finds its connection closed: it reports nothing and gets nothing more.
   f.cluster->thawAgent("node-b");
   f.runFor(300ms);
@@ -368,5 +369,31 @@ TEST_CASE("sequences: workers heard only through their agents' relayed beats sta
   CHECK(f.events("worker_hung").empty());
   CHECK(f.cluster->liveWorkers(1) == 4);
   CHECK(f.cluster->launches() == 1);
+  // One heartbeat of each to the manager (the first, after its hello), every
+  // other one through a relay.
+  CHECK(f.cluster->directHeartbeats() == 4);
+  CHECK(f.cluster->relayedBeats() > 100);
+  CHECK(f.cluster->relays() > 20);
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+TEST_CASE("sequences: a frozen agent whose workers are heard only through it is a lost host, not hung workers",
+          "[sequences]") {
+  sim::SimOptions options = fastSim();
+  options.step = 0ms;  // no step reports: the relays are all the manager hears of a worker
+  SimDaemon f("seq_relay_frozen", Job{{"node-a", "node-b"}, 2, 2, 4}, {}, options);
+  REQUIRE(f.runUntil([&] { return f.cluster->welcomedWorkers(1) == 4; }));
+  f.runFor(500ms);
+  f.cluster->setHostReachable("node-b", false);
+  f.cluster->freezeAgent("node-b");
+  const auto frozenAt = std::chrono::steady_clock::now();
+  // Its workers fall silent after heartbeat_timeout_s (2 s), but so did their
+  // agent: the agent's own timeout (3 s) decides, for the whole host.
+  REQUIRE(f.runUntil([&] { return !f.events("host_lost").empty(); }));
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - frozenAt).count() >= 2.5);
+  CHECK(f.events("host_lost")[0]["host"] == "node-b");
+  CHECK(f.events("worker_hung").empty());
+  CHECK(f.cluster->workerGot("exit_now", 2, 1));
+  CHECK(f.cluster->workerGot("exit_now", 3, 1));
   CHECK(f.daemon->handlerFailures() == 0);
 }

@@ -131,6 +131,23 @@ TEST_CASE("exit_now and welcome: malformed bodies are refused, the reason is bou
   CHECK(std::get<ExitNow>(decodeBody(raw)).reason.size() == kMaxErrorTextBytes);
 }
 
+TEST_CASE("worker_beats: beats are [rank, step, waiting] triples; any other shape is refused", "[protocol]") {
+  CHECK(decodeBody(R"({"type":"worker_beats","generation":2,"beats":[[0,5,false],[3,-1,true]]})") ==
+        Message(WorkerBeats{2, {{0, 5, false}, {3, -1, true}}}));
+  CHECK(decodeBody(R"({"type":"worker_beats","generation":2,"beats":[]})") == Message(WorkerBeats{2, {}}));
+  for (const char* body : {R"({"type":"worker_beats","generation":2})",
+                           R"({"type":"worker_beats","generation":2,"beats":null})",
+                           R"({"type":"worker_beats","generation":2,"beats":{"a":[0,5,false]}})",
+                           R"({"type":"worker_beats","generation":2,"beats":[[0,5]]})",
+                           R"({"type":"worker_beats","generation":2,"beats":[[0,5,false,1]]})",
+                           R"({"type":"worker_beats","generation":2,"beats":[{"rank":0}]})",
+                           R"({"type":"worker_beats","generation":2,"beats":[["0",5,false]]})",
+                           R"({"type":"worker_beats","generation":2,"beats":[[0,5,"no"]]})"}) {
+    INFO(body);
+    CHECK_THROWS_AS(decodeBody(body), ProtocolError);
+  }
+}
+
 TEST_CASE("heartbeats decode the same through the fast path and the JSON parser", "[protocol]") {
   // decodeBody matches the canonical heartbeat (what encode() writes) without
   // a JSON document; a trailing space takes the same body through the parser.

@@ -7,6 +7,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
+
 #include "blocked_on_peers.h"
 #include "varuna/common/log.h"
 
@@ -70,17 +72,22 @@ PeerMonitor::~PeerMonitor() {
 
 void PeerMonitor::run() {
   std::unique_lock<std::mutex> lock(mutex_);
+  int failuresInARow = 0;
   while (!stop_) {
     lock.unlock();
     try {
       store_->add(heartbeatKey(rank_), 1);
+      failuresInARow = 0;
     } catch (const std::exception&) {
-      // The store host is gone; whoever waits on a peer will diagnose it.
-      // Beating on would only repeat libtorch's warning every interval.
-      return;
+      // The store host is gone, or the store timed out under load. Whoever
+      // waits on a peer diagnoses a lost store host; but a rank that stopped
+      // beating for good after one slow answer would later be named as the
+      // lost peer itself. So it keeps beating, backing off (up to 32
+      // intervals) so as not to repeat libtorch's warning every interval.
+      ++failuresInARow;
     }
     lock.lock();
-    wake_.wait_for(lock, interval_, [this] { return stop_; });
+    wake_.wait_for(lock, interval_ * (1 << std::min(failuresInARow, 5)), [this] { return stop_; });
   }
 }
 

@@ -18,8 +18,11 @@ namespace {
 double seconds(std::chrono::milliseconds duration) { return static_cast<double>(duration.count()) / 1000; }
 
 // A private close-on-exec copy of the agent's beat socket, or -1 when `fd`
-// is not a Unix datagram socket (not started by an agent, or the program
-// reused the descriptor): nothing is ever sent into a socket of another kind.
+// is not a Unix datagram socket made by this process's parent (not started
+// by an agent, a wrapper that did not exec, or a program that reused the
+// descriptor, e.g. for syslog): nothing is ever sent into another socket.
+// The descriptor itself becomes close-on-exec: programs the training program
+// runs do not inherit it.
 int adoptAgentBeatSocket(int fd) {
   if (fd < 0) return -1;
   int type = 0, domain = 0;
@@ -27,7 +30,12 @@ int adoptAgentBeatSocket(int fd) {
   if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &length) != 0 || type != SOCK_DGRAM) return -1;
   length = sizeof(domain);
   if (::getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &length) != 0 || domain != AF_UNIX) return -1;
-  return ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  ucred peer{};
+  length = sizeof(peer);
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0 || peer.pid != ::getppid()) return -1;
+  const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (copy >= 0) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  return copy;
 }
 
 }  // namespace
@@ -119,6 +127,7 @@ void ManagerLink::run() {
         client->send(proto::Hello{proto::kVersion, options_.token, "worker", options_.host, rank_, options_.generation},
                      timings_.sendTimeout);
         lastSent = Clock::time_point{};  // a heartbeat right away: the manager learns the step at once
+        directBeatDue_ = true;           // ...and from us: a relay could reach it before our hello
         lastPing = Clock::time_point{};
         warned = false;
       } catch (const std::exception& e) {
@@ -207,8 +216,8 @@ void ManagerLink::run() {
 }
 
 void ManagerLink::sendHeartbeat(proto::ControlClient& client, int64_t step, bool waiting) {
-  if (agentBeatFd_ >= 0) {
-    const auto record = AgentBeatRecord{rank_, waiting ? 1 : 0, step}.encode();
+  if (agentBeatFd_ >= 0 && !directBeatDue_) {
+    const auto record = AgentBeatRecord{rank_, waiting ? 1 : 0, step, monotonicNs()}.encode();
     if (::send(agentBeatFd_, record.data(), record.size(), MSG_DONTWAIT | MSG_NOSIGNAL) >= 0) return;
     // A full queue (the agent is busy or stopped): this beat is dropped; the
     // manager judges a stopped agent on its own heartbeats.
@@ -218,6 +227,7 @@ void ManagerLink::sendHeartbeat(proto::ControlClient& client, int64_t step, bool
     agentBeatFd_ = -1;
   }
   client.send(proto::Heartbeat{rank_, step, waiting}, timings_.sendTimeout);
+  directBeatDue_ = false;
 }
 
 void ManagerLink::onManagerMessage(const proto::Message& message, std::optional<proto::ControlClient>& client) {

@@ -15,8 +15,9 @@
 //    thread's waits on peers), the second to the training thread waiting in
 //    awaitSalvageWrite().
 // Heartbeats of a worker started by an agent go to the agent's beat socket
-// (agent_beat.h), which relays them; if that socket is missing or fails, to
-// the manager directly. The rest (hello, reports, pings) always goes direct.
+// (agent_beat.h), which relays them (but the first after each connect, which
+// must not reach the manager before the hello); if that socket is missing or
+// fails, to the manager directly. The rest (hello, reports, pings) always goes direct.
 // A worker that has not heard from the manager for the grace (no connection,
 // hello refused, no answer; default kDefaultLostManagerGrace, the manager's
 // Welcome sets its own) takes its generation as over and exits with
@@ -123,6 +124,7 @@ class ManagerLink {
   std::string lastProblem_;      // why the manager is not heard, for the exit message
   std::string lastRefusal_;      // logged once per text
   int agentBeatFd_ = -1;         // a private copy of the agent's beat socket; -1: beat to the manager
+  bool directBeatDue_ = false;   // the first heartbeat after a (re)connect goes to the manager itself
 
   std::mutex mutex_;  // guards the members below it (the link thread and the callers)
   std::condition_variable wake_;

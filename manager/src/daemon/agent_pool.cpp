@@ -225,6 +225,10 @@ bool AgentPool::connected(const std::string& host) const {
   return it != agents_.end() && it->second.connection && it->second.connection->open();
 }
 
+bool AgentPool::heardFrom(const std::string& host, TimePoint now, std::chrono::milliseconds window) const {
+  return connected(host) && now - agents_.at(host).lastSeen <= window;
+}
+
 void AgentPool::send(const std::string& host, const proto::Message& message) {
   if (connected(host)) agents_.at(host).connection->send(message);
 }

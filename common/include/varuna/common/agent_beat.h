@@ -7,7 +7,10 @@
 // WorkerBeats frame a few times a second. A thousand workers then cost the
 // manager a frame per host, not one per worker and beat. Both ends come from
 // the same build; a record of another size is ignored.
+// A beat older than kMaxAgentBeatAgeNs when the agent reads it is dropped.
 #pragma once
+
+#include <time.h>
 
 #include <array>
 #include <cstdint>
@@ -18,19 +21,31 @@ namespace varuna {
 
 inline constexpr int kAgentBeatFd = 3;
 inline constexpr const char* kAgentBeatFdEnv = "VARUNA_AGENT_BEAT_FD";
+inline constexpr int64_t kMaxAgentBeatAgeNs = 1000000000;  // 1 s: a few relays
+
+// CLOCK_MONOTONIC in nanoseconds: one clock for every process of a host.
+inline int64_t monotonicNs() {
+  timespec t{};
+  ::clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
 
 struct AgentBeatRecord {
   int32_t rank = 0;
   int32_t waiting = 0;  // 1: the training thread is blocked on a peer
   int64_t step = -1;    // the last finished step
+  // When it was sent (monotonicNs): a beat that waited in the queue of a
+  // stopped agent says nothing about the worker now, and is dropped.
+  int64_t sentNs = 0;
 
-  static constexpr size_t kBytes = 16;
+  static constexpr size_t kBytes = 24;
 
   std::array<char, kBytes> encode() const {
     std::array<char, kBytes> out{};
     std::memcpy(out.data(), &rank, 4);
     std::memcpy(out.data() + 4, &waiting, 4);
     std::memcpy(out.data() + 8, &step, 8);
+    std::memcpy(out.data() + 16, &sentNs, 8);
     return out;
   }
   static std::optional<AgentBeatRecord> decode(const char* data, size_t bytes) {
@@ -39,6 +54,7 @@ struct AgentBeatRecord {
     std::memcpy(&r.rank, data, 4);
     std::memcpy(&r.waiting, data + 4, 4);
     std::memcpy(&r.step, data + 8, 8);
+    std::memcpy(&r.sentNs, data + 16, 8);
     return r;
   }
 };

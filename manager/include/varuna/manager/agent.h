@@ -117,6 +117,7 @@ class Agent {
   boost::asio::local::datagram_protocol::socket beatSocket_;
   std::array<char, 64> beatBuffer_{};
   int beatGeneration_ = -1;
+  uint64_t beatEpoch_ = 0;  // one per beat socket: a read of an earlier one is dropped
   std::map<int, proto::WorkerBeat> pendingBeats_;
   boost::asio::steady_timer beatForwardTimer_;
   std::map<pid_t, Worker> workers_;
