@@ -74,7 +74,9 @@ def test_a_host_killed_between_checkpoints_loses_no_step():
     """kill -9 of every process of 127.0.0.2 (replica 1) about 30 steps after the
     periodic checkpoint of step 50: replica 0 holds the step the job reached,
     writes it, and the job resumes from it on 127.0.0.1 as 2 x 1."""
-    steps = 160
+    # Steps to spare after the kill's step: state.json's step is a second
+    # old, and a quiet machine trains ~50 steps a second.
+    steps = 400
     m = manager("host", steps=steps, train_args=["--checkpoint_every", "50"]).start()
     m.wait_step(80)
     victims = processes_of_host(m, "127.0.0.2")
@@ -107,7 +109,9 @@ def test_the_python_trainer_salvages_too():
     """The same host loss with examples/python/train_gpt.py: salvage lives in
     the runtime, under the Python front end as under C++ (its optimizer state
     comes from torch.optim through the bridge)."""
-    steps = 80
+    # Steps to spare after step 30 (state.json's step is a second old, and
+    # the job can train ~50 steps a second): the kill must land mid-training.
+    steps = 400
     python = os.environ.get("VARUNA_PYTHON", str(SOURCE / ".venv" / "bin" / "python"))
     program = [python, str(SOURCE / "examples" / "python" / "train_gpt.py")]
     m = manager("python", steps=steps, program=program, train_args=["--checkpoint_every", "1000"]).start()
