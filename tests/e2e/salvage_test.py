@@ -56,6 +56,12 @@ def processes_of_host(m, host):
     return [pid for pid, cmd in processes_of_job(m.job) if on_host(pid, cmd)]
 
 
+def split_exchange(m):
+    """Whether the salvage fell back because the kill split the job-wide
+    exchange across stages (docs/salvage.md): no step common to all stages."""
+    return any("no step is held by a survivor of every stage" in e["reason"] for e in m.events("salvage_abandoned"))
+
+
 def kill(pids):
     for pid in pids:
         try:
@@ -77,14 +83,23 @@ def test_a_host_killed_between_checkpoints_loses_no_step():
     # Steps to spare after the kill's step: state.json's step is a second
     # old, and a quiet machine trains ~50 steps a second.
     steps = 400
-    m = manager("host", steps=steps, train_args=["--checkpoint_every", "50"]).start()
-    m.wait_step(80)
-    victims = processes_of_host(m, "127.0.0.2")
-    assert len(victims) == 3, victims  # the agent and its two workers
-    killed_at = time.monotonic()
-    kill(victims)
-    m.wait_event("launch", count=2, timeout=RECOVERY_BOUND_S)
-    log("kill -9 of a host -> next generation launched: %.2f s" % (time.monotonic() - killed_at))
+    for attempt in range(3):
+        m = manager("host", steps=steps, train_args=["--checkpoint_every", "50"]).start()
+        m.wait_step(80)
+        victims = processes_of_host(m, "127.0.0.2")
+        assert len(victims) == 3, victims  # the agent and its two workers
+        killed_at = time.monotonic()
+        kill(victims)
+        m.wait_event("launch", count=2, timeout=RECOVERY_BOUND_S)
+        log("kill -9 of a host -> next generation launched: %.2f s" % (time.monotonic() - killed_at))
+        if not split_exchange(m):
+            break
+        # The documented case (salvage.md): the kill split the job-wide
+        # exchange across stages. It fell back to the periodic checkpoint, as
+        # it must; the kill is tried again for the salvage this test is about.
+        assert m.wait_exit() == 0, m.tail()
+        log("attempt %d: the kill split the job-wide exchange; trying again" % attempt)
+        shutil.rmtree(ROOT / "host", ignore_errors=True)
     resumed = m.events("launch")[1]["resume_step"]
     if resumed % 50:  # (a kill right after the periodic checkpoint of that step finds it there: nothing written)
         meta = (m.store / ("varuna_ckpt_%d" % resumed) / "meta.json").read_text()  # before retention removes it
@@ -114,11 +129,16 @@ def test_the_python_trainer_salvages_too():
     steps = 400
     python = os.environ.get("VARUNA_PYTHON", str(SOURCE / ".venv" / "bin" / "python"))
     program = [python, str(SOURCE / "examples" / "python" / "train_gpt.py")]
-    m = manager("python", steps=steps, program=program, train_args=["--checkpoint_every", "1000"]).start()
-    m.wait_step(30)
-    kill(processes_of_host(m, "127.0.0.2"))
-    m.wait_event("launch", count=2, timeout=RECOVERY_BOUND_S)
-    assert m.wait_exit() == 0, m.tail()
+    for attempt in range(3):
+        m = manager("python", steps=steps, program=program, train_args=["--checkpoint_every", "1000"]).start()
+        m.wait_step(30)
+        kill(processes_of_host(m, "127.0.0.2"))
+        m.wait_event("launch", count=2, timeout=RECOVERY_BOUND_S)
+        assert m.wait_exit() == 0, m.tail()
+        if not split_exchange(m):
+            break
+        log("attempt %d: the kill split the job-wide exchange; trying again" % attempt)  # as above
+        shutil.rmtree(ROOT / "python", ignore_errors=True)
     launch = m.events("launch")[1]
     assert launch["recovery"] == "salvage" and launch["steps_lost"] <= 1 and launch["resume_step"] >= 30, launch
     want = reference_losses("python-reference", ["127.0.0.1 slots=2"], steps, program=program)
