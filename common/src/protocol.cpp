@@ -1,6 +1,7 @@
 #include "varuna/common/protocol.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -13,6 +14,28 @@ template <typename... Ts>
 struct Overloaded : Ts... {
   using Ts::operator()...;
 };
+
+// An exchange result (see kExchangeValues): non-finite values as null, which
+// JSON has no number for.
+json exchangeToJson(const std::vector<double>& values) {
+  json out = json::array();
+  for (double v : values) out.push_back(std::isfinite(v) ? json(v) : json(nullptr));
+  return out;
+}
+
+std::vector<double> exchangeFromJson(const json& message, const std::string& type) {
+  if (!message.contains("exchange")) return {};
+  const auto& values = message.at("exchange");
+  if (!values.is_array() || !(values.empty() || values.size() == kExchangeValues)) {
+    throw ProtocolError(type + ": exchange must be [] or an array of " + std::to_string(kExchangeValues) + " numbers");
+  }
+  std::vector<double> out;
+  for (const auto& v : values) {
+    if (!v.is_null() && !v.is_number()) throw ProtocolError(type + ": exchange values must be numbers or null");
+    out.push_back(v.is_null() ? std::numeric_limits<double>::infinity() : v.get<double>());
+  }
+  return out;
+}
 
 json toJson(const Hello& m) {
   return {{"type", "hello"}, {"version", m.version}, {"token", m.token}, {"role", m.role}, {"host", m.host}, {"rank", m.rank}, {"generation", m.generation}};
@@ -63,12 +86,14 @@ json toJson(const SalvageStop& m) {
   return {{"type", "salvage_stop"}, {"generation", m.generation}, {"reason", boundedText(m.reason)}};
 }
 json toJson(const SalvageReady& m) {
-  return {{"type", "salvage_ready"}, {"rank", m.rank},   {"stage", m.stage},
-          {"replica", m.replica},    {"step", m.step},   {"generation", m.generation}};
+  return {{"type", "salvage_ready"},  {"rank", m.rank},
+          {"stage", m.stage},         {"replica", m.replica},
+          {"step", m.step},           {"generation", m.generation},
+          {"finishable_step", m.finishableStep}, {"exchange", exchangeToJson(m.exchange)}};
 }
 json toJson(const SalvageWrite& m) {
   return {{"type", "salvage_write"}, {"generation", m.generation}, {"step", m.step},
-          {"writer_index", m.writerIndex}, {"writers", m.writers}};
+          {"writer_index", m.writerIndex}, {"writers", m.writers}, {"exchange", exchangeToJson(m.exchange)}};
 }
 json toJson(const ExitNow& m) {
   return {{"type", "exit_now"}, {"generation", m.generation}, {"reason", boundedText(m.reason)}};
@@ -130,10 +155,17 @@ Message fromJson(const json& j) {
     return SalvageStop{j.at("generation"), boundedText(j.at("reason").get<std::string>())};
   }
   if (type == "salvage_ready") {
-    return SalvageReady{j.at("rank"), j.at("stage"), j.at("replica"), j.at("step"), j.at("generation")};
+    return SalvageReady{j.at("rank"),
+                        j.at("stage"),
+                        j.at("replica"),
+                        j.at("step"),
+                        j.at("generation"),
+                        j.value("finishable_step", int64_t{-1}),
+                        exchangeFromJson(j, type)};
   }
   if (type == "salvage_write") {
-    return SalvageWrite{j.at("generation"), j.at("step"), j.at("writer_index"), j.at("writers")};
+    return SalvageWrite{j.at("generation"), j.at("step"), j.at("writer_index"), j.at("writers"),
+                        exchangeFromJson(j, type)};
   }
   if (type == "exit_now") return ExitNow{j.at("generation"), boundedText(j.at("reason").get<std::string>())};
   throw ProtocolError("unknown message type '" + type + "'");

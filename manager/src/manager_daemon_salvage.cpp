@@ -17,10 +17,14 @@ using Clock = std::chrono::steady_clock;
 void ManagerDaemon::onSalvageReady(int rank, const proto::SalvageReady& ready) {
   if (ready.generation != controller_->generation()) return;
   log::info("rank ", rank, " (stage ", ready.stage, ", replica ", ready.replica, ") lost a peer and holds ",
-            ready.step >= 0 ? strCat("step ", ready.step) : std::string("no whole step"));
-  events_->write("salvage_report", {{"generation", ready.generation}, {"rank", rank}, {"stage", ready.stage},
-                                    {"replica", ready.replica}, {"step", ready.step}});
-  apply(controller_->salvageReady(rank, ready.stage, ready.step, Clock::now()));
+            ready.step >= 0 ? strCat("step ", ready.step) : std::string("no whole step"),
+            ready.finishableStep >= 0 ? strCat(" (and can finish step ", ready.finishableStep, ")") : std::string());
+  json fields = {{"generation", ready.generation}, {"rank", rank}, {"stage", ready.stage},
+                 {"replica", ready.replica}, {"step", ready.step}};
+  if (ready.finishableStep >= 0) fields["finishable_step"] = ready.finishableStep;
+  events_->write("salvage_report", fields);
+  apply(controller_->salvageReady(
+      SalvageReport{rank, ready.stage, ready.step, {}, ready.finishableStep, ready.exchange}, Clock::now()));
 }
 
 void ManagerDaemon::doSalvageStop(const action::SalvageStop& stop) {
@@ -39,14 +43,17 @@ void ManagerDaemon::doSalvageWrite(const action::SalvageWrite& write) {
   const int generation = controller_->generation();
   const int writers = static_cast<int>(write.writers.size());
   log::info("salvage: step ", write.step, " is held by every stage; writers (by stage): ",
-            json(write.writers).dump());
+            json(write.writers).dump(),
+            write.finishing.empty() ? std::string()
+                                    : strCat("; finishing it from the relayed exchange: ", json(write.finishing).dump()));
   events_->write("salvage_writing", {{"generation", generation}, {"step", write.step}, {"writers", write.writers},
+                                     {"finishing", write.finishing},
                                      {"steps_lost", std::max<int64_t>(0, reachedStep_ - write.step)}});
   salvageStep_ = write.step;
   std::set<int> chosen(write.writers.begin(), write.writers.end());
   for (int index = 0; index < writers; ++index) {
     if (auto* worker = workers_.find(write.writers[index]); worker && worker->connection) {
-      worker->connection->send(proto::SalvageWrite{generation, write.step, index, writers});
+      worker->connection->send(proto::SalvageWrite{generation, write.step, index, writers, write.exchange});
     }
   }
   std::vector<int> others;

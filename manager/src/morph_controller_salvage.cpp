@@ -28,18 +28,18 @@ std::vector<Action> MorphController::beginSalvage(const std::string& reason, Tim
   return out;
 }
 
-std::vector<Action> MorphController::salvageReady(int rank, int stage, int64_t step, TimePoint now) {
+std::vector<Action> MorphController::salvageReady(SalvageReport report, TimePoint now) {
+  const int rank = report.rank, stage = report.stage;
   if (!options_.salvage || !running_.count(rank)) return {};
   if (phase_ != Phase::kRunning && phase_ != Phase::kCheckpointing && phase_ != Phase::kSalvaging) return {};
   if (stage < 0 || stage >= plan_.stages) {
     log::warn("ignoring rank ", rank, "'s salvage report: stage ", stage, " is not one of the plan's ", plan_.stages);
     return {};
   }
-  std::string host;
   for (const auto& p : plan_.placement) {
-    if (p.rank == rank) host = p.host;
+    if (p.rank == rank) report.host = p.host;
   }
-  salvageReports_[rank] = SalvageReport{rank, stage, step, host};
+  salvageReports_[rank] = std::move(report);
   if (phase_ == Phase::kSalvaging) return decideIfAllReported(now);
   // The first sign of the loss may be a survivor's report: it lost a peer.
   return failure(strCat("rank ", rank, " lost a peer"), now, /*counts=*/false);
@@ -63,7 +63,7 @@ std::vector<Action> MorphController::decideSalvage(TimePoint now) {
   // A writer writes a stage's whole share, as much as an on-demand checkpoint.
   deadline_ = now + std::max(options_.salvageTimeout, options_.checkpointTimeout);
   salvageWriters_ = std::set<int>(choice->writers.begin(), choice->writers.end());
-  return {action::SalvageWrite{choice->step, choice->writers}};
+  return {action::SalvageWrite{choice->step, choice->writers, choice->exchange, choice->finishing}};
 }
 
 std::vector<Action> MorphController::salvageExit(int rank, int exitCode, TimePoint now) {

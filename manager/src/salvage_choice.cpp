@@ -4,36 +4,58 @@
 #include <tuple>
 
 #include "varuna/common/errors.h"
+#include "varuna/common/protocol.h"
 
 namespace varuna {
 namespace {
 
-// Candidates per stage for one step.
-using ByStage = std::map<int, std::vector<const SalvageReport*>>;
+// The survivors that can write one step, per stage; `finisher`: it must
+// apply the step first, from the relayed exchange result.
+struct Candidate {
+  const SalvageReport* report;
+  bool finisher;
+};
+using ByStage = std::map<int, std::vector<Candidate>>;
 
-std::map<int64_t, ByStage> groupByStep(const std::vector<SalvageReport>& reports) {
-  std::map<int64_t, ByStage> out;
+struct StepCandidates {
+  ByStage byStage;
+  std::vector<double> exchange;  // from a survivor that finished the step's exchange
+};
+
+std::map<int64_t, StepCandidates> groupByStep(const std::vector<SalvageReport>& reports) {
+  std::map<int64_t, StepCandidates> out;
   for (const auto& r : reports) {
-    if (r.step >= 0) out[r.step][r.stage].push_back(&r);
+    if (r.step >= 0) {
+      out[r.step].byStage[r.stage].push_back({&r, false});
+      if (r.exchange.size() == proto::kExchangeValues) out[r.step].exchange = r.exchange;
+    }
+  }
+  for (const auto& r : reports) {
+    // Finishing needs the result of that very exchange from someone who has it.
+    const auto it = out.find(r.finishableStep);
+    if (r.finishableStep >= 0 && it != out.end() && !it->second.exchange.empty()) {
+      it->second.byStage[r.stage].push_back({&r, true});
+    }
   }
   return out;
 }
 
-// One writer per stage: hosts not leaving first, then hosts with the fewest
-// writers so far (the writes run in parallel), then the lowest rank.
-std::vector<int> pickWriters(const ByStage& candidates, int stages, const std::set<std::string>& leavingHosts) {
+// One writer per stage: hosts not leaving first, then survivors that hold the
+// step over those that must finish it, then hosts with the fewest writers so
+// far (the writes run in parallel), then the lowest rank.
+std::vector<Candidate> pickWriters(const ByStage& candidates, int stages, const std::set<std::string>& leavingHosts) {
   std::map<std::string, int> load;
-  std::vector<int> writers;
+  std::vector<Candidate> writers;
   for (int s = 0; s < stages; ++s) {
     auto pool = candidates.at(s);
-    std::sort(pool.begin(), pool.end(), [&](const SalvageReport* a, const SalvageReport* b) {
-      const auto key = [&](const SalvageReport* r) {
-        return std::tuple(leavingHosts.count(r->host) > 0, load[r->host], r->rank);
+    std::sort(pool.begin(), pool.end(), [&](const Candidate& a, const Candidate& b) {
+      const auto key = [&](const Candidate& c) {
+        return std::tuple(leavingHosts.count(c.report->host) > 0, c.finisher, load[c.report->host], c.report->rank);
       };
       return key(a) < key(b);
     });
-    writers.push_back(pool.front()->rank);
-    ++load[pool.front()->host];
+    writers.push_back(pool.front());
+    ++load[pool.front().report->host];
   }
   return writers;
 }
@@ -44,18 +66,26 @@ std::optional<SalvageChoice> chooseSalvage(const std::vector<SalvageReport>& rep
                                            const std::set<std::string>& leavingHosts) {
   const auto byStep = groupByStep(reports);
   for (auto it = byStep.rbegin(); it != byStep.rend(); ++it) {
+    const auto& byStage = it->second.byStage;
     bool everyStage = true;
-    for (int s = 0; s < stages && everyStage; ++s) everyStage = it->second.count(s) > 0;
+    for (int s = 0; s < stages && everyStage; ++s) everyStage = byStage.count(s) > 0;
     if (!everyStage) continue;
-    return SalvageChoice{it->first, pickWriters(it->second, stages, leavingHosts)};
+    SalvageChoice choice{it->first, {}, {}, {}};
+    for (const auto& writer : pickWriters(byStage, stages, leavingHosts)) {
+      choice.writers.push_back(writer.report->rank);
+      if (writer.finisher) choice.finishing.push_back(writer.report->rank);
+    }
+    if (!choice.finishing.empty()) choice.exchange = it->second.exchange;
+    return choice;
   }
   return std::nullopt;
 }
 
 std::string whyNoSalvage(const std::vector<SalvageReport>& reports, int stages) {
-  std::map<int, std::set<int64_t>> heldByStage;
+  std::map<int, std::set<int64_t>> heldByStage, finishableByStage;
   for (const auto& r : reports) {
     if (r.step >= 0) heldByStage[r.stage].insert(r.step);
+    if (r.step >= 0 && r.finishableStep >= 0) finishableByStage[r.stage].insert(r.finishableStep);
   }
   for (int s = 0; s < stages; ++s) {
     if (!heldByStage.count(s)) return strCat("no surviving replica of stage ", s, " holds a whole step");
@@ -64,6 +94,11 @@ std::string whyNoSalvage(const std::vector<SalvageReport>& reports, int stages) 
   for (const auto& [stage, steps] : heldByStage) {
     held += strCat(held.empty() ? "" : ", ", "stage ", stage, " holds");
     for (int64_t step : steps) held += strCat(" ", step);
+    if (finishableByStage.count(stage)) {
+      held += " and could finish";
+      for (int64_t step : finishableByStage[stage]) held += strCat(" ", step);
+      held += " given its exchange result, which no survivor holds";
+    }
   }
   return strCat("no step is held by a survivor of every stage (", held, ")");
 }

@@ -1,4 +1,6 @@
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
 
 #include "varuna/common/protocol.h"
 
@@ -36,7 +38,10 @@ std::vector<Message> samples() {
           ExitNow{5, "rank 1 exited with code 3 (lost a peer)"},
           SalvageStop{5, "host 10.0.0.5 was lost"},
           SalvageReady{3, 1, 1, 41, 5},
+          SalvageReady{3, 1, 1, 41, 5, 42, {}},
+          SalvageReady{2, 0, 1, 42, 5, -1, {12.25, 0.1 + 0.2, 1.0}},
           SalvageWrite{5, 41, 1, 2},
+          SalvageWrite{5, 42, 1, 2, {12.25, 0.1 + 0.2, 0.0}},
           WorkerBeats{5, {{0, 12, false}, {3, -1, true}}},
           WorkerBeats{6, {}}};
 }
@@ -143,6 +148,28 @@ TEST_CASE("worker_beats: beats are [rank, step, waiting] triples; any other shap
                            R"({"type":"worker_beats","generation":2,"beats":[{"rank":0}]})",
                            R"({"type":"worker_beats","generation":2,"beats":[["0",5,false]]})",
                            R"({"type":"worker_beats","generation":2,"beats":[[0,5,"no"]]})"}) {
+    INFO(body);
+    CHECK_THROWS_AS(decodeBody(body), ProtocolError);
+  }
+}
+
+TEST_CASE("salvage: the exchange result travels bit for bit; non-finite as null; any other shape is refused",
+          "[protocol]") {
+  const std::vector<double> exact = {1.0 / 3.0, 4.9406564584124654e-324, 1.7976931348623157e308};
+  const auto back = std::get<SalvageWrite>(decodeBody(encode(SalvageWrite{2, 7, 0, 2, exact}).substr(4)));
+  CHECK(back.exchange == exact);
+  const std::vector<double> overflow = {std::nan(""), -std::numeric_limits<double>::infinity(), 0.0};
+  const auto inf = std::get<SalvageReady>(decodeBody(encode(SalvageReady{1, 1, 0, 6, 2, -1, overflow}).substr(4)));
+  REQUIRE(inf.exchange.size() == 3);
+  CHECK((std::isinf(inf.exchange[0]) && std::isinf(inf.exchange[1]) && inf.exchange[2] == 0.0));
+  // A version-2 worker that does not send the new fields: nothing finishable, no result.
+  CHECK(decodeBody(R"({"type":"salvage_ready","rank":1,"stage":0,"replica":1,"step":4,"generation":2})") ==
+        Message(SalvageReady{1, 0, 1, 4, 2}));
+  for (const char* body : {R"({"type":"salvage_write","generation":2,"step":4,"writer_index":0,"writers":2,"exchange":[1,2]})",
+                           R"({"type":"salvage_write","generation":2,"step":4,"writer_index":0,"writers":2,"exchange":3})",
+                           R"({"type":"salvage_write","generation":2,"step":4,"writer_index":0,"writers":2,"exchange":[1,"2",3]})",
+                           R"({"type":"salvage_ready","rank":1,"stage":0,"replica":1,"step":4,"generation":2,"exchange":[1,2,3,4]})",
+                           R"({"type":"salvage_ready","rank":1,"stage":0,"replica":1,"step":4,"generation":2,"finishable_step":"5"})"}) {
     INFO(body);
     CHECK_THROWS_AS(decodeBody(body), ProtocolError);
   }

@@ -88,6 +88,59 @@ TEST_CASE("salvage choice: the newest step every stage holds, one writer per sta
   }
 }
 
+TEST_CASE("salvage choice: survivors the exchange failed under finish the step from the relayed result",
+          "[salvage]") {
+  const std::vector<double> result = {96.5, 0.25, 0.0};
+  const auto held = [&](int rank, int stage, int64_t step, const char* host) {
+    return SalvageReport{rank, stage, step, host, -1, result};
+  };
+  const auto finishable = [](int rank, int stage, int64_t step, const char* host) {
+    return SalvageReport{rank, stage, step, host, step + 1, {}};
+  };
+  SECTION("stage 0 finished step 96, stage 1's exchange failed: stage 1 finishes 96") {
+    const auto choice = chooseSalvage({held(0, 0, 96, "a"), finishable(1, 1, 95, "a")}, 2, {});
+    REQUIRE(choice);
+    CHECK(choice->step == 96);
+    CHECK(choice->writers == std::vector<int>{0, 1});
+    CHECK(choice->finishing == std::vector<int>{1});
+    CHECK(choice->exchange == result);
+  }
+  SECTION("a survivor holding the step writes in preference to one that must finish it") {
+    const auto choice = chooseSalvage(
+        {held(0, 0, 96, "a"), held(2, 0, 96, "b"), finishable(1, 1, 95, "a"), held(3, 1, 96, "b")}, 2, {});
+    REQUIRE(choice);
+    CHECK(choice->step == 96);
+    CHECK(choice->writers == std::vector<int>{0, 3});
+    CHECK(choice->finishing.empty());
+    CHECK(choice->exchange.empty());  // nobody needs it
+  }
+  SECTION("no survivor holds the step's exchange result: nothing to finish from") {
+    const std::vector<SalvageReport> reports{{0, 0, 96, "a"}, finishable(1, 1, 95, "a")};
+    CHECK_FALSE(chooseSalvage(reports, 2, {}));
+    CHECK(whyNoSalvage(reports, 2) ==
+          "no step is held by a survivor of every stage (stage 0 holds 96, stage 1 holds 95 and could finish 96 "
+          "given its exchange result, which no survivor holds)");
+  }
+  SECTION("every stage only finishable: no survivor finished the exchange, the step before is common") {
+    const auto choice = chooseSalvage({finishable(0, 0, 95, "a"), finishable(1, 1, 95, "a")}, 2, {});
+    REQUIRE(choice);
+    CHECK(choice->step == 95);
+    CHECK(choice->finishing.empty());
+  }
+}
+
+TEST_CASE("a split exchange: the controller's order carries the result to the finishing writer", "[salvage]") {
+  Harness h;
+  find<action::SalvageStop>(h.controller.hostLost("b", h.now));
+  const std::vector<double> result = {12.0, 3.5, 1.0};
+  CHECK(h.controller.salvageReady(SalvageReport{0, 0, 41, {}, -1, result}, h.now).empty());
+  const auto write = find<action::SalvageWrite>(h.controller.salvageReady(SalvageReport{1, 1, 40, {}, 41, {}}, h.now));
+  CHECK(write.step == 41);
+  CHECK(write.writers == std::vector<int>{0, 1});
+  CHECK(write.finishing == std::vector<int>{1});
+  CHECK(write.exchange == result);
+}
+
 TEST_CASE("salvage choice: writers spread over hosts, a leaving host only when nothing else holds the step",
           "[salvage]") {
   const std::vector<SalvageReport> reports{{0, 0, 7, "a"}, {1, 1, 7, "a"}, {2, 0, 7, "b"}, {3, 1, 7, "b"}};

@@ -531,6 +531,8 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
 
   // The one job-wide exchange of a step: loss, and the squared gradient norm
   // that yields clipping and the fp16 overflow verdict identically everywhere.
+  pendingUpdate_ = PendingUpdate{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
+  stepPoint_ = StepPoint::kExchanging;
   auto stats = torch::zeros({3}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
   stats[0] = lossSum;
   stats[1] = buckets_.sumOfSquares();
@@ -539,24 +541,38 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
     std::vector<at::Tensor> tensors{stats};
     comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the step's loss and gradient norm");
   }
+  if (exchangeLossInjected()) throw PeerLostError("VARUNA_TEST_LOSE_EXCHANGE: this rank's exchange 'failed'", -1);
   stats = stats.cpu();
-  const double sumOfSquares = stats[1].item<double>() / D_;  // every replica holds the reduced gradients
+  const std::vector<double> exchange = {stats[0].item<double>(), stats[1].item<double>(), stats[2].item<double>()};
+  if (exchange[2] > 0) gCheckpointSignal.store(false);  // this step carries the request
+  StepResult result = applyStep(exchange, pendingUpdate_);
+  synchroniseReplicaBuffers();
+  stepPoint_ = StepPoint::kBetweenSteps;
+  return result;
+}
 
+// The rest of a step once its exchange result is known: from here on this
+// rank holds the new step (varuna_salvage.cpp), without talking to anyone.
+StepResult Varuna::Impl::applyStep(const std::vector<double>& exchange, const PendingUpdate& pending) {
+  using Clock = std::chrono::steady_clock;
+  const double scale = pending.scale;
+  const double sumOfSquares = exchange[1] / D_;  // every replica holds the reduced gradients
   StepResult result;
-  result.checkpointRequested = stats[2].item<double>() > 0;
-  if (result.checkpointRequested) gCheckpointSignal.store(false);
+  result.checkpointRequested = exchange[2] > 0;
   ++stepsDone_;
-  stepPoint_ = StepPoint::kSyncingBuffers;  // from here on this rank holds the new step (varuna_salvage.cpp)
-  result.microbatches = m;
-  result.computeSecondsPerMicrobatch = std::chrono::duration<double>(computeTime).count() / m;
-  result.loss = stats[0].item<double>() / static_cast<double>(opt_.batchSize);
+  lastExchange_ = exchange;
+  lastExchangeStep_ = stepsDone_;
+  stepPoint_ = StepPoint::kSyncingBuffers;
+  result.microbatches = pending.microbatches;
+  result.computeSecondsPerMicrobatch = pending.computeSeconds / pending.microbatches;
+  result.loss = exchange[0] / static_cast<double>(opt_.batchSize);
   result.lossScale = scale;
   result.overflow = !std::isfinite(sumOfSquares);
   result.gradNorm = std::sqrt(sumOfSquares) / scale;
   if (!result.overflow) {
     double factor = 1.0 / scale;
-    if (clip) {
-      const double coefficient = *clip / (result.gradNorm + 1e-6);
+    if (pending.clip) {
+      const double coefficient = *pending.clip / (result.gradNorm + 1e-6);
       if (coefficient < 1.0) factor *= coefficient;
     }
     if (factor != 1.0) buckets_.scale(factor);
@@ -568,8 +584,6 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
     log::warn("non-finite gradients in ", toString(opt_.precision), " training: step skipped");
   }
   scaler_.update(result.overflow);
-  synchroniseReplicaBuffers();
-  stepPoint_ = StepPoint::kBetweenSteps;
   return result;
 }
 

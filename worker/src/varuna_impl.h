@@ -109,7 +109,8 @@ class Varuna::Impl {
   std::string runTag_;  // names this run's partial checkpoint folders (ckpt::runTag)
   int64_t stepsDone_ = 0;
   // Where step() is, for salvage: what the memory holds if a peer is lost now.
-  enum class StepPoint { kBetweenSteps, kComputing, kSyncingBuffers };
+  // kExchanging: everything of the step is done but its job-wide exchange.
+  enum class StepPoint { kBetweenSteps, kComputing, kExchanging, kSyncingBuffers };
   StepPoint stepPoint_ = StepPoint::kBetweenSteps;
 
  private:
@@ -130,6 +131,15 @@ class Varuna::Impl {
   torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
   void checkOutgoing(const torch::Tensor& out, int64_t b) const;
   std::string checkAgainstProfile() const;
+  // What a step still has to do once its job-wide exchange is done: in
+  // step(), or in a salvage from the exchange result another rank relays.
+  struct PendingUpdate {
+    double scale = 1.0;
+    std::optional<double> clip;
+    int microbatches = 0;
+    double computeSeconds = 0.0;
+  };
+  StepResult applyStep(const std::vector<double>& exchange, const PendingUpdate& pending);
 
   // Tied pairs whose two parameters live on different stages, and this
   // rank's role: the stage holding the first name counts it in the norm.
@@ -146,9 +156,20 @@ class Varuna::Impl {
   // Salvage (varuna_salvage.cpp).
   void armSalvage();
   void snapshotChangingBuffers();
-  int64_t stepHeld();  // puts the changing buffers back to that step's values
+  struct HeldState {
+    int64_t step = -1;            // whole in memory (-1: none)
+    int64_t finishableStep = -1;  // can be applied given its exchange result (-1: no)
+    std::vector<double> exchange;  // the exchange result of `step`, when known here
+  };
+  HeldState stateHeld();  // puts the changing buffers back to that step's values
+  void finishStep(const std::vector<double>& exchange);
   void writeSalvageShare(const proto::SalvageWrite& order);
+  bool exchangeLossInjected() const;  // test hook, see varuna_salvage.cpp
   std::vector<torch::Tensor> stepStartBuffers_;  // changing buffers as the step in progress found them
+  std::vector<torch::Tensor> exchangingBuffers_;  // as the forwards left them, for finishStep()
+  PendingUpdate pendingUpdate_;                   // of the step in kExchanging
+  std::vector<double> lastExchange_;              // the exchange result of step lastExchangeStep_
+  int64_t lastExchangeStep_ = -1;
   std::atomic<bool> optimizerSet_{false};        // read by the link thread (salvage_stop)
 
   // Writing and loading checkpoints (varuna_checkpoint.cpp).

@@ -7,7 +7,10 @@
 //
 // Which step a rank holds: a step counts once the rank has finished the
 // step's job-wide exchange (the all-reduce of loss and gradient norm), after
-// which it applies the update without waiting on anyone. Before that, its
+// which it applies the update without waiting on anyone. A rank whose
+// exchange failed has done everything else of the step: it reports the step
+// as finishable, and given the exchange's result from a rank that finished
+// it (relayed by run_varuna in the write order) applies it itself. Before that, its
 // parameters, optimizer state and loss scale are still those of the step
 // before; only the running statistics a forward changed (BatchNorm) moved,
 // and they are put back from the copy step() takes when it starts. After
@@ -17,6 +20,9 @@
 // checkpoint has no layout (stage_to_rank_map), so the next generation
 // seeds fresh streams, as after any morph to another layout.
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include "blocked_on_peers.h"
@@ -65,33 +71,82 @@ void Varuna::Impl::snapshotChangingBuffers() {
   }
 }
 
-int64_t Varuna::Impl::stepHeld() {
+Varuna::Impl::HeldState Varuna::Impl::stateHeld() {
+  torch::NoGradGuard noGrad;
+  const auto& names = model_->changingBuffers();
+  const auto restoreStepStart = [&] {
+    if (stepStartBuffers_.size() != names.size()) return false;  // no copy of the step's start: nothing whole
+    for (size_t i = 0; i < names.size(); ++i) {
+      model_->namedBuffers().at(names[i]).variable_data().copy_(stepStartBuffers_[i]);
+    }
+    return true;
+  };
+  HeldState held;
   switch (stepPoint_) {
     case StepPoint::kBetweenSteps:
-      return stepsDone_;
-    case StepPoint::kComputing: {
-      torch::NoGradGuard noGrad;
-      const auto& names = model_->changingBuffers();
-      if (stepStartBuffers_.size() != names.size()) return -1;  // no copy of the step's start: nothing whole
-      for (size_t i = 0; i < names.size(); ++i) {
-        model_->namedBuffers().at(names[i]).variable_data().copy_(stepStartBuffers_[i]);
+      held.step = stepsDone_;
+      break;
+    case StepPoint::kComputing:
+      held.step = restoreStepStart() ? stepsDone_ : -1;
+      break;
+    case StepPoint::kExchanging:
+      // All but the exchange is done. Replica 0's buffers (or none) are the
+      // step's as the forwards left them: kept aside for finishStep(). Other
+      // replicas would need replica 0's broadcast, which comes after.
+      if (replica_ == 0 || names.empty()) {
+        held.finishableStep = stepsDone_ + 1;
+        exchangingBuffers_.clear();
+        for (const auto& name : names) exchangingBuffers_.push_back(model_->namedBuffers().at(name).detach().clone());
       }
-      return stepsDone_;
-    }
+      held.step = restoreStepStart() ? stepsDone_ : -1;
+      break;
     case StepPoint::kSyncingBuffers:
-      return replica_ == 0 || model_->changingBuffers().empty() ? stepsDone_ : -1;
+      held.step = replica_ == 0 || names.empty() ? stepsDone_ : -1;
+      break;
   }
-  return -1;
+  if (held.step >= 0 && held.step == lastExchangeStep_) held.exchange = lastExchange_;
+  return held;
+}
+
+void Varuna::Impl::finishStep(const std::vector<double>& exchange) {
+  torch::NoGradGuard noGrad;
+  const auto& names = model_->changingBuffers();
+  for (size_t i = 0; i < names.size() && i < exchangingBuffers_.size(); ++i) {
+    model_->namedBuffers().at(names[i]).variable_data().copy_(exchangingBuffers_[i]);
+  }
+  const auto result = applyStep(exchange, pendingUpdate_);
+  log::info("finished step ", stepsDone_, " from the exchange result run_varuna relayed (loss ", result.loss,
+            result.overflow ? ", overflow: update skipped" : "", ")");
+}
+
+// Test hook (tests/e2e/salvage_test.py): VARUNA_TEST_LOSE_EXCHANGE=<stage>@<step>
+// makes the ranks of that stage act as if that step's job-wide exchange had
+// failed under them right after it completed everywhere else: the split a
+// peer dying during the exchange can leave, made deterministic. In the job's
+// first generation only: a fallback to an earlier checkpoint must not meet
+// it again.
+bool Varuna::Impl::exchangeLossInjected() const {
+  static const std::optional<std::pair<int, int64_t>> target = []() -> std::optional<std::pair<int, int64_t>> {
+    const char* value = std::getenv("VARUNA_TEST_LOSE_EXCHANGE");
+    int stage = 0;
+    long long step = 0;
+    if (!value || std::sscanf(value, "%d@%lld", &stage, &step) != 2) return std::nullopt;
+    return std::pair<int, int64_t>(stage, step);
+  }();
+  return target && opt_.manager.generation <= 1 && target->first == stage_ && target->second == stepsDone_ + 1;
 }
 
 void Varuna::Impl::salvage(const PeerLostError& lost) {
   comm_->interrupt("this rank is salvaging");  // no wait on a peer from here on
-  const int64_t step = stepHeld();
+  const HeldState held = stateHeld();
+  const int64_t step = held.step;
   const auto timeout = 2 * managerLink_->salvageTimeout();  // the manager's two rounds
   log::warn("rank ", opt_.rank, " lost a peer (", lost.what(), "); salvage: it holds ",
-            step >= 0 ? strCat("step ", step) : std::string("no whole step"), ", waiting up to ",
-            timeout.count() / 1000.0, " s for run_varuna's order");
-  managerLink_->reportSalvageReady(proto::SalvageReady{opt_.rank, stage_, replica_, step, opt_.manager.generation});
+            step >= 0 ? strCat("step ", step) : std::string("no whole step"),
+            held.finishableStep >= 0 ? strCat(" and can finish step ", held.finishableStep) : std::string(),
+            ", waiting up to ", timeout.count() / 1000.0, " s for run_varuna's order");
+  managerLink_->reportSalvageReady(proto::SalvageReady{opt_.rank, stage_, replica_, step, opt_.manager.generation,
+                                                       held.finishableStep, held.exchange});
   std::optional<proto::SalvageWrite> order;
   {
     BlockedOnPeers blocked(&waitingOnPeers_);  // waiting, not hung
@@ -101,10 +156,23 @@ void Varuna::Impl::salvage(const PeerLostError& lost) {
     log::error("no salvage order from run_varuna within ", timeout.count() / 1000.0, " s; exiting with ", kExitPeerLost);
     exitWorker(kExitPeerLost);
   }
-  if (order->step != step) {
-    log::error("run_varuna ordered step ", order->step, " written but this rank holds ", step, "; exiting with ",
-               kExitPeerLost);
+  const bool finish = order->step != step && order->step == held.finishableStep &&
+                      order->exchange.size() == proto::kExchangeValues;
+  if (order->step != step && !finish) {
+    log::error("run_varuna ordered step ", order->step, " written but this rank holds ", step,
+               held.finishableStep >= 0 ? strCat(" (and can finish ", held.finishableStep, " given its exchange)")
+                                        : std::string(),
+               "; exiting with ", kExitPeerLost);
     exitWorker(kExitPeerLost);
+  }
+  if (finish) {
+    try {
+      finishStep(order->exchange);
+    } catch (const std::exception& e) {
+      log::error("finishing step ", order->step, " from the relayed exchange failed: ", e.what(), "; exiting with ",
+                 kExitPeerLost);
+      exitWorker(kExitPeerLost);
+    }
   }
   try {
     writeSalvageShare(*order);
@@ -112,10 +180,10 @@ void Varuna::Impl::salvage(const PeerLostError& lost) {
     log::error(e.what());
     exitWorker(kExitSuperseded);
   } catch (const std::exception& e) {
-    log::error("writing the salvaged checkpoint of step ", step, " failed: ", e.what());
+    log::error("writing the salvaged checkpoint of step ", order->step, " failed: ", e.what());
     exitWorker(kExitStorageError);
   }
-  log::info("wrote stage ", stage_, "'s share of the salvaged step ", step, "; exiting with ", kExitSalvaged);
+  log::info("wrote stage ", stage_, "'s share of the salvaged step ", order->step, "; exiting with ", kExitSalvaged);
   exitWorker(kExitSalvaged);
 }
 

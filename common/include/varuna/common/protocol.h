@@ -165,21 +165,35 @@ struct SalvageStop {
   std::string reason;  // cut to kMaxErrorTextBytes
   bool operator==(const SalvageStop&) const = default;
 };
+// The result of a step's job-wide exchange, as every rank that finished the
+// all-reduce holds it: {sum of the micro-batch losses, squared gradient norm
+// summed over the ranks, checkpoint flag}. A non-finite value (an fp16
+// overflow) travels as JSON null and comes back as +infinity: only its
+// finiteness decides anything. Empty: none.
+inline constexpr size_t kExchangeValues = 3;
 // From a worker in salvage mode: the step its memory holds, whole (-1: none
 // it can vouch for, e.g. its buffers missed the step's synchronisation).
+// `finishableStep` (or -1): the next step, when the rank's part of it is done
+// up to the job-wide exchange that failed under it; given that exchange's
+// result from a rank that finished it, the rank can apply the step itself.
+// `exchange`: the result of the exchange of `step`, when the rank finished it.
 struct SalvageReady {
   int rank = 0, stage = 0, replica = 0;
   int64_t step = -1;
   int generation = 0;
+  int64_t finishableStep = -1;
+  std::vector<double> exchange;
   bool operator==(const SalvageReady&) const = default;
 };
 // To a worker chosen to write its stage's share of the salvaged checkpoint:
 // writer `writerIndex` of `writers` (one per stage) writes `step` and exits
-// with kExitSalvaged.
+// with kExitSalvaged. `exchange`: the step's exchange result, for a writer
+// that must first finish the step (its finishableStep).
 struct SalvageWrite {
   int generation = 0;
   int64_t step = 0;
   int writerIndex = 0, writers = 0;
+  std::vector<double> exchange;
   bool operator==(const SalvageWrite&) const = default;
 };
 struct Ack {

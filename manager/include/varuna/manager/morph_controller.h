@@ -57,10 +57,13 @@ struct SalvageStop {
   std::string reason;
 };
 // `writers[s]` writes stage s's share of step `step`; every other rank of
-// the generation is ordered out.
+// the generation is ordered out. The writers in `finishing` first apply the
+// step from its relayed `exchange` result (salvage_choice.h).
 struct SalvageWrite {
   int64_t step = 0;
   std::vector<int> writers;
+  std::vector<double> exchange;
+  std::vector<int> finishing;
 };
 // Salvage gave up (no common step, a writer failed, the timeout): the job
 // falls back to the latest complete checkpoint (a KillAll follows if ranks run).
@@ -142,8 +145,11 @@ class MorphController {
   // `why`: what showed it (default: its heartbeats stopped), for the KillAll's reason.
   std::vector<Action> workerHung(int rank, TimePoint now, const std::string& why = {});
   // A worker of the generation in salvage mode reports the step it holds
-  // (-1: none). `host` is where it runs.
-  std::vector<Action> salvageReady(int rank, int stage, int64_t step, TimePoint now);
+  // (-1: none), and what it could finish; the controller fills in its host.
+  std::vector<Action> salvageReady(SalvageReport report, TimePoint now);
+  std::vector<Action> salvageReady(int rank, int stage, int64_t step, TimePoint now) {
+    return salvageReady(SalvageReport{rank, stage, step, {}, -1, {}}, now);
+  }
   // The asynchronous planner has a plan (or an error) for a request it threw
   // PlanPending for: a launch waiting for it goes ahead, a machine change
   // that was waiting for it morphs if the plan changes.
