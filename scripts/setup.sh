@@ -3,7 +3,7 @@
 #   1. Debian packages the build and the tests need,
 #   2. a project-local Python virtual environment (.venv) with the pinned torch
 #      wheel, whose libtorch the C++ code links against,
-#   3. configure + build in build/ (Ninja, RelWithDebInfo), and put the varuna
+#   3. configure + build in build/ (Ninja, RelWithDebInfo with -g1), and put the varuna
 #      Python package built there on .venv's path.
 # Idempotent: each step is skipped when already done, so a second run only
 # re-runs the (incremental) build.

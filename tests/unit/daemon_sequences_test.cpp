@@ -393,7 +393,7 @@ TEST_CASE("sequences: a frozen agent whose workers are heard only through it is 
   CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - frozenAt).count() >= 2.5);
   CHECK(f.events("host_lost")[0]["host"] == "node-b");
   CHECK(f.events("worker_hung").empty());
-  CHECK(f.cluster->workerGot("exit_now", 2, 1));
-  CHECK(f.cluster->workerGot("exit_now", 3, 1));
+  // The survivors' orders leave with the host_lost event; wait for them to arrive.
+  CHECK(f.runUntil([&] { return f.cluster->workerGot("exit_now", 2, 1) && f.cluster->workerGot("exit_now", 3, 1); }));
   CHECK(f.daemon->handlerFailures() == 0);
 }

@@ -8,12 +8,13 @@
 // Which step a rank holds: a step counts once the rank has finished the
 // step's job-wide exchange (the all-reduce of loss and gradient norm), after
 // which it applies the update without waiting on anyone. A rank whose
-// exchange failed has done everything else of the step: it reports the step
-// as finishable, and given the exchange's result from a rank that finished
-// it (relayed by run_varuna in the write order) applies it itself. Before that, its
-// parameters, optimizer state and loss scale are still those of the step
-// before; only the running statistics a forward changed (BatchNorm) moved,
-// and they are put back from the copy step() takes when it starts. After
+// exchange failed has done everything else of the step and reports it as
+// finishable. Until it applies that step, its parameters, optimizer state
+// and loss scale are still those of the step before; only the running
+// statistics a forward changed (BatchNorm) moved, and they are put back from
+// the copy step() takes when it starts. To finish the step it needs the
+// exchange's result from a rank that completed the exchange: run_varuna
+// relays that result in the write order and the rank applies the step. After
 // the update only replica 0's buffers are sure (the others wait for its
 // broadcast): a rank of another replica that loses a peer there holds no
 // whole step (-1). The rank's own generators are not kept: a salvaged
