@@ -211,11 +211,22 @@ def require_built(prog, build, venv, how):
             sys.exit("%s: %s does not exist; build it (%s) or pass --build / --venv" % (prog, path, how))
 
 
-def run_varuna_argv(build, job, folder, machines, nstages, batch, chunk, master_port, flags=(), train=()):
-    """run_varuna training the example GPT (train_gpt, then `train` as its arguments), the store and the
-    state folder in `folder`; the manager on a free port, generation g's workers on master_port + g - 1."""
-    return [str(build / "bin" / "run_varuna"), "--job", job, "--machine_list", str(machines),
-            "--nstages", str(nstages), "--batch_size", str(batch), "--chunk_size", str(chunk),
+def pinned_plan(nstages, chunk):
+    """run_varuna's plan flags for a fixed number of stages and micro-batch size."""
+    return ["--nstages", str(nstages), "--chunk_size", str(chunk)]
+
+
+def autoconfig_plan(profile):
+    """run_varuna's plan flags that let AutoConfig choose every launch's plan from a profile."""
+    return ["--profile", str(profile)]
+
+
+def run_varuna_argv(build, job, folder, machines, plan, batch, master_port, flags=(), train=()):
+    """run_varuna training the example GPT (train_gpt, then `train` as its arguments) with the plan
+    flags `plan` (pinned_plan or autoconfig_plan), the store and the state folder in `folder`; the
+    manager on a free port, generation g's workers on master_port + g - 1."""
+    return [str(build / "bin" / "run_varuna"), "--job", job, "--machine_list", str(machines), *plan,
+            "--batch_size", str(batch),
             "--global_store", str(folder / "store"), "--state_dir", str(folder / "state"),
             "--code_dir", str(build / "examples" / "gpt"), "--port", "0", "--master_port", str(master_port),
             *flags, "--", "./train_gpt", *train]

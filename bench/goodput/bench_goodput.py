@@ -7,8 +7,13 @@ one thread per worker) with a global batch of 48 on four loopback "hosts"
 (127.0.0.1 .. 127.0.0.4, two slots each: 8 workers) while the bench replays
 the same preemption trace against it:
 
-  (a) salvage:    run_varuna, 2 stages x as many replicas as the hosts allow
-                  (2x4 on 4 hosts, micro-batch 4), periodic checkpoints every
+  (a) salvage:    run_varuna with the plan AutoConfig chooses for the hosts
+                  at hand at every launch (the bench profiles the model once
+                  with profile_gpt and passes --profile; for this small model
+                  it chooses pure data parallelism, 1 stage x 2 replicas a
+                  host, as torchrun runs; --nstages 2 pins the earlier
+                  rounds' 2 stages x as many replicas as the hosts allow,
+                  micro-batch 4), periodic checkpoints every
                   --checkpoint_every steps, salvage on (its default);
   (b) no_salvage: the same with --no_salvage: a machine lost without notice
                   costs the steps since the last periodic checkpoint;
@@ -90,15 +95,18 @@ worker); bench/common/ holds what bench/morph uses too.
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # Process, wait and clean-up helpers shared with bench/morph.
 sys.path.insert(0, str(HERE.parent / "common"))
-from bench_support import make_log, require_built, run_guarded, unwind_on_signals  # noqa: E402
+from bench_support import (BenchError, autoconfig_plan, make_log, pinned_plan, require_built, run_guarded,  # noqa: E402
+                           tail, unwind_on_signals)
 from goodput_replay import run_side  # noqa: E402
 from goodput_report import plot, print_table, summary  # noqa: E402
 from goodput_sides import SIDE_LABELS, SIDES  # noqa: E402
@@ -107,6 +115,8 @@ from goodput_trace import Trace  # noqa: E402
 
 MODEL = ["--d_model", "128", "--layers", "4", "--heads", "4", "--seq_len", "64"]
 SMOKE_MODEL = ["--d_model", "64", "--layers", "4", "--heads", "4", "--seq_len", "32"]  # bench/morph's: starts faster
+PINNED_CHUNK = 4  # --nstages N: the micro-batch size, which divides every replica's share of 48
+PROFILED_SIZES = "1,2,3,4,6,8,12"  # AutoConfig chooses among these micro-batch sizes
 log = make_log("goodput")
 
 
@@ -119,6 +129,11 @@ def parse_args():
     parser.add_argument("--baseline_s", type=float, default=120, help="fault-free seconds before the trace")
     parser.add_argument("--hosts", type=int, default=4, help="loopback hosts 127.0.0.1 .. 127.0.0.N")
     parser.add_argument("--slots", type=int, default=2, help="workers per host")
+    parser.add_argument("--nstages", type=int, default=0,
+                        help="pin run_varuna's sides to this many stages (micro-batch %d); 0: AutoConfig plans "
+                             "every launch from a profile the bench makes" % PINNED_CHUNK)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="AutoConfig's profile of the model (default: profile it into the work folder)")
     parser.add_argument("--checkpoint_every", type=int, default=60,
                         help="periodic checkpoint interval in steps, every side (~20 s fault-free here)")
     parser.add_argument("--warm_steps", type=int, default=5, help="steps on all hosts before the baseline starts")
@@ -142,6 +157,32 @@ def parse_args():
         sys.exit("bench_goodput: --sides: unknown %s (known: %s)" % (", ".join(unknown), ", ".join(SIDES)))
     require_built("bench_goodput", args.build, args.venv, "cmake --build build")
     return args
+
+
+def profile_model(args, work):
+    """profile_gpt on 2 processes (stage compute, transfers, all-reduce), one thread each as the
+    sides' workers run; returns the profile's path. About 10 s."""
+    out = work / "profile"
+    argv = [sys.executable, str(ROOT / "scripts" / "varuna_launch.py"), "--nstages", "2", "--chunk_size", "1",
+            "--batch_size", "1", "--", str(args.build / "examples" / "gpt" / "profile_gpt"), "--profile_dir", str(out),
+            "--micro_batch_sizes", PROFILED_SIZES, "--repetitions", "10", "--threads", "1", *args.model]
+    log("profiling the model for AutoConfig (micro-batch sizes %s)" % PROFILED_SIZES)
+    start, log_path = time.monotonic(), work / "profile.log"
+    with open(log_path, "w") as f:
+        try:
+            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise BenchError("profiling the model took over %.0f s (--timeout); see %s" % (args.timeout, log_path))
+    if code != 0:
+        raise BenchError("profiling the model failed (%d):\n%s" % (code, tail(log_path)))
+    log("profile written in %.0f s: %s" % (time.monotonic() - start, out / "profile.json"))
+    return out / "profile.json"
+
+
+def plan_flags(args, work):
+    if args.nstages:
+        return pinned_plan(args.nstages, PINNED_CHUNK)
+    return autoconfig_plan(args.profile or profile_model(args, work))
 
 
 def run_rounds(args, trace, work, per_side):
@@ -168,7 +209,13 @@ def main():
     # ~40 minutes is often started that way).
     unwind_on_signals(keep_ignored=(signal.SIGHUP,))
     per_side = {s: [] for s in args.sides}
-    run_guarded(lambda: run_rounds(args, trace, work, per_side), log, work, args.keep or args.workdir, spare=out_dir)
+
+    def run():
+        if any(side != "torchrun" for side in args.sides):
+            args.plan = plan_flags(args, work)
+        run_rounds(args, trace, work, per_side)
+
+    run_guarded(run, log, work, args.keep or args.workdir, spare=out_dir)
 
     png = out_dir / "goodput.png"
     plot(png, per_side, trace, args.slots)

@@ -1,6 +1,7 @@
 """bench/goodput: one side through one round: start the job, warm it up,
 its fault-free baseline, the trace replayed against it, the wait until it
 runs on every host left, the stop; then its figures (goodput_measure)."""
+import json
 import time
 
 import bench_support
@@ -100,11 +101,13 @@ def run_side(args, name, trace, rnd, work):
     side.check()
     result = side_figures(side, trace, times, GLOBAL_BATCH, cpu)
     result["actions"] = [(t - times["t0"], kind, host, notice) for t, kind, host, notice in done]
+    result["plans"] = side.plans()
     log("%s: goodput %.1f samples/s = %.3f of its fault-free %.1f (%.3f of its steady rates on the hosts left); "
         "%.0f steps kept, %.0f rolled back, %d restarts; steady samples/s by hosts: %s"
         % (name, result["goodput"], result["goodput_fraction"] or 0, result["fault_free_samples_per_s"],
            result["goodput_fraction_same_hosts"] or 0, result["steps_kept"], result["steps_rolled_back"],
            result["restarts"], ", ".join("%d: %.0f" % kv for kv in result["steady_samples_per_s_by_hosts"].items())))
+    log("%s: plans launched (how many times): %s" % (name, json.dumps(result["plans"])))
     log("%s: other processes used %.2f cores on average meanwhile (the side's own: %.2f)"
         % (name, result["others_cpu_cores"], result["own_cpu_cores"]))
     return result

@@ -89,6 +89,7 @@ def summary(per_side, sides, trace, args, png):
             n: round(r, 1) for n, r in per_side[name][-1]["steady_samples_per_s_by_hosts"].items()}
         result[name]["rounds_goodput"] = [round(r["goodput"], 2) for r in per_side[name]]
         result[name]["rounds_goodput_fraction"] = [round(r["goodput_fraction"] or 0, 4) for r in per_side[name]]
+        result[name]["plans"] = per_side[name][-1]["plans"]  # the last round's
     result["ratio_vs_torchrun"] = ratio(med("salvage", "goodput"), med("torchrun", "goodput"))
     # The same with each system's own fault-free speed divided out: what the events cost each,
     # whatever the engines' raw speeds (and the machine's drift between the sides' runs).
@@ -98,6 +99,7 @@ def summary(per_side, sides, trace, args, png):
                                 med("salvage", "goodput_fraction_same_hosts"))
     result.update({"rounds": args.rounds, "duration_s": args.duration_s, "baseline_s": args.baseline_s,
                    "hosts": len(args.hosts), "slots": args.slots, "checkpoint_every": args.checkpoint_every,
+                   "varuna_plans": "%d stages pinned" % args.nstages if args.nstages else "AutoConfig",
                    "plot": str(png)})
     if args.smoke:
         del result["targets"]

@@ -21,7 +21,7 @@ from bench_support import (AGENT_RUN_ROOT, TORCHRUN_ENV, BenchError, descendants
 from goodput_measure import JsonlTail
 
 HERE = Path(__file__).resolve().parent
-GLOBAL_BATCH, CHUNK, NSTAGES = 48, 4, 2  # 48 splits over 1..4 replicas, micro-batch 4 divides each share
+GLOBAL_BATCH = 48  # splits over 1..8 replicas (AutoConfig's pure data parallelism) or 1..4 (2 stages)
 SIDES = ("salvage", "no_salvage", "torchrun")
 SIDE_LABELS = {"salvage": "(a) run_varuna, salvage", "no_salvage": "(b) run_varuna --no_salvage",
                "torchrun": "(c) torchrun elastic + DDP"}
@@ -58,7 +58,7 @@ class VarunaSide:
         train = ["--steps", "1000000000", *self.args.model, "--threads", "1", "--log_every", "1000000",
                  "--checkpoint_every", str(self.args.checkpoint_every)]
         # Generation g uses master_port + (g - 1) % 100: a long trace makes many generations.
-        argv = run_varuna_argv(self.args.build, self.job, self.dir, self.machines, NSTAGES, GLOBAL_BATCH, CHUNK,
+        argv = run_varuna_argv(self.args.build, self.job, self.dir, self.machines, self.args.plan, GLOBAL_BATCH,
                                free_port(100), flags, train)
         self.manager = spawn(argv, self.log_path)
 
@@ -147,6 +147,16 @@ class VarunaSide:
 
     def restarts(self, t0, t1):
         return sum(1 for e in self.events if e["event"] == "launch" and t0 <= e["unix_ms"] / 1e3 <= t1)
+
+    def plans(self):
+        """How many launches ran each plan, e.g. {"2 hosts: 1x4 m=6": 3}: what AutoConfig chose."""
+        counts = {}
+        for e in self.events:
+            if e["event"] == "launch":
+                p = e["plan"]
+                key = "%d hosts: %dx%d m=%d" % (len(p["hosts"]), p["stages"], p["replicas"], p["chunk_size"])
+                counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items()))
 
     def segments(self):
         """(hosts, [(time, steps done)]) of each generation's training, from its second step
@@ -287,6 +297,15 @@ class TorchrunSide:
 
     def restarts(self, t0, t1):
         return sum(1 for r in self.records if r["event"] == "loaded" and t0 <= r["t"] <= t1)
+
+    def plans(self):
+        """How many worker generations ran each shape, e.g. {"2 hosts: DDP x4": 3}."""
+        counts = {}
+        for r in self.records:
+            if r["event"] == "loaded":
+                key = "%d hosts: DDP x%d" % (r["world"] // self.args.slots, r["world"])
+                counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items()))
 
     def segments(self):
         """(hosts, [(time, steps done)]) of each worker generation's training, from its third

@@ -54,8 +54,9 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "common"))
 from bench_support import (AGENT_RUN_ROOT, START_METHODS, TORCHRUN_ENV, BenchError, descendants,  # noqa: E402
                            expect_none_left, fast_rdzv_conf, free_port, kill_all, make_log, median_of,
-                           notify_preempt, parse_jsonl, require_built, run_guarded, run_varuna_argv, spawn,
-                           stop_manager, stop_torchrun, tail, torchrun_argv, unwind_on_signals, wait_for)
+                           notify_preempt, parse_jsonl, pinned_plan, require_built, run_guarded, run_varuna_argv,
+                           spawn, stop_manager, stop_torchrun, tail, torchrun_argv, unwind_on_signals,
+                           wait_for)
 import bench_support  # noqa: E402
 
 MODEL = ["--d_model", "64", "--layers", "4", "--heads", "4", "--seq_len", "32"]
@@ -87,7 +88,7 @@ def varuna_round(args, rnd, work):
     d.mkdir(parents=True)
     (d / "machines.txt").write_text("".join(h + "\n" for h in HOSTS))
     state_dir, log_path = d / "state", d / "manager.log"
-    argv = run_varuna_argv(args.build, job, d, d / "machines.txt", 2, GLOBAL_BATCH, CHUNK,
+    argv = run_varuna_argv(args.build, job, d, d / "machines.txt", pinned_plan(2, CHUNK), GLOBAL_BATCH,
                            free_port(2),  # generations 1 and 2
                            train=["--steps", "1000000", *MODEL, "--threads", "1", "--log_every", "1000000"])
     manager = spawn(argv, log_path)
