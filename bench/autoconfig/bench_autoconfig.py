@@ -42,6 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 MODEL = ["--d_model", "128", "--layers", "4", "--heads", "4", "--seq_len", "64", "--threads", "1"]
 SMOKE_MODEL = ["--d_model", "32", "--layers", "2", "--heads", "2", "--seq_len", "16", "--threads", "1"]
 BATCH = 16
+sys.path.insert(0, os.path.join(ROOT, "bench", "common"))
+from bench_support import profile_gpt_argv  # noqa: E402
 
 
 def log(*parts):
@@ -66,8 +68,7 @@ def launch(build, stages, replicas, chunk, per_replica_batch, program_args, env=
 def profile(build, workdir, sizes, repetitions):
     log("profiling the example with 2 processes, micro-batch sizes", sizes)
     start = time.monotonic()
-    launch(build, 2, 1, 1, 1, [os.path.join(build, "examples", "gpt", "profile_gpt"), "--profile_dir", workdir,
-                               "--micro_batch_sizes", sizes, "--repetitions", str(repetitions), *MODEL])
+    run(profile_gpt_argv(build, workdir, sizes, repetitions, MODEL))
     log("profile written in %.0f s" % (time.monotonic() - start))
     return os.path.join(workdir, "profile.json")
 

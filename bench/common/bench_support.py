@@ -1,8 +1,9 @@
 """What the Python benchmarks that start whole jobs (bench/morph,
 bench/goodput) share: their error type, waiting with a deadline, free ports,
 the processes they start (spawned with a marker, found and killed by it), the
-run_varuna and torchrun command lines both build, and the guard around a
-bench's rounds that always cleans up.
+run_varuna, torchrun and profile_gpt command lines they build (bench/autoconfig
+profiles with the last too), and the guard around a bench's rounds that
+always cleans up.
 
 Every process started through spawn() carries MARKER in its environment, and
 so does everything it starts in turn (children inherit the environment, even
@@ -27,6 +28,7 @@ from pathlib import Path
 # <temp dir>/varuna/JOB/HOST, where the temp dir honours TMPDIR as
 # std::filesystem::temp_directory_path does (CTest's smoke runs set it).
 AGENT_RUN_ROOT = Path(tempfile.gettempdir()) / "varuna"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = "VARUNA_BENCH=%s" % uuid.uuid4().hex
 
 # How torchrun starts its workers: forked from the agent, which has torch
@@ -219,6 +221,17 @@ def pinned_plan(nstages, chunk):
 def autoconfig_plan(profile):
     """run_varuna's plan flags that let AutoConfig choose every launch's plan from a profile."""
     return ["--profile", str(profile)]
+
+
+def profile_gpt_argv(build, profile_dir, sizes, repetitions, model):
+    """The example GPT's Profiler (profile_gpt) on 2 processes under scripts/varuna_launch.py, so that
+    it measures stage compute, transfers and all-reduce; writes profile_dir/profile.json for
+    run_varuna --profile. `sizes`: comma-separated micro-batch sizes; `model`: train_gpt's model
+    flags (with --threads as the workers will run)."""
+    return [sys.executable, str(REPO_ROOT / "scripts" / "varuna_launch.py"), "--nstages", "2", "--chunk_size", "1",
+            "--batch_size", "1", "--", str(Path(build) / "examples" / "gpt" / "profile_gpt"),
+            "--profile_dir", str(profile_dir), "--micro_batch_sizes", sizes, "--repetitions", str(repetitions),
+            *model]
 
 
 def run_varuna_argv(build, job, folder, machines, plan, batch, master_port, flags=(), train=()):

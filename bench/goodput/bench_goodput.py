@@ -105,8 +105,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # Process, wait and clean-up helpers shared with bench/morph.
 sys.path.insert(0, str(HERE.parent / "common"))
-from bench_support import (BenchError, autoconfig_plan, make_log, pinned_plan, require_built, run_guarded,  # noqa: E402
-                           tail, unwind_on_signals)
+from bench_support import (BenchError, autoconfig_plan, make_log, pinned_plan, profile_gpt_argv,  # noqa: E402
+                           require_built, run_guarded, tail, unwind_on_signals)
 from goodput_replay import run_side  # noqa: E402
 from goodput_report import plot, print_table, summary  # noqa: E402
 from goodput_sides import SIDE_LABELS, SIDES  # noqa: E402
@@ -150,6 +150,11 @@ def parse_args():
         args.rounds, args.hosts, args.baseline_s, args.duration_s = 1, 3, 5, 20
         args.warm_steps, args.checkpoint_every, args.timeout = 3, 40, 120
         args.model = SMOKE_MODEL
+    if args.nstages and args.profile:
+        sys.exit("bench_goodput: --nstages pins the plan and --profile lets AutoConfig choose it: give one of them")
+    if args.profile and not args.profile.is_file():
+        sys.exit("bench_goodput: --profile %s does not exist (leave it out and the bench profiles the model)"
+                 % args.profile)
     args.hosts = ["127.0.0.%d" % (i + 1) for i in range(args.hosts)]
     args.sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in args.sides if s not in SIDES]
@@ -160,12 +165,10 @@ def parse_args():
 
 
 def profile_model(args, work):
-    """profile_gpt on 2 processes (stage compute, transfers, all-reduce), one thread each as the
-    sides' workers run; returns the profile's path. About 10 s."""
+    """profile_gpt on 2 processes, one thread each as the sides' workers run; returns the profile's
+    path. About 3 s."""
     out = work / "profile"
-    argv = [sys.executable, str(ROOT / "scripts" / "varuna_launch.py"), "--nstages", "2", "--chunk_size", "1",
-            "--batch_size", "1", "--", str(args.build / "examples" / "gpt" / "profile_gpt"), "--profile_dir", str(out),
-            "--micro_batch_sizes", PROFILED_SIZES, "--repetitions", "10", "--threads", "1", *args.model]
+    argv = profile_gpt_argv(args.build, out, PROFILED_SIZES, 10, [*args.model, "--threads", "1"])
     log("profiling the model for AutoConfig (micro-batch sizes %s)" % PROFILED_SIZES)
     start, log_path = time.monotonic(), work / "profile.log"
     with open(log_path, "w") as f:
@@ -211,6 +214,8 @@ def main():
     per_side = {s: [] for s in args.sides}
 
     def run():
+        # args.plan: the plan flags every VarunaSide passes to run_varuna (inside the guard: a
+        # profile that fails or hangs is cleaned up like any other step of the bench).
         if any(side != "torchrun" for side in args.sides):
             args.plan = plan_flags(args, work)
         run_rounds(args, trace, work, per_side)

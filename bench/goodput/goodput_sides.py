@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench_support import (AGENT_RUN_ROOT, TORCHRUN_ENV, BenchError, descendants, expect_none_left,
@@ -150,13 +151,9 @@ class VarunaSide:
 
     def plans(self):
         """How many launches ran each plan, e.g. {"2 hosts: 1x4 m=6": 3}: what AutoConfig chose."""
-        counts = {}
-        for e in self.events:
-            if e["event"] == "launch":
-                p = e["plan"]
-                key = "%d hosts: %dx%d m=%d" % (len(p["hosts"]), p["stages"], p["replicas"], p["chunk_size"])
-                counts[key] = counts.get(key, 0) + 1
-        return dict(sorted(counts.items()))
+        launched = [e["plan"] for e in self.events if e["event"] == "launch"]
+        return dict(sorted(Counter("%d hosts: %dx%d m=%d" % (len(p["hosts"]), p["stages"], p["replicas"],
+                                                              p["chunk_size"]) for p in launched).items()))
 
     def segments(self):
         """(hosts, [(time, steps done)]) of each generation's training, from its second step
@@ -300,12 +297,8 @@ class TorchrunSide:
 
     def plans(self):
         """How many worker generations ran each shape, e.g. {"2 hosts: DDP x4": 3}."""
-        counts = {}
-        for r in self.records:
-            if r["event"] == "loaded":
-                key = "%d hosts: DDP x%d" % (r["world"] // self.args.slots, r["world"])
-                counts[key] = counts.get(key, 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(Counter("%d hosts: DDP x%d" % (r["world"] // self.args.slots, r["world"])
+                                   for r in self.records if r["event"] == "loaded").items()))
 
     def segments(self):
         """(hosts, [(time, steps done)]) of each worker generation's training, from its third
