@@ -59,3 +59,24 @@ TEST_CASE("peer monitor: a rank keeps beating after the store failed for a while
   // Back off at most 32 intervals (320 ms) after a failure, then beat on.
   CHECK(waitUntil([&] { return beats() >= before + 3; }, 10s));
 }
+
+// A diagnosis waits a few heartbeat intervals to see which rank fell silent.
+// When run_varuna has already stopped the generation for a salvage
+// (Communicator::interrupt), that wait is on the salvage's path: interrupt()
+// ends it, and the diagnosis says it was interrupted instead of naming a rank.
+TEST_CASE("peer monitor: interrupt() ends a diagnosis's wait for heartbeats", "[peer_monitor]") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  // Rank 1 never beats; an hour-long interval makes the wait 4 hours unless interrupted.
+  PeerMonitor monitor(store, /*rank=*/0, /*worldSize=*/2, std::chrono::hours(1),
+                      [](int rank) { return std::to_string(rank); });
+  std::thread interrupter([&] {
+    std::this_thread::sleep_for(100ms);  // (the diagnosis may start before or after: both must end)
+    monitor.interrupt();
+  });
+  const PeerLostError lost = monitor.diagnose("testing", "connection reset");
+  interrupter.join();
+  CHECK(lost.lostRank() == -1);
+  CHECK(std::string(lost.what()).find("diagnosis interrupted") != std::string::npos);
+  // Later diagnoses do not wait either.
+  CHECK(std::string(monitor.diagnose("testing again", "reset").what()).find("interrupted") != std::string::npos);
+}

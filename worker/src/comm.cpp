@@ -107,6 +107,14 @@ std::vector<int64_t> PeerMonitor::readHeartbeats() {
   return beats;
 }
 
+void PeerMonitor::interrupt() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    interrupted_ = true;
+  }
+  wake_.notify_all();
+}
+
 bool PeerMonitor::failureRecorded() { return store_->add(kFailureCountKey, 0) > 0; }
 
 PeerLostError PeerMonitor::diagnose(const std::string& during, const std::string& cause) {
@@ -124,7 +132,15 @@ PeerLostError PeerMonitor::diagnose(const std::string& during, const std::string
     };
     if (auto known = recorded()) return *known;
     const auto before = readHeartbeats();
-    std::this_thread::sleep_for(interval_ * 4);  // long enough for every live rank to beat
+    {
+      // Long enough for every live rank to beat. An interruption ends it: the
+      // caller reports the interruption instead (Communicator::lostPeer), and
+      // a salvage must not wait on a diagnosis nobody reads.
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (wake_.wait_for(lock, interval_ * 4, [this] { return stop_ || interrupted_; })) {
+        return PeerLostError(strCat("diagnosis interrupted", noticed), -1);
+      }
+    }
     if (auto known = recorded()) return *known;
     const auto after = readHeartbeats();
     for (int r = 0; r < worldSize_; ++r) {
@@ -222,7 +238,7 @@ c10::intrusive_ptr<c10d::Backend> Communicator::makeBackend(const std::string& p
   try {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, groupRank, groupSize, opts);
   } catch (const std::exception& e) {
-    throw monitor_->diagnose(strCat("joining process group '", prefix, "'"), e.what());
+    throw lostPeer(strCat("joining process group '", prefix, "'"), e.what());
   }
 }
 
@@ -240,7 +256,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::send(torch::Tensor& tensor, int dst
   try {
     return world_->send(tensors, dstRank, tag);
   } catch (const std::exception& e) {
-    throw monitor_->diagnose(strCat("sending to rank ", dstRank), e.what());
+    throw lostPeer(strCat("sending to rank ", dstRank), e.what());
   }
 }
 
@@ -249,7 +265,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::recv(torch::Tensor& tensor, int src
   try {
     return world_->recv(tensors, srcRank, tag);
   } catch (const std::exception& e) {
-    throw monitor_->diagnose(strCat("receiving from rank ", srcRank), e.what());
+    throw lostPeer(strCat("receiving from rank ", srcRank), e.what());
   }
 }
 
@@ -265,10 +281,9 @@ void Communicator::waitFor(const c10::intrusive_ptr<c10d::Work>& work, const cha
   } catch (const PeerLostError&) {
     throw;
   } catch (const std::exception& e) {
-    if (interrupted_) throw interruption(during);
     std::string cause = e.what();
     if (auto nl = cause.find('\n'); nl != std::string::npos) cause.resize(nl);  // drop c10 backtraces
-    throw monitor_->diagnose(during, cause);
+    throw lostPeer(during, cause);
   }
   if (interrupted_) throw interruption(during);  // an aborted receive "completes" without data
 }
@@ -317,6 +332,7 @@ void Communicator::interrupt(const std::string& reason) {
     interrupted_ = true;
   }
   wakeup_->cv.notify_all();
+  if (monitor_) monitor_->interrupt();  // a diagnosis under way in the training thread ends
   if (abortable) {
     try {
       abortable->abort();  // Gloo: wakes the receive or send waiting on its buffer
@@ -324,6 +340,12 @@ void Communicator::interrupt(const std::string& reason) {
       // Not abortable: the wait ends at its timeout or when the peer's connection drops.
     }
   }
+}
+
+PeerLostError Communicator::lostPeer(const std::string& during, const std::string& cause) {
+  if (interrupted_) return interruption(during);
+  auto lost = monitor_->diagnose(during, cause);
+  return interrupted_ ? interruption(during) : lost;
 }
 
 PeerLostError Communicator::interruption(const std::string& during) const {
@@ -341,7 +363,7 @@ void Communicator::agreeOnStartup(const std::string& key, const std::string& myE
     try {
       store_->wait({k}, options_.timeout);
     } catch (const std::exception& e) {
-      throw monitor_->diagnose(strCat("waiting for rank ", r, " to start (", key, ")"), e.what());
+      throw lostPeer(strCat("waiting for rank ", r, " to start (", key, ")"), e.what());
     }
     const std::string theirs = toString(store_->get(k));
     if (!theirs.empty()) throw ConfigError(strCat("rank ", r, " (", describeRank(r), ") failed to start: ", theirs));

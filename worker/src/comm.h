@@ -66,6 +66,9 @@ class PeerMonitor {
   // store is unreachable.
   std::vector<int64_t> readHeartbeats();
   bool failureRecorded();
+  // Ends a diagnosis's wait for heartbeats, now and later (it then returns a
+  // PeerLostError saying so); heartbeats go on. Any thread.
+  void interrupt();
 
  private:
   void run();
@@ -78,6 +81,7 @@ class PeerMonitor {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
+  bool interrupted_ = false;  // guarded by mutex_, like stop_
   std::thread thread_;
 };
 
@@ -129,6 +133,10 @@ class Communicator {
  private:
   c10::intrusive_ptr<c10d::Backend> makeBackend(const std::string& prefix, int groupRank, int groupSize);
   std::string describeRank(int rank) const;
+  // What a failed wait or call on peers throws: the interruption once
+  // interrupt() ran (before or during the diagnosis), else the monitor's
+  // diagnosis of which peer is gone.
+  PeerLostError lostPeer(const std::string& during, const std::string& cause);
   void leave() noexcept;
   // waitFor's two ways to wait interruptibly: Gloo's point-to-point work has
   // no future but can be aborted; collectives complete a future.
