@@ -89,7 +89,8 @@ json toJson(const SalvageReady& m) {
   return {{"type", "salvage_ready"},  {"rank", m.rank},
           {"stage", m.stage},         {"replica", m.replica},
           {"step", m.step},           {"generation", m.generation},
-          {"finishable_step", m.finishableStep}, {"exchange", exchangeToJson(m.exchange)}};
+          {"finishable_step", m.finishableStep}, {"exchange", exchangeToJson(m.exchange)},
+          {"exchange_step", m.exchangeStep}};
 }
 json toJson(const SalvageWrite& m) {
   return {{"type", "salvage_write"}, {"generation", m.generation}, {"step", m.step},
@@ -161,7 +162,8 @@ Message fromJson(const json& j) {
                         j.at("step"),
                         j.at("generation"),
                         j.value("finishable_step", int64_t{-1}),
-                        exchangeFromJson(j, type)};
+                        exchangeFromJson(j, type),
+                        j.value("exchange_step", int64_t{-1})};  // -1: the exchange is step's
   }
   if (type == "salvage_write") {
     return SalvageWrite{j.at("generation"), j.at("step"), j.at("writer_index"), j.at("writers"),

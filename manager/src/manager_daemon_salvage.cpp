@@ -22,9 +22,12 @@ void ManagerDaemon::onSalvageReady(int rank, const proto::SalvageReady& ready) {
   json fields = {{"generation", ready.generation}, {"rank", rank}, {"stage", ready.stage},
                  {"replica", ready.replica}, {"step", ready.step}};
   if (ready.finishableStep >= 0) fields["finishable_step"] = ready.finishableStep;
+  // A rank that holds no whole step may still hold the exchange result of one.
+  if (!ready.exchange.empty() && ready.exchangeStep != ready.step) fields["exchange_step"] = ready.exchangeStep;
   events_->write("salvage_report", fields);
   apply(controller_->salvageReady(
-      SalvageReport{rank, ready.stage, ready.step, {}, ready.finishableStep, ready.exchange}, Clock::now()));
+      SalvageReport{rank, ready.stage, ready.step, {}, ready.finishableStep, ready.exchange, ready.exchangeStep},
+      Clock::now()));
 }
 
 void ManagerDaemon::doSalvageStop(const action::SalvageStop& stop) {

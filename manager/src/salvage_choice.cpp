@@ -22,20 +22,32 @@ struct StepCandidates {
   std::vector<double> exchange;  // from a survivor that finished the step's exchange
 };
 
+// Every exchange result some survivor finished, by step: of any stage (the
+// exchange is job-wide), and also from ranks that hold no whole step.
+std::map<int64_t, std::vector<double>> exchangesByStep(const std::vector<SalvageReport>& reports) {
+  std::map<int64_t, std::vector<double>> out;
+  for (const auto& r : reports) {
+    const int64_t step = r.exchangeStep >= 0 ? r.exchangeStep : r.step;
+    if (step >= 0 && r.exchange.size() == proto::kExchangeValues) out[step] = r.exchange;
+  }
+  return out;
+}
+
 std::map<int64_t, StepCandidates> groupByStep(const std::vector<SalvageReport>& reports) {
+  const auto exchanges = exchangesByStep(reports);
   std::map<int64_t, StepCandidates> out;
   for (const auto& r : reports) {
-    if (r.step >= 0) {
-      out[r.step].byStage[r.stage].push_back({&r, false});
-      if (r.exchange.size() == proto::kExchangeValues) out[r.step].exchange = r.exchange;
-    }
+    if (r.step >= 0) out[r.step].byStage[r.stage].push_back({&r, false});
   }
   for (const auto& r : reports) {
     // Finishing needs the result of that very exchange from someone who has it.
-    const auto it = out.find(r.finishableStep);
-    if (r.finishableStep >= 0 && it != out.end() && !it->second.exchange.empty()) {
-      it->second.byStage[r.stage].push_back({&r, true});
+    const auto result = exchanges.find(r.finishableStep);
+    if (r.finishableStep >= 0 && result != exchanges.end()) {
+      out[r.finishableStep].byStage[r.stage].push_back({&r, true});
     }
+  }
+  for (auto& [step, candidates] : out) {
+    if (const auto result = exchanges.find(step); result != exchanges.end()) candidates.exchange = result->second;
   }
   return out;
 }

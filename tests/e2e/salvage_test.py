@@ -10,6 +10,7 @@ first host and replica 1 (ranks 2, 3) on the second. The same flows over
 real sshd are in ssh_cluster_test.py."""
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -153,6 +154,42 @@ def test_a_split_exchange_is_finished_from_the_relayed_result():
     assert_nothing_left(m.job)
 
 
+def test_a_replica_that_missed_the_buffer_broadcast_relays_the_exchange():
+    """A model with BatchNorm buffers (train_gpt --batchnorm), 1 stage x 2
+    replicas, one per host. VARUNA_TEST_LOSE_EXCHANGE=0@60/0 makes the
+    exchange of step 60 "fail" under replica 0 only. Replica 1 finished it,
+    applied step 60 and waits for replica 0's buffers, whose broadcast never
+    comes: it vouches for no whole step, yet reports the exchange result of
+    step 60. Replica 0 holds 59 and can finish 60 given that result: the
+    manager relays it, replica 0 finishes and writes step 60, and the job
+    resumes from 60 with its losses equal to an uninterrupted run's."""
+    steps = 120
+    machines = ["127.0.0.1 slots=1", "127.0.0.2 slots=1"]
+    env = ("env", "VARUNA_TEST_LOSE_EXCHANGE=0@60/0")
+    train = ["--checkpoint_every", "1000", "--batchnorm"]
+    m = manager("broadcast", machines=machines, stages=1, steps=steps, prefix=env, train_args=train).start()
+    m.wait_event("launch", count=2, timeout=RECOVERY_BOUND_S + 120)
+    assert m.wait_exit() == 0, m.tail()
+    reports = {e["rank"]: e for e in m.events("salvage_report") if e["generation"] == 1}
+    assert reports[0]["step"] == 59 and reports[0].get("finishable_step") == 60, reports
+    assert reports[1]["step"] == -1 and reports[1].get("exchange_step") == 60, reports
+    writing = m.events("salvage_writing")
+    assert len(writing) == 1 and writing[0]["step"] == 60 and writing[0]["finishing"] == [0], writing
+    launch = m.events("launch")[1]
+    assert launch["recovery"] == "salvage" and launch["resume_step"] == 60 and launch["steps_lost"] == 0, launch
+    want = reference_losses("broadcast-reference", machines, steps, stages=1, train_args=train)
+    # Neither rank's step() of step 60 returned (no loss line): the loss of the
+    # step replica 0 finished is in its log, from the relayed exchange result.
+    got = m.losses(0)
+    assert 59 not in got, sorted(got)
+    finished = re.search(r"finished step 60 from the exchange result run_varuna relayed \(loss ([-0-9.e+]+)\)",
+                         m.worker_log("127.0.0.1", 1, 0))
+    assert finished, m.worker_log("127.0.0.1", 1, 0)
+    got[59] = float(finished.group(1))
+    assert_losses_continue(got, want, steps)
+    assert_nothing_left(m.job)
+
+
 def test_a_whole_stage_killed_falls_back_to_the_periodic_checkpoint():
     """kill -9 of stage 0's two workers (ranks 0 and 2, one per host): no
     survivor holds stage 0, so the job resumes from the periodic checkpoint of
@@ -234,5 +271,6 @@ if __name__ == "__main__":
     run_tests([test_a_host_killed_between_checkpoints_loses_no_step,
                test_the_python_trainer_salvages_too,
                test_a_split_exchange_is_finished_from_the_relayed_result,
+               test_a_replica_that_missed_the_buffer_broadcast_relays_the_exchange,
                test_a_whole_stage_killed_falls_back_to_the_periodic_checkpoint,
                test_kills_at_random_moments_never_mix_steps])

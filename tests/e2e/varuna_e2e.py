@@ -120,6 +120,10 @@ class Manager:
     def connection_file(self, host):
         return Path("/tmp/varuna") / self.job / host / "connection.json"
 
+    def worker_log(self, host, generation, rank):
+        """What a worker wrote to its stdout and stderr, as its host's agent keeps it."""
+        return (Path("/tmp/varuna") / self.job / host / "logs" / ("g%d_rank%d.log" % (generation, rank))).read_text()
+
     def notify_preempt(self, host, *extra):
         argv = [str(BIN / "notify_manager_preempt"), "--connection_file", str(self.connection_file(host)), *extra]
         return subprocess.run(argv, capture_output=True, text=True, timeout=30)

@@ -40,6 +40,7 @@ std::vector<Message> samples() {
           SalvageReady{3, 1, 1, 41, 5},
           SalvageReady{3, 1, 1, 41, 5, 42, {}},
           SalvageReady{2, 0, 1, 42, 5, -1, {12.25, 0.1 + 0.2, 1.0}},
+          SalvageReady{2, 0, 1, -1, 5, -1, {12.25, 0.5, 0.0}, 43},  // a result of the step after none it holds
           SalvageWrite{5, 41, 1, 2},
           SalvageWrite{5, 42, 1, 2, {12.25, 0.1 + 0.2, 0.0}},
           WorkerBeats{5, {{0, 12, false}, {3, -1, true}}},
@@ -169,7 +170,8 @@ TEST_CASE("salvage: the exchange result travels bit for bit; non-finite as null;
                            R"({"type":"salvage_write","generation":2,"step":4,"writer_index":0,"writers":2,"exchange":3})",
                            R"({"type":"salvage_write","generation":2,"step":4,"writer_index":0,"writers":2,"exchange":[1,"2",3]})",
                            R"({"type":"salvage_ready","rank":1,"stage":0,"replica":1,"step":4,"generation":2,"exchange":[1,2,3,4]})",
-                           R"({"type":"salvage_ready","rank":1,"stage":0,"replica":1,"step":4,"generation":2,"finishable_step":"5"})"}) {
+                           R"({"type":"salvage_ready","rank":1,"stage":0,"replica":1,"step":4,"generation":2,"finishable_step":"5"})",
+                           R"({"type":"salvage_ready","rank":1,"stage":0,"replica":1,"step":-1,"generation":2,"exchange_step":"5"})"}) {
     INFO(body);
     CHECK_THROWS_AS(decodeBody(body), ProtocolError);
   }

@@ -121,6 +121,22 @@ TEST_CASE("salvage choice: survivors the exchange failed under finish the step f
           "no step is held by a survivor of every stage (stage 0 holds 96, stage 1 holds 95 and could finish 96 "
           "given its exchange result, which no survivor holds)");
   }
+  SECTION("the result comes from a rank holding no whole step (it missed replica 0's buffer broadcast)") {
+    // 1 stage x 2 replicas of a model with BatchNorm: replica 0's exchange of
+    // step 96 failed; replica 1's completed, then the broadcast of replica
+    // 0's buffers did not come. Replica 1 vouches for no step, yet holds the
+    // result replica 0 needs to finish 96.
+    SalvageReport noStep{1, 0, -1, "b", -1, result, 96};
+    const auto choice = chooseSalvage({finishable(0, 0, 95, "a"), noStep}, 1, {});
+    REQUIRE(choice);
+    CHECK(choice->step == 96);
+    CHECK(choice->writers == std::vector<int>{0});
+    CHECK(choice->finishing == std::vector<int>{0});
+    CHECK(choice->exchange == result);
+    // Without that result the step before is common; a result of another step does not help.
+    noStep.exchangeStep = 97;
+    CHECK(chooseSalvage({finishable(0, 0, 95, "a"), noStep}, 1, {})->step == 95);
+  }
   SECTION("every stage only finishable: no survivor finished the exchange, the step before is common") {
     const auto choice = chooseSalvage({finishable(0, 0, 95, "a"), finishable(1, 1, 95, "a")}, 2, {});
     REQUIRE(choice);

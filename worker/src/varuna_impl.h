@@ -159,7 +159,11 @@ class Varuna::Impl {
   struct HeldState {
     int64_t step = -1;            // whole in memory (-1: none)
     int64_t finishableStep = -1;  // can be applied given its exchange result (-1: no)
-    std::vector<double> exchange;  // the exchange result of `step`, when known here
+    // The newest exchange result this rank finished, and its step: usually
+    // `step`, or the step after it when the rank missed that step's buffer
+    // broadcast (step -1) yet holds the result a finisher needs.
+    std::vector<double> exchange;
+    int64_t exchangeStep = -1;
   };
   HeldState stateHeld();  // puts the changing buffers back to that step's values
   void finishStep(const std::vector<double>& exchange);

@@ -17,7 +17,8 @@
 // relays that result in the write order and the rank applies the step. After
 // the update only replica 0's buffers are sure (the others wait for its
 // broadcast): a rank of another replica that loses a peer there holds no
-// whole step (-1). The rank's own generators are not kept: a salvaged
+// whole step (-1), but still reports the exchange result it finished, with
+// that step's number, for a rank that can finish the step. The rank's own generators are not kept: a salvaged
 // checkpoint has no layout (stage_to_rank_map), so the next generation
 // seeds fresh streams, as after any morph to another layout.
 #include <chrono>
@@ -105,7 +106,14 @@ Varuna::Impl::HeldState Varuna::Impl::stateHeld() {
       held.step = replica_ == 0 || names.empty() ? stepsDone_ : -1;
       break;
   }
-  if (held.step >= 0 && held.step == lastExchangeStep_) held.exchange = lastExchange_;
+  // The last exchange this rank finished, whatever it holds: a rank of
+  // another replica that lost a peer during replica 0's broadcast holds no
+  // whole step, but the result of the exchange before it, which a rank that
+  // can finish that step needs.
+  if (lastExchangeStep_ >= 0 && lastExchangeStep_ >= held.step) {
+    held.exchange = lastExchange_;
+    held.exchangeStep = lastExchangeStep_;
+  }
   return held;
 }
 
@@ -127,14 +135,21 @@ void Varuna::Impl::finishStep(const std::vector<double>& exchange) {
 // first generation only: a fallback to an earlier checkpoint must not meet
 // it again.
 bool Varuna::Impl::exchangeLossInjected() const {
-  static const std::optional<std::pair<int, int64_t>> target = []() -> std::optional<std::pair<int, int64_t>> {
-    const char* value = std::getenv("VARUNA_TEST_LOSE_EXCHANGE");
+  // <stage>@<step>, or <stage>@<step>/<replica> for that replica's rank only.
+  struct Target {
     int stage = 0;
+    int64_t step = 0;
+    int replica = -1;  // -1: every replica of the stage
+  };
+  static const std::optional<Target> target = []() -> std::optional<Target> {
+    const char* value = std::getenv("VARUNA_TEST_LOSE_EXCHANGE");
+    int stage = 0, replica = -1;
     long long step = 0;
-    if (!value || std::sscanf(value, "%d@%lld", &stage, &step) != 2) return std::nullopt;
-    return std::pair<int, int64_t>(stage, step);
+    if (!value || std::sscanf(value, "%d@%lld/%d", &stage, &step, &replica) < 2) return std::nullopt;
+    return Target{stage, step, replica};
   }();
-  return target && opt_.manager.generation <= 1 && target->first == stage_ && target->second == stepsDone_ + 1;
+  return target && opt_.manager.generation <= 1 && target->stage == stage_ && target->step == stepsDone_ + 1 &&
+         (target->replica < 0 || target->replica == replica_);
 }
 
 void Varuna::Impl::salvage(const PeerLostError& lost) {
@@ -147,7 +162,7 @@ void Varuna::Impl::salvage(const PeerLostError& lost) {
             held.finishableStep >= 0 ? strCat(" and can finish step ", held.finishableStep) : std::string(),
             ", waiting up to ", timeout.count() / 1000.0, " s for run_varuna's order");
   managerLink_->reportSalvageReady(proto::SalvageReady{opt_.rank, stage_, replica_, step, opt_.manager.generation,
-                                                       held.finishableStep, held.exchange});
+                                                       held.finishableStep, held.exchange, held.exchangeStep});
   std::optional<proto::SalvageWrite> order;
   {
     BlockedOnPeers blocked(&waitingOnPeers_);  // waiting, not hung

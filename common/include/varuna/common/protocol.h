@@ -176,13 +176,16 @@ inline constexpr size_t kExchangeValues = 3;
 // `finishableStep` (or -1): the next step, when the rank's part of it is done
 // up to the job-wide exchange that failed under it; given that exchange's
 // result from a rank that finished it, the rank can apply the step itself.
-// `exchange`: the result of the exchange of `step`, when the rank finished it.
+// `exchange`: the result of the newest exchange the rank finished, that of
+// step `exchangeStep` (-1: `step`'s): the step after `step` when the rank
+// finished that step's exchange but missed its buffer broadcast (step -1).
 struct SalvageReady {
   int rank = 0, stage = 0, replica = 0;
   int64_t step = -1;
   int generation = 0;
   int64_t finishableStep = -1;
   std::vector<double> exchange;
+  int64_t exchangeStep = -1;
   bool operator==(const SalvageReady&) const = default;
 };
 // To a worker chosen to write its stage's share of the salvaged checkpoint:

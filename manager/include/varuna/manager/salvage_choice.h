@@ -29,7 +29,10 @@ struct SalvageReport {
   int64_t step = -1;  // -1: nothing it can vouch for
   std::string host;
   int64_t finishableStep = -1;   // step + 1 when only its exchange is missing, else -1
-  std::vector<double> exchange;  // the exchange result of `step`, when the rank finished it
+  std::vector<double> exchange;  // the result of the exchange of step `exchangeStep` the rank finished
+  // The step of `exchange` (-1: `step`'s): step + 1 for a rank that finished
+  // that step's exchange but missed its buffer broadcast (its step is -1).
+  int64_t exchangeStep = -1;
 };
 
 struct SalvageChoice {
