@@ -82,6 +82,10 @@ progress, a table, the plot's path (--out_dir/goodput.png: samples kept over
 time per side, the trace's events marked), and as its last line one JSON
 object: per side goodput and goodput_fraction (and more), the trace's seed
 and counts, ratio_vs_torchrun = (a)'s goodput / (c)'s, and the targets.
+ceiling_ratio_vs_torchrun puts in (a)'s place a run_varuna that the events
+cost nothing (its steady rates on the hosts left, never a second down nor a
+step lost): the most any elastic system with run_varuna's engine speeds could
+reach against torchrun on this machine and trace.
 
     .venv/bin/python bench/goodput/bench_goodput.py [--duration_s 600] [--rounds 1] [--seed 1]
     .venv/bin/python bench/goodput/bench_goodput.py --smoke   # CI: 3 hosts, 20 s trace per side, not judged

@@ -185,6 +185,9 @@ def side_figures(side, trace, times, global_batch, cpu):
         "goodput_fraction": goodput / baseline if baseline else None,
         "fault_free_samples_per_s": baseline,
         "goodput_fraction_same_hosts": kept / expected if expected else None,
+        # What the side would keep had no event cost it anything: its own steady rates on the
+        # hosts it had, without a second down or a step lost.
+        "ceiling_goodput": expected * global_batch / duration_s if expected else None,
         "steady_samples_per_s_by_hosts": {n: r * global_batch for n, r in sorted(rates.items())},
         "samples_kept": kept * global_batch,
         "steps_kept": kept,
