@@ -23,7 +23,9 @@ void ManagerDaemon::onSalvageReady(int rank, const proto::SalvageReady& ready) {
                  {"replica", ready.replica}, {"step", ready.step}};
   if (ready.finishableStep >= 0) fields["finishable_step"] = ready.finishableStep;
   // A rank that holds no whole step may still hold the exchange result of one.
-  if (!ready.exchange.empty() && ready.exchangeStep != ready.step) fields["exchange_step"] = ready.exchangeStep;
+  if (!ready.exchange.empty() && ready.exchangeStep >= 0 && ready.exchangeStep != ready.step) {
+    fields["exchange_step"] = ready.exchangeStep;
+  }
   events_->write("salvage_report", fields);
   apply(controller_->salvageReady(
       SalvageReport{rank, ready.stage, ready.step, {}, ready.finishableStep, ready.exchange, ready.exchangeStep},

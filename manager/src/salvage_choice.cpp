@@ -1,6 +1,8 @@
 #include "varuna/manager/salvage_choice.h"
 
 #include <algorithm>
+#include <cmath>
+#include <set>
 #include <tuple>
 
 #include "varuna/common/errors.h"
@@ -17,19 +19,35 @@ struct Candidate {
 };
 using ByStage = std::map<int, std::vector<Candidate>>;
 
+// Bit for bit, non-finite values (an fp16 overflow travels as null and comes
+// back as +infinity) alike.
+bool sameExchange(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!(a[i] == b[i] || (!std::isfinite(a[i]) && !std::isfinite(b[i])))) return false;
+  }
+  return true;
+}
+
 struct StepCandidates {
   ByStage byStage;
   std::vector<double> exchange;  // from a survivor that finished the step's exchange
 };
 
 // Every exchange result some survivor finished, by step: of any stage (the
-// exchange is job-wide), and also from ranks that hold no whole step.
+// exchange is job-wide), and also from ranks that hold no whole step. Every
+// rank that finished an exchange holds its result bit for bit; a step whose
+// reports disagree has no result (nobody finishes from a doubtful one).
 std::map<int64_t, std::vector<double>> exchangesByStep(const std::vector<SalvageReport>& reports) {
   std::map<int64_t, std::vector<double>> out;
+  std::set<int64_t> disputed;
   for (const auto& r : reports) {
     const int64_t step = r.exchangeStep >= 0 ? r.exchangeStep : r.step;
-    if (step >= 0 && r.exchange.size() == proto::kExchangeValues) out[step] = r.exchange;
+    if (step < 0 || r.exchange.size() != proto::kExchangeValues) continue;
+    const auto [it, first] = out.emplace(step, r.exchange);
+    if (!first && !sameExchange(it->second, r.exchange)) disputed.insert(step);
   }
+  for (int64_t step : disputed) out.erase(step);
   return out;
 }
 

@@ -4,6 +4,8 @@
 // clustered: a holds replica 0 (rank 0 = stage 0, rank 1 = stage 1), b
 // replica 1 (rank 2 = stage 0, rank 3 = stage 1).
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <limits>
 
 #include "varuna/common/errors.h"
 #include "varuna/manager/morph_controller.h"
@@ -136,6 +138,19 @@ TEST_CASE("salvage choice: survivors the exchange failed under finish the step f
     // Without that result the step before is common; a result of another step does not help.
     noStep.exchangeStep = 97;
     CHECK(chooseSalvage({finishable(0, 0, 95, "a"), noStep}, 1, {})->step == 95);
+  }
+  SECTION("reports that disagree on a step's result: nobody finishes from it") {
+    SalvageReport other = held(2, 0, 96, "b");
+    other.exchange = {96.5, 0.5, 0.0};
+    const auto choice = chooseSalvage({held(0, 0, 96, "a"), other, finishable(1, 1, 95, "a")}, 2, {});
+    CHECK_FALSE(choice);  // stage 1 cannot finish 96, and stage 0 holds nothing older
+    // Alike bit for bit (a non-finite value as any other non-finite one): agreed.
+    SalvageReport overflowA = held(0, 0, 96, "a"), overflowB = held(2, 0, 96, "b");
+    overflowA.exchange = {1.0, std::numeric_limits<double>::infinity(), 0.0};
+    overflowB.exchange = {1.0, std::nan(""), 0.0};
+    const auto agreed = chooseSalvage({overflowA, overflowB, finishable(1, 1, 95, "a")}, 2, {});
+    REQUIRE(agreed);
+    CHECK(agreed->finishing == std::vector<int>{1});
   }
   SECTION("every stage only finishable: no survivor finished the exchange, the step before is common") {
     const auto choice = chooseSalvage({finishable(0, 0, 95, "a"), finishable(1, 1, 95, "a")}, 2, {});

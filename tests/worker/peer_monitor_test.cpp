@@ -66,11 +66,12 @@ TEST_CASE("peer monitor: a rank keeps beating after the store failed for a while
 // ends it, and the diagnosis says it was interrupted instead of naming a rank.
 TEST_CASE("peer monitor: interrupt() ends a diagnosis's wait for heartbeats", "[peer_monitor]") {
   auto store = c10::make_intrusive<c10d::HashStore>();
-  // Rank 1 never beats; an hour-long interval makes the wait 4 hours unless interrupted.
-  PeerMonitor monitor(store, /*rank=*/0, /*worldSize=*/2, std::chrono::hours(1),
+  // Rank 1 never beats. Not interrupted, the diagnosis would return after 4
+  // intervals (20 s) naming rank 1 as lost, which the checks below refuse.
+  PeerMonitor monitor(store, /*rank=*/0, /*worldSize=*/2, 5s,
                       [](int rank) { return std::to_string(rank); });
   std::thread interrupter([&] {
-    std::this_thread::sleep_for(100ms);  // (the diagnosis may start before or after: both must end)
+    std::this_thread::sleep_for(100ms);  // (the interruption may come before the wait or during it: both must end it)
     monitor.interrupt();
   });
   const PeerLostError lost = monitor.diagnose("testing", "connection reset");

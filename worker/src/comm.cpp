@@ -272,11 +272,15 @@ c10::intrusive_ptr<c10d::Work> Communicator::recv(torch::Tensor& tensor, int src
 void Communicator::waitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* during) {
   BlockedOnPeers blocked(options_.waitingOnPeers);
   if (interrupted_) throw interruption(during);
+  bool completed = false;
   try {
     if (auto future = futureOf(work)) {
-      waitOnFuture(work, future);
+      completed = waitOnFuture(work, future);
     } else {
       waitAbortable(work);
+      // An aborted receive "completes" without data: once interrupted, the
+      // data of a point-to-point wait cannot be trusted.
+      completed = !interrupted_;
     }
   } catch (const PeerLostError&) {
     throw;
@@ -285,7 +289,9 @@ void Communicator::waitFor(const c10::intrusive_ptr<c10d::Work>& work, const cha
     if (auto nl = cause.find('\n'); nl != std::string::npos) cause.resize(nl);  // drop c10 backtraces
     throw lostPeer(during, cause);
   }
-  if (interrupted_) throw interruption(during);  // an aborted receive "completes" without data
+  // A collective that completed counts even if an interruption came meanwhile
+  // (a rank that finished a step's exchange holds that step: salvage.md).
+  if (!completed) throw interruption(during);
 }
 
 void Communicator::waitAbortable(const c10::intrusive_ptr<c10d::Work>& work) {
@@ -304,7 +310,7 @@ void Communicator::waitAbortable(const c10::intrusive_ptr<c10d::Work>& work) {
   if (!work->wait(options_.timeout)) throw std::runtime_error("timed out");
 }
 
-void Communicator::waitOnFuture(const c10::intrusive_ptr<c10d::Work>& work,
+bool Communicator::waitOnFuture(const c10::intrusive_ptr<c10d::Work>& work,
                                 const c10::intrusive_ptr<c10::ivalue::Future>& future) {
   auto wakeup = wakeup_;
   future->addCallback([wakeup](c10::ivalue::Future&) {
@@ -316,9 +322,10 @@ void Communicator::waitOnFuture(const c10::intrusive_ptr<c10d::Work>& work,
     const bool ready = wakeup->cv.wait_for(lock, options_.timeout,
                                            [&] { return future->completed() || interrupted_.load(); });
     if (!ready) throw std::runtime_error("timed out");
-    if (!future->completed()) return;  // interrupted: waitFor throws
+    if (!future->completed()) return false;  // interrupted: waitFor throws
   }
   work->wait();  // completed: returns at once, or rethrows the work's error
+  return true;
 }
 
 void Communicator::interrupt(const std::string& reason) {

@@ -67,7 +67,9 @@ class PeerMonitor {
   std::vector<int64_t> readHeartbeats();
   bool failureRecorded();
   // Ends a diagnosis's wait for heartbeats, now and later (it then returns a
-  // PeerLostError saying so); heartbeats go on. Any thread.
+  // PeerLostError saying so); heartbeats go on. Its store calls (and the
+  // short wait for a failure another rank is recording) are not cut short.
+  // Any thread.
   void interrupt();
 
  private:
@@ -115,8 +117,9 @@ class Communicator {
   // or an error message; throws ConfigError with the first error found.
   void agreeOnStartup(const std::string& key, const std::string& myError);
 
-  // Ends every current and later waitFor with PeerLostError(`reason`). Any
-  // thread; idempotent (the first reason stays).
+  // Ends every current and later waitFor with PeerLostError(`reason`) (a
+  // collective that completed meanwhile still counts). Any thread;
+  // idempotent (the first reason stays).
   void interrupt(const std::string& reason);
   bool interrupted() const { return interrupted_.load(); }
   PeerLostError interruption(const std::string& during) const;
@@ -139,9 +142,10 @@ class Communicator {
   PeerLostError lostPeer(const std::string& during, const std::string& cause);
   void leave() noexcept;
   // waitFor's two ways to wait interruptibly: Gloo's point-to-point work has
-  // no future but can be aborted; collectives complete a future.
+  // no future but can be aborted; collectives complete a future
+  // (waitOnFuture: false when interrupted before it completed).
   void waitAbortable(const c10::intrusive_ptr<c10d::Work>& work);
-  void waitOnFuture(const c10::intrusive_ptr<c10d::Work>& work, const c10::intrusive_ptr<c10::ivalue::Future>& future);
+  bool waitOnFuture(const c10::intrusive_ptr<c10d::Work>& work, const c10::intrusive_ptr<c10::ivalue::Future>& future);
 
   // Interruption (interrupt()): the flag and reason, the point-to-point work
   // being waited on (aborted), and the wake-up of a future wait. The wake-up

@@ -18,9 +18,10 @@
 // the update only replica 0's buffers are sure (the others wait for its
 // broadcast): a rank of another replica that loses a peer there holds no
 // whole step (-1), but still reports the exchange result it finished, with
-// that step's number, for a rank that can finish the step. The rank's own generators are not kept: a salvaged
-// checkpoint has no layout (stage_to_rank_map), so the next generation
-// seeds fresh streams, as after any morph to another layout.
+// that step's number, for a rank that can finish the step. The rank's own
+// generators are not kept: a salvaged checkpoint has no layout
+// (stage_to_rank_map), so the next generation seeds fresh streams, as after
+// any morph to another layout.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -143,9 +144,13 @@ bool Varuna::Impl::exchangeLossInjected() const {
   };
   static const std::optional<Target> target = []() -> std::optional<Target> {
     const char* value = std::getenv("VARUNA_TEST_LOSE_EXCHANGE");
-    int stage = 0, replica = -1;
+    int stage = 0, replica = -1, end = 0;
     long long step = 0;
-    if (!value || std::sscanf(value, "%d@%lld/%d", &stage, &step, &replica) < 2) return std::nullopt;
+    if (!value) return std::nullopt;
+    // The whole value must parse: a malformed one acts nowhere rather than on every replica.
+    const bool whole = (std::sscanf(value, "%d@%lld%n", &stage, &step, &end) == 2 && value[end] == '\0') ||
+                       (std::sscanf(value, "%d@%lld/%d%n", &stage, &step, &replica, &end) == 3 && value[end] == '\0');
+    if (!whole) return std::nullopt;
     return Target{stage, step, replica};
   }();
   return target && opt_.manager.generation <= 1 && target->stage == stage_ && target->step == stepsDone_ + 1 &&

@@ -177,8 +177,9 @@ inline constexpr size_t kExchangeValues = 3;
 // up to the job-wide exchange that failed under it; given that exchange's
 // result from a rank that finished it, the rank can apply the step itself.
 // `exchange`: the result of the newest exchange the rank finished, that of
-// step `exchangeStep` (-1: `step`'s): the step after `step` when the rank
-// finished that step's exchange but missed its buffer broadcast (step -1).
+// step `exchangeStep` (-1: `step`'s). They differ for a rank that applied a
+// step but missed its buffer broadcast: its `step` is -1 and `exchangeStep`
+// the step it applied.
 struct SalvageReady {
   int rank = 0, stage = 0, replica = 0;
   int64_t step = -1;

@@ -30,8 +30,8 @@ struct SalvageReport {
   std::string host;
   int64_t finishableStep = -1;   // step + 1 when only its exchange is missing, else -1
   std::vector<double> exchange;  // the result of the exchange of step `exchangeStep` the rank finished
-  // The step of `exchange` (-1: `step`'s): step + 1 for a rank that finished
-  // that step's exchange but missed its buffer broadcast (its step is -1).
+  // The step of `exchange` (-1: `step`'s): for a rank that applied a step but
+  // missed its buffer broadcast (its `step` is -1), the step it applied.
   int64_t exchangeStep = -1;
 };
 
