@@ -71,7 +71,10 @@ def test_python_trainer_morphs_and_resumes_exactly():
     (run by the project's Python, where setup.sh put the varuna package) gets
     the launcher's arguments, reports, checkpoints on the notice and resumes
     as 2x1 exactly where a 2x1 job started from that checkpoint does."""
-    steps = 60
+    # Steps to spare after the notice: state.json's step is a second old and
+    # the tiny model trains tens of steps a second (with 60 steps, a loaded
+    # CI machine once took the notice at step 59, leaving nothing to compare).
+    steps = 200
     python = os.environ.get("VARUNA_PYTHON", str(SOURCE / ".venv" / "bin" / "python"))
     program = [python, str(SOURCE / "examples" / "python" / "train_gpt.py")]
     m = manager("python", steps=steps, program=program).start()
