@@ -160,8 +160,8 @@ class Varuna::Impl {
     int64_t step = -1;            // whole in memory (-1: none)
     int64_t finishableStep = -1;  // can be applied given its exchange result (-1: no)
     // The newest exchange result this rank finished, and its step: usually
-    // `step`, or the step after it when the rank missed that step's buffer
-    // broadcast (step -1) yet holds the result a finisher needs.
+    // `step`; for a rank that applied a step but missed its buffer broadcast
+    // (its `step` is -1), the step it applied, whose result a finisher needs.
     std::vector<double> exchange;
     int64_t exchangeStep = -1;
   };
