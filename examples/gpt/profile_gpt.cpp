@@ -24,6 +24,7 @@ struct ProfileGptOptions {
   uint64_t dataSeed = 7;
   std::string precision = "fp32";
   std::string device = "cpu";
+  std::string commBackend = "auto";
   int threads = 1;
   double peerTimeoutSeconds = 60;
   std::string logLevel = "info";
@@ -63,7 +64,10 @@ void parseOptions(const std::vector<std::string>& args, ProfileGptOptions& o) {
   app.add_option("--data", o.data, "text file or directory of text files (sets the vocabulary)");
   app.add_option("--data_seed", o.dataSeed, "seed of the sample positions");
   app.add_option("--precision", o.precision, "fp32, bf16 or fp16")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_option("--device", o.device, "cpu, or cuda (cuda:<local_rank>)")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--device", o.device, "cpu, or cuda (cuda:<local_rank>; with --comm_backend gloo, ranks share "
+                 "the host's GPUs)")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--comm_backend", o.commBackend, "auto (NCCL on CUDA, Gloo on the CPU), gloo or nccl")
+      ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
   app.add_option("--threads", o.threads, "intra-op threads per worker")->check(CLI::PositiveNumber);
   app.add_option("--peer_timeout_s", o.peerTimeoutSeconds, "declare a silent peer lost after this long");
   app.add_option("--log_level", o.logLevel, "debug, info, warn, error");
@@ -109,7 +113,8 @@ int run(int argc, char** argv) {
   auto& options = o.profiler;
   options.applyLaunchArgs(launch);
   options.precision = varuna::parsePrecision(o.precision);
-  options.device = o.device == "cuda" ? torch::Device(torch::kCUDA, static_cast<int8_t>(launch.localRank))
+  options.commBackend = varuna::parseCommBackend(o.commBackend);
+  options.device = o.device == "cuda" ? varuna::cudaDeviceForLocalRank(launch.localRank, options.commBackend)
                                       : torch::Device(torch::kCPU);
   options.peerTimeout = std::chrono::milliseconds(static_cast<int64_t>(o.peerTimeoutSeconds * 1000));
   const int64_t seqLen = o.model.seqLen;

@@ -39,7 +39,9 @@ struct TrainOptions {
   uint64_t dataSeed = 7;
   int64_t logEvery = 1;
   std::string dumpDir;
-  std::string device = "cpu";  // "cuda": cuda:<local_rank>
+  std::string device = "cpu";  // "cuda": cuda:<local_rank> (with Gloo: modulo the host's GPUs)
+  std::string commBackend = "auto";
+  bool deterministic = false;
   std::string checkpointDir;     // the global store; empty: no checkpoints
   int64_t checkpointEvery = 0;   // 0: only on demand (SIGUSR1) and at the end
   std::string checkpointTempdir;
@@ -90,8 +92,15 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--keep_checkpoints", o.keepCheckpoints,
                  "keep the newest N complete checkpoints (0: all; default: run_varuna's, else the runtime's)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--device", o.device, "cpu, or cuda (one GPU per worker: cuda:<local_rank>)")
+  app.add_option("--device", o.device, "cpu, or cuda (one GPU per worker: cuda:<local_rank>; with --comm_backend "
+                 "gloo, workers share the host's GPUs)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--comm_backend", o.commBackend,
+                 "auto (NCCL on CUDA, Gloo on the CPU), gloo (also on CUDA: several ranks per GPU), or nccl")
+      ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  app.add_flag("--deterministic", o.deterministic,
+               "deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): for "
+               "equivalence runs");
   app.add_option("--piece_costs", o.pieceCosts, "comma-separated per-piece costs for partitioning");
   app.add_option("--threads", o.threads, "intra-op threads per worker")->check(CLI::PositiveNumber);
   app.add_option("--peer_timeout_s", o.peerTimeoutSeconds, "declare a silent peer lost after this long");
@@ -161,6 +170,7 @@ int run(int argc, char** argv) {
   if (o.checkpointDir.empty()) o.checkpointDir = launch.globalStore;
   varuna::log::setLevel(varuna::log::parseLevel(o.logLevel));
   torch::set_num_threads(o.threads);
+  if (o.deterministic) varuna::useDeterministicAlgorithms();  // before any CUDA work
 
   const auto data = gpt::CharDataset::fromPath(o.data);
   o.model.vocabSize = data.vocabSize();
@@ -175,7 +185,8 @@ int run(int argc, char** argv) {
   options.chunkSize = launch.chunkSize > 0 ? launch.chunkSize : std::min<int64_t>(perReplica, 4);
   options.precision = varuna::parsePrecision(o.precision);
   options.schedule = varuna::parseScheduleKind(o.schedule);
-  options.device = o.device == "cuda" ? torch::Device(torch::kCUDA, static_cast<int8_t>(launch.localRank))
+  options.commBackend = varuna::parseCommBackend(o.commBackend);
+  options.device = o.device == "cuda" ? varuna::cudaDeviceForLocalRank(launch.localRank, options.commBackend)
                                       : torch::Device(torch::kCPU);
   options.peerTimeout = std::chrono::milliseconds(static_cast<int64_t>(o.peerTimeoutSeconds * 1000));
   // The runtime writes the on-demand checkpoint (exitIfCheckpointRequested) and

@@ -42,7 +42,11 @@ def parse(argv):
     p.add_argument("--checkpoint_dir", default="", help="global store (default: run_varuna's)")
     p.add_argument("--checkpoint_every", type=int, default=0)
     p.add_argument("--keep_checkpoints", type=int, default=-1)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (this worker's GPU by its local rank)")
+    p.add_argument("--comm_backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: NCCL on CUDA, Gloo on the CPU; gloo also on CUDA (ranks may share a GPU)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms (and CUBLAS_WORKSPACE_CONFIG): for equivalence runs")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--peer_timeout_s", type=float, default=60)
     p.add_argument("--d_model", type=int, default=128)
@@ -72,6 +76,9 @@ def main():
     launch = varuna.get_launch_args()
     o = parse(launch.user_args)
     torch.set_num_threads(o.threads)
+    if o.deterministic:  # before any CUDA work: cuBLAS reads the variable once
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     store = o.checkpoint_dir or launch.global_store
     data = gpt.CharDataset.from_path(o.data)
     config = gpt.GptConfig(vocab_size=data.vocab_size, d_model=o.d_model, heads=o.heads, layers=o.layers,
@@ -88,6 +95,7 @@ def main():
 
     model = varuna.Varuna(pieces, get_batch_fn=sample, batch_size=global_batch, chunk_size=chunk,
                           shared_weights=shared, precision=o.precision, schedule=o.schedule, device=o.device,
+                          comm_backend=o.comm_backend,
                           seed=o.model_seed, peer_timeout_s=o.peer_timeout_s, launch_args=launch,
                           global_store=store or None,
                           keep_checkpoints=o.keep_checkpoints if o.keep_checkpoints >= 0 else None)

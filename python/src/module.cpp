@@ -88,6 +88,9 @@ void bindOptions(py::module_& m) {
           "device", [](const VarunaOptions& o) { return o.device.str(); },
           [](VarunaOptions& o, const std::string& d) { o.device = torch::Device(d); })
       .def_property(
+          "comm_backend", [](const VarunaOptions& o) { return toString(o.commBackend); },
+          [](VarunaOptions& o, const std::string& b) { o.commBackend = parseCommBackend(b); })
+      .def_property(
           "schedule", [](const VarunaOptions& o) { return toString(o.schedule); },
           [](VarunaOptions& o, const std::string& s) { o.schedule = parseScheduleKind(s); })
       .def_property(
@@ -172,6 +175,13 @@ void bindRuntime(py::module_& m) {
         return std::make_pair(part.begin(v.stage()), part.end(v.stage()));
       });
 
+  m.def(
+      "cuda_device_for_local_rank",
+      [](int localRank, const std::string& backend) {
+        return cudaDeviceForLocalRank(localRank, resolveCommBackend(parseCommBackend(backend), torch::kCUDA)).str();
+      },
+      py::arg("local_rank"), py::arg("comm_backend"),
+      "The GPU of a worker with this local rank: its own with NCCL, shared (modulo the host's GPUs) with Gloo.");
   m.def("install_checkpoint_signal_handler", &installCheckpointSignalHandler,
         "SIGUSR1 asks for a checkpoint: the next step() tells every rank (StepResult.checkpoint_requested).");
   m.def("exit_worker", [](int code) { exitWorker(code); }, py::arg("code"),

@@ -129,14 +129,16 @@ def _pieces_of(model):
     return pieces
 
 
-def _device_of(device):
-    """The manual's device: a CUDA index, -1/None for the CPU (this package
-    does not pick a GPU by itself: pass device=local_rank for one per worker),
-    or a torch device string."""
+def _device_of(device, local_rank, comm_backend):
+    """The manual's device: a CUDA index, -1/None for the CPU, a torch device
+    string, or "cuda" alone: this worker's GPU by its local rank (its own
+    with NCCL; with comm_backend="gloo" the host's GPUs are shared)."""
     if device is None or device == -1:
         return "cpu"
     if isinstance(device, int):
         return "cuda:%d" % device
+    if str(device) == "cuda":
+        return _C.cuda_device_for_local_rank(local_rank, comm_backend)
     return str(device)
 
 
@@ -159,6 +161,10 @@ class Varuna:
       as the launcher passes them; None takes them from get_launch_args().
     get_batch_fn(size, device): sample inputs (a dict of tensors, batch first).
     fp16 / precision: "fp32" (default), "bf16" or "fp16" (with loss scaling).
+    device: None/-1 for the CPU, a CUDA index, a torch device string, or
+      "cuda": this worker's GPU by its local rank.
+    comm_backend: "auto" (NCCL on CUDA, Gloo on the CPU), "gloo" (also for
+      CUDA tensors: several ranks may share one GPU) or "nccl".
     shared_weights: [(name, name)] of parameters that hold one weight.
     init_fn(name, module): for a CutPoint model built on the meta device (the
       way for big models: no rank ever holds all of it), how each submodule
@@ -171,7 +177,7 @@ class Varuna:
     def __init__(self, model, stage_to_rank_map=None, get_batch_fn=None, batch_size=None, chunk_size=None,
                  fp16=False, local_rank=None, device=None, shared_weights=None, *, precision=None,
                  schedule="varuna", seed=0, piece_costs=None, bucket_bytes=None, peer_timeout_s=None,
-                 launch_args=None, global_store=None, keep_checkpoints=None, init_fn=None):
+                 launch_args=None, global_store=None, keep_checkpoints=None, init_fn=None, comm_backend="auto"):
         if get_batch_fn is None:
             raise ValueError("Varuna: get_batch_fn is required (sample inputs teach the runtime the shapes "
                              "that cross each cut)")
@@ -187,7 +193,8 @@ class Varuna:
         options.batch_size = int(batch_size)
         options.chunk_size = int(chunk_size if chunk_size is not None else args.chunk_size)
         options.precision = precision or ("fp16" if fp16 else "fp32")
-        options.device = _device_of(device)
+        options.comm_backend = comm_backend
+        options.device = _device_of(device, options.local_rank, comm_backend)
         options.schedule = schedule
         if bucket_bytes is not None:
             options.bucket_bytes = int(bucket_bytes)

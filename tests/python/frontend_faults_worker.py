@@ -8,6 +8,7 @@ the end, writes its parameters (after every step with --record_params) to
         [--precision fp32|bf16|fp16] [--init_loss_scale S] [--data plain|teacher]
         [--overflow_at STEP --overflow_rank R] [--record_params]
         [--store DIR] [--handshake_fds W,R --signal_at STEP]
+        [--device cpu|cuda] [--comm_backend auto|gloo|nccl]
 
 --overflow_at: in that step, on rank R, every gradient leaving this rank's
 pieces is infinite (what a loss scale too large for fp16 produces).
@@ -44,6 +45,8 @@ parser.add_argument("--record_params", action="store_true")
 parser.add_argument("--store", default="")
 parser.add_argument("--handshake_fds", default="")
 parser.add_argument("--signal_at", type=int, default=-1)
+parser.add_argument("--device", default="cpu")
+parser.add_argument("--comm_backend", default="auto")
 args = parser.parse_args(launch.user_args)
 
 current_step = -1  # the step being run; the pieces read it (-1: the runtime's sample forward)
@@ -95,7 +98,8 @@ try:
     pieces = [(name, instrumented(factory)) for name, factory in frontend_model.pieces()]
     model = varuna.Varuna(pieces, get_batch_fn=frontend_model.get_batch, batch_size=args.global_batch,
                           launch_args=launch, seed=frontend_model.SEED, precision=args.precision,
-                          peer_timeout_s=20, global_store=args.store or None)
+                          peer_timeout_s=20, global_store=args.store or None, device=args.device,
+                          comm_backend=args.comm_backend)
     optimizer = frontend_model.make_optimizer("sgd", model.parameters())
     model.set_optimizer(optimizer, init_loss_scale=args.init_loss_scale)
     first = 0

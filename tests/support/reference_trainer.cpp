@@ -15,6 +15,7 @@ ReferenceRun trainReference(const ModelSpec& spec, const gpt::CharDataset& data,
   std::vector<torch::Tensor> all;
   for (int i = 0; i < static_cast<int>(spec.pieces.size()); ++i) {
     pieces.push_back(buildPiece(spec, i));
+    pieces.back()->to(config.device);
     for (const auto& p : pieces.back()->named_parameters()) {
       named[spec.pieces[i].name + "." + p.key()] = p.value();
       all.push_back(p.value());
@@ -28,9 +29,14 @@ ReferenceRun trainReference(const ModelSpec& spec, const gpt::CharDataset& data,
   const int64_t B = config.globalBatch;
   const int64_t chunk = config.chunkSize > 0 ? std::min(config.chunkSize, B) : B;
   ReferenceRun run;
+  auto samples = [&](int64_t first) {
+    Batch batch = data.samples(first, B, config.seqLen, config.dataSeed);
+    for (auto& [key, t] : batch) t = t.to(config.device);
+    return batch;
+  };
   for (int64_t step = 0; step < config.steps; ++step) {
     optimizer.zero_grad();
-    const Batch batch = data.samples(step * B, B, config.seqLen, config.dataSeed);
+    const Batch batch = samples(step * B);
     // Gradients accumulate over the micro-batches: sum_i (b_i / B) grad(loss_i)
     // is the gradient of the mean loss over the global batch.
     double loss = 0;
@@ -66,12 +72,13 @@ ReferenceRun trainReference(const ModelSpec& spec, const gpt::CharDataset& data,
     }
     optimizer.step();
   }
-  for (const auto& [name, p] : named) run.params[name] = p.detach().clone();
+  auto onCpu = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true); };
+  for (const auto& [name, p] : named) run.params[name] = onCpu(p);
   for (size_t i = 0; i < pieces.size(); ++i) {
-    for (const auto& b : pieces[i]->named_buffers()) run.buffers[spec.pieces[i].name + "." + b.key()] = b.value().clone();
+    for (const auto& b : pieces[i]->named_buffers()) run.buffers[spec.pieces[i].name + "." + b.key()] = onCpu(b.value());
   }
   torch::NoGradGuard noGrad;
-  const Batch held = data.samples(config.steps * config.globalBatch, config.globalBatch, config.seqLen, config.dataSeed);
+  const Batch held = samples(config.steps * config.globalBatch);
   torch::Tensor x;
   for (auto& piece : pieces) {
     piece->eval();

@@ -30,12 +30,13 @@ struct ReferenceConfig {
   // Micro-batch size; 0: the whole global batch in one forward (a model
   // without running statistics gives the same result either way).
   int64_t chunkSize = 0;
+  torch::Device device = torch::kCPU;  // where the plain loop runs; results come back on the CPU
 };
 
 struct ReferenceRun {
   std::vector<double> losses;
   std::vector<double> gradNorms;
-  std::map<std::string, torch::Tensor> params;   // full names
+  std::map<std::string, torch::Tensor> params;   // full names, on the CPU
   std::map<std::string, torch::Tensor> buffers;  // full names ("block1.bn.running_mean"), after the last step
   // Final model in eval mode (running statistics) on the global batch of step
   // `steps`, no gradients.

@@ -69,8 +69,14 @@ double WorkerJob::evalLoss(int rank) const {
   return nlohmann::json::parse(in).at("eval_loss").get<double>();
 }
 
-std::map<std::string, torch::Tensor> WorkerJob::params(int rank) const {
-  std::ifstream in(dir_ / ("rank" + std::to_string(rank) + "_params.pt"), std::ios::binary);
+std::map<std::string, torch::Tensor> WorkerJob::params(int rank) const { return readTensors(rank, "params"); }
+
+std::map<std::string, torch::Tensor> WorkerJob::initialParams(int rank) const {
+  return readTensors(rank, "initial");
+}
+
+std::map<std::string, torch::Tensor> WorkerJob::readTensors(int rank, const std::string& kind) const {
+  std::ifstream in(dir_ / ("rank" + std::to_string(rank) + "_" + kind + ".pt"), std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   std::map<std::string, torch::Tensor> out;
   if (bytes.empty()) return out;

@@ -44,10 +44,13 @@ class WorkerJob {
 
   std::vector<StepRecord> steps(int rank) const;
   std::map<std::string, torch::Tensor> params(int rank) const;
+  // The parameters right before the first step (after a resume's load).
+  std::map<std::string, torch::Tensor> initialParams(int rank) const;
   double evalLoss(int rank) const;  // what train_gpt's final evaluate() returned
   const std::filesystem::path& dir() const { return dir_; }
 
  private:
+  std::map<std::string, torch::Tensor> readTensors(int rank, const std::string& kind) const;  // rank<r>_<kind>.pt
   std::filesystem::path dir_;
   c10::intrusive_ptr<c10d::TCPStore> store_;
   std::vector<ChildProcess> workers_;

@@ -2,13 +2,42 @@
 
 #include "checkpoint_writer.h"
 
+#include <torch/cuda.h>
+
 #include <future>
+#include <set>
 #include <utility>
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 
 namespace varuna {
+namespace {
+
+// The copy a background write works from, taken while training waits. On
+// the host for device tensors: no second copy of the model in GPU memory, and
+// pinned, so the device-to-host copies run at full speed, asynchronously
+// (the caller synchronises once after all of them).
+torch::Tensor snapshotOf(const torch::Tensor& tensor) {
+  const auto t = tensor.detach();
+  if (!t.is_cuda()) return t.clone();
+  auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+  host.copy_(t, /*non_blocking=*/true);
+  return host;
+}
+
+void snapshot(std::vector<CheckpointFile>& files) {
+  std::set<c10::DeviceIndex> devices;
+  for (auto& file : files) {
+    for (auto& [name, t] : file.tensors) {
+      if (t.is_cuda()) devices.insert(t.device().index());
+      t = snapshotOf(t);
+    }
+  }
+  for (const auto device : devices) torch::cuda::synchronize(device);
+}
+
+}  // namespace
 
 CheckpointWriter::CheckpointWriter(CheckpointWriterOptions options)
     : options_(std::move(options)), thread_([this] { loop(); }) {}
@@ -26,14 +55,12 @@ void CheckpointWriter::execute(const CheckpointJob& job, const std::function<voi
   namespace fs = std::filesystem;
   const fs::path dir = ckpt::partialDir(job.globalStore, job.step, options_.writer.run);
   const fs::path local = job.tempdir.empty() ? fs::path() : ckpt::checkpointDir(job.tempdir, job.step);
-  std::vector<CheckpointFile> snapshot;
+  std::vector<CheckpointFile> captured;
   const std::vector<CheckpointFile>* files = &job.files;
   if (onCaptured) {
-    snapshot = job.files;
-    for (auto& file : snapshot) {
-      for (auto& [name, t] : file.tensors) t = t.detach().clone();
-    }
-    files = &snapshot;
+    captured = job.files;
+    snapshot(captured);
+    files = &captured;
     onCaptured();  // training may change the live tensors from now on
   }
   // Two writers: serialising, checksumming and the kernel's copy of one file

@@ -7,6 +7,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "blocked_on_peers.h"
@@ -160,6 +162,7 @@ PeerLostError PeerMonitor::diagnose(const std::string& during, const std::string
 
 Communicator::Communicator(const CommOptions& options, const StageToRankMap& map)
     : options_(options), map_(map) {
+  options_.backend = resolveCommBackend(options.backend, options.device);
   store_ = connectStore(options.masterAddr, options.masterPort, options.hostStore, options.worldSize, options.timeout);
   // The monitor gets its own connection: it beats from another thread.
   const int port = options.hostStore ? static_cast<c10d::TCPStore&>(*store_).getPort() : options.masterPort;
@@ -167,6 +170,32 @@ Communicator::Communicator(const CommOptions& options, const StageToRankMap& map
   monitor_ = std::make_unique<PeerMonitor>(monitorStore, options.rank, options.worldSize, options.heartbeatInterval,
                                            [this](int r) { return describeRank(r); });
   world_ = makeBackend("world", options.rank, options.worldSize);
+  if (options_.backend == CommBackend::kNccl && options_.worldSize > 1) refuseSharedGpus();
+}
+
+// NCCL fails two ranks on one GPU only at their first collective, with a
+// message that names neither: find them at start-up and say what to do.
+void Communicator::refuseSharedGpus() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  const std::string mine = strCat(host, " cuda:", static_cast<int>(options_.device.index()));
+  const std::string prefix = "varuna/gpu/";
+  store_->set(prefix + std::to_string(options_.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  BlockedOnPeers blocked(options_.waitingOnPeers);
+  for (int r = 0; r < options_.worldSize; ++r) {
+    if (r == options_.rank) continue;
+    const std::string key = prefix + std::to_string(r);
+    try {
+      store_->wait({key}, options_.timeout);
+    } catch (const std::exception& e) {
+      throw lostPeer(strCat("waiting for rank ", r, " to start (GPUs)"), e.what());
+    }
+    if (toString(store_->get(key)) == mine) {
+      throw ConfigError(strCat("ranks ", std::min(r, options_.rank), " and ", std::max(r, options_.rank),
+                               " both use ", mine, ", and NCCL refuses two ranks on one GPU: give each rank its "
+                               "own GPU, or use --comm_backend gloo to share one"));
+    }
+  }
 }
 
 Communicator::~Communicator() {
@@ -214,7 +243,7 @@ std::string Communicator::describeRank(int rank) const {
 
 c10::intrusive_ptr<c10d::Backend> Communicator::makeBackend(const std::string& prefix, int groupRank, int groupSize) {
   auto store = c10::make_intrusive<c10d::PrefixStore>("varuna/pg/" + prefix, store_);
-  if (options_.device.is_cuda()) {
+  if (options_.backend == CommBackend::kNccl) {
 #ifdef VARUNA_HAVE_NCCL
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = options_.timeout;
@@ -251,8 +280,29 @@ const c10::intrusive_ptr<c10d::Backend>& Communicator::group(const std::string& 
   return groups_.emplace(name, std::move(backend)).first->second;
 }
 
+bool Communicator::staged(const torch::Tensor& tensor) const {
+  return options_.backend == CommBackend::kGloo && (tensor.is_cuda() || options_.stageThroughHost);
+}
+
+torch::Tensor Communicator::hostBufferFor(const torch::Tensor& tensor) {
+  // Pinned: device copies to and from it run at full speed (and a copy back
+  // to the device can be asynchronous: the caching host allocator keeps the
+  // block until the copy is done).
+  return torch::empty(tensor.sizes(), tensor.options().device(torch::kCPU).pinned_memory(tensor.is_cuda()));
+}
+
+std::optional<Communicator::StagedReceive> Communicator::takeStagedReceive(const c10::intrusive_ptr<c10d::Work>& work) {
+  auto it = stagedReceives_.find(work.get());
+  if (it == stagedReceives_.end()) return std::nullopt;
+  auto receive = std::move(it->second);
+  stagedReceives_.erase(it);
+  return receive;
+}
+
 c10::intrusive_ptr<c10d::Work> Communicator::send(torch::Tensor& tensor, int dstRank, int tag) {
-  std::vector<at::Tensor> tensors{tensor};
+  // Staged: copied to the host now (a synchronous copy: the data is there
+  // before Gloo reads it); Gloo's send work holds the buffer until done.
+  std::vector<at::Tensor> tensors{staged(tensor) ? hostBufferFor(tensor).copy_(tensor) : tensor};
   try {
     return world_->send(tensors, dstRank, tag);
   } catch (const std::exception& e) {
@@ -261,9 +311,12 @@ c10::intrusive_ptr<c10d::Work> Communicator::send(torch::Tensor& tensor, int dst
 }
 
 c10::intrusive_ptr<c10d::Work> Communicator::recv(torch::Tensor& tensor, int srcRank, int tag) {
-  std::vector<at::Tensor> tensors{tensor};
+  const bool viaHost = staged(tensor);
+  std::vector<at::Tensor> tensors{viaHost ? hostBufferFor(tensor) : tensor};
   try {
-    return world_->recv(tensors, srcRank, tag);
+    auto work = world_->recv(tensors, srcRank, tag);
+    if (viaHost) stagedReceives_[work.get()] = StagedReceive{work, tensors[0], tensor};
+    return work;
   } catch (const std::exception& e) {
     throw lostPeer(strCat("receiving from rank ", srcRank), e.what());
   }
@@ -271,6 +324,9 @@ c10::intrusive_ptr<c10d::Work> Communicator::recv(torch::Tensor& tensor, int src
 
 void Communicator::waitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* during) {
   BlockedOnPeers blocked(options_.waitingOnPeers);
+  // A staged receive's copy to its device tensor, owed once it completed
+  // (dropped however else the wait ends).
+  const auto stagedReceive = takeStagedReceive(work);
   if (interrupted_) throw interruption(during);
   bool completed = false;
   try {
@@ -292,6 +348,7 @@ void Communicator::waitFor(const c10::intrusive_ptr<c10d::Work>& work, const cha
   // A collective that completed counts even if an interruption came meanwhile
   // (a rank that finished a step's exchange holds that step: salvage.md).
   if (!completed) throw interruption(during);
+  if (stagedReceive) stagedReceive->target.copy_(stagedReceive->host, /*non_blocking=*/true);
 }
 
 void Communicator::waitAbortable(const c10::intrusive_ptr<c10d::Work>& work) {

@@ -2,7 +2,12 @@
 //
 // Owned by Varuna::Impl; used from the training thread only (c10d's own
 // threads run the asynchronous work). Tensors move only through c10d backends:
-// ProcessGroupGloo for CPU tensors, ProcessGroupNCCL for CUDA tensors.
+// ProcessGroupGloo for CPU tensors, ProcessGroupNCCL or ProcessGroupGloo for
+// CUDA tensors (CommOptions::backend). Gloo's collectives take CUDA tensors
+// themselves; its send and receive read and write host memory, so with Gloo a
+// CUDA tensor sent is copied into a pinned host buffer first, and one received
+// lands in such a buffer and is copied to the device when its wait completes
+// (waitFor): every point-to-point transfer must be waited on through waitFor.
 //
 // Failure handling: every wait goes through waitFor(), which turns a c10d error
 // or timeout into PeerLostError naming the lost rank. interrupt() (from any
@@ -25,12 +30,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "varuna/common/errors.h"
 #include "varuna/common/stage_map.h"
+#include "varuna/worker/devices.h"
 
 namespace varuna {
 
@@ -42,6 +49,10 @@ struct CommOptions {
   int rank = 0;
   int worldSize = 1;
   torch::Device device = torch::kCPU;
+  CommBackend backend = CommBackend::kAuto;  // resolved against `device` by the Communicator
+  // Point-to-point through host buffers even for CPU tensors: the staging
+  // path of a Gloo job on CUDA, exercised by the CPU tests.
+  bool stageThroughHost = false;
   std::chrono::milliseconds timeout{60000};
   std::chrono::milliseconds heartbeatInterval{200};
   // Set while the calling (training) thread waits on peers (BlockedOnPeers);
@@ -93,6 +104,7 @@ class Communicator {
   ~Communicator();
 
   int rank() const { return options_.rank; }
+  CommBackend backend() const { return options_.backend; }  // resolved: kGloo or kNccl
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
   // The whole job (point-to-point uses global ranks through it).
@@ -136,10 +148,15 @@ class Communicator {
  private:
   c10::intrusive_ptr<c10d::Backend> makeBackend(const std::string& prefix, int groupRank, int groupSize);
   std::string describeRank(int rank) const;
+  void refuseSharedGpus();
   // What a failed wait or call on peers throws: the interruption once
   // interrupt() ran (before or during the diagnosis), else the monitor's
   // diagnosis of which peer is gone.
   PeerLostError lostPeer(const std::string& during, const std::string& cause);
+  // Point-to-point staging (see the header comment): whether `tensor` travels
+  // through a host buffer, the buffer, and the copy a completed receive owes.
+  bool staged(const torch::Tensor& tensor) const;
+  static torch::Tensor hostBufferFor(const torch::Tensor& tensor);
   void leave() noexcept;
   // waitFor's two ways to wait interruptibly: Gloo's point-to-point work has
   // no future but can be aborted; collectives complete a future
@@ -159,6 +176,16 @@ class Communicator {
   mutable std::mutex interruptMutex_;  // guards the two below
   std::string interruptReason_;
   c10::intrusive_ptr<c10d::Work> abortable_;
+
+  // Receives into host buffers not yet copied to their device tensors, by
+  // work (held, so its address is not reused while listed).
+  struct StagedReceive {
+    c10::intrusive_ptr<c10d::Work> work;
+    torch::Tensor host;
+    torch::Tensor target;
+  };
+  std::map<const c10d::Work*, StagedReceive> stagedReceives_;
+  std::optional<StagedReceive> takeStagedReceive(const c10::intrusive_ptr<c10d::Work>& work);
 
   CommOptions options_;
   StageToRankMap map_;

@@ -166,6 +166,7 @@ void Profiler::Impl::connect() {
   comm.rank = opt_.rank;
   comm.worldSize = opt_.worldSize;
   comm.device = opt_.device;
+  comm.backend = opt_.commBackend;
   comm.timeout = opt_.peerTimeout;
   // A one-stage map: in errors, rank r reads as "stage 0, replica r".
   comm_ = std::make_unique<Communicator>(comm, StageToRankMap::clustered(1, opt_.worldSize));

@@ -154,6 +154,7 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   comm.rank = opt_.rank;
   comm.worldSize = map_.worldSize();
   comm.device = opt_.device;
+  comm.backend = opt_.commBackend;
   comm.timeout = opt_.peerTimeout;
   comm.waitingOnPeers = &waitingOnPeers_;
   comm_ = std::make_unique<Communicator>(comm, map_);

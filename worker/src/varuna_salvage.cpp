@@ -39,11 +39,13 @@ Varuna::Impl::~Impl() {
   if (managerLink_) managerLink_->setSalvageStopHandler(nullptr);
 }
 
-// Whether this worker can write a salvaged share at all. Not with CUDA yet:
+// Whether this worker can write a salvaged share at all. Not over NCCL yet:
 // a NCCL wait cannot be interrupted (its future completes when the work is
 // queued), so such a worker leaves instead of keeping the manager waiting.
+// Gloo's waits can, on CUDA tensors too.
 bool Varuna::Impl::salvageCapable() const {
-  return !opt_.device.is_cuda() && !opt_.checkpointing.globalStore.empty() && optimizerSet_.load();
+  return comm_ && comm_->backend() == CommBackend::kGloo && !opt_.checkpointing.globalStore.empty() &&
+         optimizerSet_.load();
 }
 
 bool Varuna::Impl::salvageOn() const {
@@ -55,7 +57,7 @@ void Varuna::Impl::armSalvage() {
   managerLink_->setSalvageStopHandler([this](const std::string& reason) {
     if (!salvageCapable()) {
       log::error("run_varuna stopped the generation for a salvage (", reason, "), which this worker cannot take ",
-                 "part in (", opt_.device.is_cuda() ? "CUDA" : "no checkpoint store or no optimizer",
+                 "part in (", comm_ && comm_->backend() == CommBackend::kNccl ? "NCCL" : "no checkpoint store or no optimizer",
                  "); exiting with ", kExitPeerLost);
       exitWorker(kExitPeerLost);
     }

@@ -49,6 +49,7 @@ struct ProfilerOptions {
   bool reuseCached = false;
   Precision precision = Precision::kFp32;
   torch::Device device = torch::kCPU;
+  CommBackend commBackend = CommBackend::kAuto;  // as VarunaOptions::commBackend
   std::string optimizer = "adam";  // adam, adamw or sgd (with momentum): what optimizerSecondsPerParam times
 
   // Where this rank is. host: this machine's identity for same-host vs

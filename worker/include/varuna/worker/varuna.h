@@ -3,7 +3,7 @@
 //
 // One instance per worker process; construct it in every rank of the job with
 // the same ModelSpec. It builds only this rank's stage, joins the c10d process
-// groups (Gloo for CPU tensors, NCCL for CUDA tensors) and runs the pipeline
+// groups (Gloo for CPU tensors; NCCL, or Gloo, for CUDA tensors) and runs the pipeline
 // schedule. Not thread-safe: call it from the training thread only.
 #pragma once
 
@@ -19,6 +19,7 @@
 #include "varuna/common/partition.h"
 #include "varuna/common/schedule.h"
 #include "varuna/common/stage_map.h"
+#include "varuna/worker/devices.h"
 #include "varuna/worker/launch_args.h"
 #include "varuna/worker/loss_scaler.h"
 #include "varuna/worker/model.h"
@@ -76,6 +77,9 @@ struct VarunaOptions {
   int64_t chunkSize = 0;     // micro-batch size
   Precision precision = Precision::kFp32;
   torch::Device device = torch::kCPU;
+  // How tensors travel between ranks (devices.h): auto is NCCL on CUDA, Gloo
+  // on the CPU; Gloo on CUDA lets several ranks share one GPU.
+  CommBackend commBackend = CommBackend::kAuto;
   ScheduleKind schedule = ScheduleKind::kVaruna;
   RendezvousOptions rendezvous;
   // A peer silent for this long (or whose connection breaks) fails the job
