@@ -1,17 +1,21 @@
 // bench/checkpoint: how fast Varuna writes a checkpoint, against the disk.
 //
 // A GPT of ~19M parameters (with AdamW state: ~230 MB) in one process:
-//  1. synchronous checkpoint to <dir>: write_mb_s (median of 5);
+//  1. synchronous checkpoint to <dir>: write_mb_s (median of 5), and loading
+//     it back into the model: load_mb_s (median of 5);
 //  2. the disk's sequential write speed to the same <dir> with
 //     dd if=/dev/zero bs=4M conv=fsync, of the same size: dd_mb_s;
 //  3. training steps without checkpoints, then with a background checkpoint
 //     (tempdir) every K steps: stall_fraction = extra time of a checkpointing
 //     step over the median step time.
-// Last line: one JSON object. Usage: bench_checkpoint [--smoke] [dir] [K]
+// Last line: one JSON object. Usage: bench_checkpoint [--smoke] [--device cuda] [dir] [K]
+// --device cuda: the model and its optimizer state in GPU memory (writes copy
+// it to pinned host memory first; loads copy it back).
 // --smoke: does the bench still run? A tiny GPT (~0.4 MB of state), one round
 // of 1 and 2, K = 2 and one checkpointing round of 3; figures meaningless (CTest
 // runs it, label bench). <dir> is emptied first and removed at the end.
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 #include <torch/utils.h>
 
@@ -65,13 +69,21 @@ double ddMegabytesPerSecond(const fs::path& dir, uint64_t bytes) {
 
 int main(int argc, char** argv) {
   bool smoke = false;
+  torch::Device device = torch::kCPU;
   std::vector<std::string> positional;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--smoke") {
       smoke = true;
+    } else if (arg == "--device" && i + 1 < argc) {
+      const std::string name = argv[++i];
+      if (name != "cpu" && name != "cuda") {
+        std::cerr << "bench_checkpoint: --device must be cpu or cuda, got '" << name << "'" << std::endl;
+        return 2;
+      }
+      device = name == "cuda" ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
     } else if (arg.rfind("-", 0) == 0) {
-      std::cerr << "bench_checkpoint: unknown option " << arg << "; usage: bench_checkpoint [--smoke] [dir] [K]"
+      std::cerr << "bench_checkpoint: unknown option " << arg << "; usage: bench_checkpoint [--smoke] [--device cuda] [dir] [K]"
                 << std::endl;
       return 2;
     } else {
@@ -102,7 +114,12 @@ int main(int argc, char** argv) {
   options.rendezvous.masterPort = 0;
   options.batchSize = 4;
   options.chunkSize = 4;
-  options.getBatch = [&](int64_t n, torch::Device) { return data.samples(0, n, config.seqLen, 1); };
+  options.device = device;
+  options.getBatch = [&](int64_t n, torch::Device on) {
+    auto b = data.samples(0, n, config.seqLen, 1);
+    for (auto& [key, t] : b) t = t.to(on);
+    return b;
+  };
   varuna::Varuna model(options);
   model.setOptimizer(std::make_shared<torch::optim::AdamW>(model.parameters(), torch::optim::AdamWOptions(1e-4)));
   auto batch = [&](int64_t step) { return data.samples(step * 4, 4, config.seqLen, 1); };
@@ -118,19 +135,24 @@ int main(int argc, char** argv) {
   // 1 and 2, interleaved so both see the same disk (its speed drifts here):
   // a synchronous checkpoint, then dd of the same size to the same directory.
   const fs::path store = root / "store";
-  std::vector<double> writes, dds;
+  std::vector<double> writes, loads, dds;
   uint64_t bytes = 0;
   for (int i = 0; i < writeRounds; ++i) {
     const auto start = Clock::now();
     model.checkpoint(store.string(), 1000 + i);
     writes.push_back(seconds(start));
     bytes = directoryBytes(varuna::ckpt::checkpointDir(store, 1000 + i));
+    const auto loadStart = Clock::now();
+    model.loadCheckpoint(store.string(), 1000 + i);
+    if (device.is_cuda()) torch::cuda::synchronize();
+    loads.push_back(seconds(loadStart));
     fs::remove_all(varuna::ckpt::checkpointDir(store, 1000 + i));
     dds.push_back(ddMegabytesPerSecond(root, bytes));
     std::cerr << "round " << i << ": checkpoint " << bytes / 1e6 << " MB in " << writes.back() << " s; dd "
               << dds.back() << " MB/s" << std::endl;
   }
   const double writeMbS = bytes / 1e6 / median(writes);
+  const double loadMbS = bytes / 1e6 / median(loads);
   const double ddMbS = median(dds);
   const double ddBestMbS = *std::max_element(dds.begin(), dds.end());
   std::cerr << "dd: " << ddMbS << " MB/s; varuna: " << writeMbS << " MB/s" << std::endl;
@@ -158,6 +180,8 @@ int main(int argc, char** argv) {
 
   nlohmann::json out = {{"checkpoint_mb", bytes / 1e6},
                         {"write_mb_s", writeMbS},
+                        {"load_mb_s", loadMbS},
+                        {"device", device.str()},
                         {"dd_mb_s", ddMbS},
                         {"write_fraction_of_dd", writeMbS / ddMbS},
                         {"dd_best_mb_s", ddBestMbS},

@@ -198,6 +198,20 @@ TEST_CASE("a checkpoint of a CUDA job resumes in a CPU job and the reverse, para
   }
 }
 
+TEST_CASE("NCCL with more ranks than GPUs is refused at start-up, naming the fix", "[gpu]") {
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+  WorkerJobSpec spec;
+  spec.stages = gpus + 1;  // one rank more than this host has GPUs
+  spec.perReplicaBatch = 4;
+  spec.chunkSize = 1;
+  spec.trainArgs = {"--device", "cuda", "--comm_backend", "nccl", "--steps", "2", "--d_model", "32",
+                    "--layers", std::to_string(gpus + 1), "--peer_timeout_s", "10"};
+  WorkerJob job(spec, scratchDir("gpu-nccl-refused"));
+  const auto codes = job.waitAll(std::chrono::seconds(120));
+  CHECK(codes.at(gpus) == 2);  // a configuration error
+  CHECK_THAT(job.worker(gpus).stderrText(), Catch::Contains("--comm_backend gloo"));
+}
+
 int main(int argc, char** argv) {
   if (!torch::cuda::is_available()) {
     std::cout << "no CUDA device: gpu tests skipped" << std::endl;
