@@ -70,6 +70,9 @@ void bindProfiler(py::module_& m) {
           "precision", [](const ProfilerOptions& o) { return toString(o.precision); },
           [](ProfilerOptions& o, const std::string& p) { o.precision = parsePrecision(p); })
       .def_property(
+          "comm_backend", [](const ProfilerOptions& o) { return toString(o.commBackend); },
+          [](ProfilerOptions& o, const std::string& b) { o.commBackend = parseCommBackend(b); })
+      .def_property(
           "device", [](const ProfilerOptions& o) { return o.device.str(); },
           [](ProfilerOptions& o, const std::string& d) { o.device = torch::Device(d); })
       .def_property(

@@ -71,14 +71,14 @@ class Profiler:
     Keyword-only: shared_weights, seed, init_fn (as Varuna's), warmup and
       repetitions per figure, profile_communication, comm_repetitions,
       max_comm_bytes, peer_timeout_s, launch_args (default
-      get_launch_args()).
+      get_launch_args()), comm_backend (as Varuna's).
     """
 
     def __init__(self, model, get_batch_fn, device=-1, gpus_per_node=None, fp16=False, out_folder="profiles",
                  pstages_to_profile=None, from_cache=False, add_to_existing=False, *, precision=None,
                  shared_weights=None, seed=0, init_fn=None, warmup=None, repetitions=None,
                  profile_communication=True, comm_repetitions=None, max_comm_bytes=None, peer_timeout_s=None,
-                 launch_args=None):
+                 launch_args=None, comm_backend="auto"):
         del gpus_per_node  # the host identity decides same-host links
         if get_batch_fn is None:
             raise ValueError("Profiler: get_batch_fn is required (sample inputs of each micro-batch size)")
@@ -87,7 +87,8 @@ class Profiler:
         options.apply_launch_args(args)
         options.output_dir = str(out_folder) if out_folder is not None else ""
         options.precision = precision or ("fp16" if fp16 else "fp32")
-        options.device = _device_of(device)
+        options.comm_backend = comm_backend
+        options.device = _device_of(device, args.local_rank, comm_backend)
         options.add_to_existing = bool(add_to_existing)
         options.reuse_cached = bool(from_cache)
         if pstages_to_profile is not None:
