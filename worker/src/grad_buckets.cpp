@@ -72,14 +72,18 @@ void GradBuckets::zero() {
 }
 
 double GradBuckets::sumOfSquares() const {
-  double total = 0.0;
+  // Accumulated in float64: a float32 norm of a whole bucket (millions of
+  // elements) comes out low by up to 1e-4 relative as its accumulator
+  // rounds, and clipping would scale by that error. The sum stays on the
+  // gradients' device: one read back at the end, not one per bucket.
+  torch::Tensor total;
   for (const auto& bucket : buckets_) {
     for (const auto& view : bucket.counted) {
-      const double norm = view.norm().item<double>();
-      total += norm * norm;
+      const auto squares = view.to(torch::kDouble).square().sum();
+      total = total.defined() ? total + squares : squares;
     }
   }
-  return total;
+  return total.defined() ? total.item<double>() : 0.0;
 }
 
 void GradBuckets::scale(double factor) {
