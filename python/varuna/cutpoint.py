@@ -2,56 +2,75 @@
 torch.nn.Module's forward, and split the module there into the pieces the
 runtime runs (docs/python.md, "CutPoints").
 
-The split traces the module's forward once with torch.fx (symbolically: no
-data runs) and cuts the graph at every CutPoint, so every CutPoint is a piece
-boundary and the partitioner picks which ones become stage boundaries. Rules,
-checked here whatever the layout, so that a model that works on one layout
-works on all of them:
+The split captures the forward once with torch.export (non-strict) on the
+sample inputs of get_batch_fn, on a copy of the model on the meta device
+(_capture.py), and cuts the graph at every CutPoint (_split.py), so every
+CutPoint is a piece boundary and the partitioner picks which ones become
+stage boundaries. The forward runs as written: shape arithmetic, *args and
+keyword arguments, dataclass and ModelOutput returns (the loss is taken from
+them), asserts and Python control flow on anything but tensor values.
+Rules, checked here whatever the layout, so that a model that works on one
+layout works on all of them:
 
 - only the CutPoint's one tensor (batch first) crosses it;
-- values computed from the forward's inputs alone (masks, position ids) may be
-  used anywhere: each piece that needs one recomputes it (random ones may
-  not: they cross like any value; in-place changes to inputs are refused);
-- a parameter is used between two neighbouring CutPoints only (give a weight
-  used on both sides of one its own Parameter and name the pair in
-  shared_weights, the manual's rule);
+- values computed from the forward's inputs alone (masks, position ids,
+  rotary tables) may be used anywhere: each piece that needs one computes it
+  again (random ones may not: they cross like any value; in-place changes to
+  inputs are refused);
+- a parameter is used between two neighbouring CutPoints only, unless it is
+  held under more names (PyTorch's tie, `self.head.weight =
+  self.embed.weight`): then each piece using it holds its own copy under the
+  name of the module that uses it there, and the copies are kept equal as a
+  shared-weight pair (the manual's form, a separate Parameter per use named
+  in shared_weights, works too);
 - each CutPoint is called exactly once.
 
-What fx cannot trace (control flow that depends on tensor values) cannot be
-split this way; such a model is given as pieces instead (docs/python.md).
+A forward whose control flow depends on tensor values cannot be split this
+way (the refusal names the line); such a model is given as pieces instead.
 """
 import itertools
-import operator
 import zlib
 
 import torch
-import torch.fx
 
 from . import _C
+from ._capture import capture, trace_symbolically
+from ._piece import PieceBuilder, install_evaluation, materialise
+from ._split import Split, refuse
 
-__all__ = ["CutPoint", "split_at_cutpoints", "find_cutpoints", "initialize"]
+__all__ = ["CutPoint", "split_at_cutpoints", "find_cutpoints", "initialize", "SplitModel"]
 
 _next_index = itertools.count()
 
 
-def _varuna_cut(tensor, index):
-    """The mark a CutPoint leaves in a traced graph (identity when run)."""
-    return tensor
+@torch.library.custom_op("varuna::cut", mutates_args=())
+def _cut(tensor: torch.Tensor, index: int) -> torch.Tensor:
+    """The mark a CutPoint leaves in a captured graph. Never run in training
+    (the split replaces it), only seen by torch.export and torch.fx."""
+    return tensor.clone()
 
 
-torch.fx.wrap("_varuna_cut")
+@_cut.register_fake
+def _(tensor, index):
+    return torch.empty_like(tensor)
+
+
+_cut.register_autograd(lambda ctx, grad: (grad, None))
 
 
 class CutPoint(torch.nn.Module):
     """A possible pipeline-stage boundary: call it on the one tensor (batch
-    first) that would cross it. Each instance is called once per forward."""
+    first) that would cross it. Each instance is called once per forward. In
+    a plain forward (the model run by itself) it returns the tensor as is."""
 
     def __init__(self):
         super().__init__()
         self.index = next(_next_index)
 
     def forward(self, tensor):
-        return _varuna_cut(tensor, self.index)
+        if torch.compiler.is_exporting() or isinstance(tensor, torch.fx.Proxy):
+            return torch.ops.varuna.cut(tensor, self.index)
+        return tensor
 
 
 def find_cutpoints(model):
@@ -74,202 +93,6 @@ def find_cutpoints(model):
     return found
 
 
-class _Tracer(torch.fx.Tracer):
-    """Traces through CutPoints (even ones in a plain list, which fx cannot
-    name as submodules): each leaves its _varuna_cut node."""
-
-    def __init__(self):
-        super().__init__()
-        self.record_stack_traces = True
-
-    def call_module(self, m, forward, args, kwargs):
-        if isinstance(m, CutPoint):
-            return forward(*args, **kwargs)
-        return super().call_module(m, forward, args, kwargs)
-
-
-def _refuse(message, node=None):
-    where = _user_line(node) if node is not None else ""
-    raise _C.ConfigError(message + (" (%s)" % where if where else ""))
-
-
-def _user_line(node):
-    """The last frame of the user's code in the node's stack trace."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
-    frames = [f for f in frames if "/torch/" not in f and "/varuna/" not in f]
-    return frames[-1] if frames else ""
-
-
-def _is_cut(node):
-    return node.op == "call_function" and node.target is _varuna_cut
-
-
-_RANDOM = {torch.rand, torch.rand_like, torch.randn, torch.randn_like, torch.randint, torch.randint_like,
-           torch.randperm, torch.bernoulli, torch.normal, torch.multinomial, torch.poisson, torch.dropout,
-           torch.nn.functional.dropout}
-_RANDOM_METHODS = {"bernoulli", "multinomial", "uniform_", "normal_", "random_", "exponential_"}
-
-
-def _in_place(node):
-    """An operation that changes its first argument."""
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.startswith("__")
-    if node.op == "call_function":
-        return node.target is operator.setitem or getattr(node.target, "__name__", "").endswith("_")
-    return False
-
-
-def _random(node):
-    return (node.op == "call_function" and node.target in _RANDOM) or \
-        (node.op == "call_method" and node.target in _RANDOM_METHODS)
-
-
-class _Split:
-    """The traced graph cut into segments, checked against the rules above."""
-
-    def __init__(self, model, cutpoints):
-        self.model = model
-        self.where = cutpoints
-        try:
-            self.graph = _Tracer().trace(model)
-        except Exception as error:  # noqa: BLE001 - any tracing failure is the user's to see
-            raise _C.ConfigError("the model's forward could not be traced with torch.fx to split it at its "
-                                 "CutPoints (%s: %s); a forward whose control flow depends on tensor values "
-                                 "must be given as pieces instead (docs/python.md)"
-                                 % (type(error).__name__, error)) from error
-        self.nodes = list(self.graph.nodes)
-        self.cuts = []          # cut nodes in order; cut k ends segment k
-        self.segment = {}       # node -> segment
-        self.input_only = set()  # nodes computed from the forward's inputs alone
-        self._assign_segments()
-        self._check_crossings()
-        self.params_of = self._check_parameters()
-
-    def name_of_cut(self, k):
-        return "CutPoint %s" % self.where.get(self.cuts[k].args[1], "#%d" % self.cuts[k].args[1])
-
-    def _assign_segments(self):
-        seen = {}
-        parameters = dict(self.model.named_parameters(remove_duplicate=False))
-        for node in self.nodes:
-            # Inputs and constants (buffers, tensors the module holds) are
-            # available in every piece.
-            if node.op == "placeholder" or (node.op == "get_attr" and node.target not in parameters):
-                self.input_only.add(node)
-                continue
-            if node.op == "output":
-                self.segment[node] = len(self.cuts)
-                continue
-            # Made from inputs and constants alone (or from nothing): any
-            # piece can compute it again, unless it draws random numbers
-            # (each piece would draw its own) or changes something.
-            if _in_place(node) and node.args and isinstance(node.args[0], torch.fx.Node) and \
-                    node.args[0] in self.input_only and node.args[0].op != "get_attr":
-                _refuse("the in-place operation '%s' changes '%s', a value made from the inputs that every piece "
-                        "needing it computes on its own: use the out-of-place form (e.g. x = x.masked_fill(...))"
-                        % (node.target if isinstance(node.target, str) else node.target.__name__,
-                           node.args[0].name), node)
-            if node.op in ("call_function", "call_method") and not _is_cut(node) and not _random(node) and \
-                    all(d in self.input_only for d in node.all_input_nodes):
-                self.input_only.add(node)
-                continue
-            self.segment[node] = len(self.cuts)
-            if _is_cut(node):
-                index = node.args[1]
-                if index in seen:
-                    _refuse("CutPoint %s is called twice (its first call %s); use each CutPoint instance once"
-                            % (self.where.get(index, "#%d" % index), _user_line(seen[index]) or "earlier"), node)
-                seen[index] = node
-                self.cuts.append(node)
-        never = sorted(path for index, path in self.where.items() if index not in seen)
-        if never:
-            _refuse("CutPoint %s is never called by the model's forward; call every CutPoint once on the "
-                    "tensor that crosses it, or remove it" % never[0])
-        if not self.cuts:
-            _refuse("the model has no CutPoint: mark the possible stage boundaries in its forward with "
-                    "varuna.CutPoint (docs/python.md)")
-
-    def _check_crossings(self):
-        for node in self.nodes:
-            if node in self.input_only:
-                continue
-            here = self.segment[node]
-            for dep in node.all_input_nodes:
-                if dep in self.input_only or dep.op == "get_attr":
-                    continue
-                there = self.segment[dep]
-                if there == here or (_is_cut(dep) and self.cuts.index(dep) == here - 1):
-                    continue
-                crossed = self.name_of_cut(there if there < here else here)
-                _refuse("the value '%s' (%s) crosses %s: only the tensor a CutPoint is called on crosses it "
-                        "(values made from the inputs alone may be used anywhere); pass it through the "
-                        "CutPoint or compute it after" % (dep.name, _user_line(dep) or "?", crossed), node)
-
-    def _check_parameters(self):
-        """[set of parameter names] per segment; a parameter in two is refused."""
-        named = dict(self.model.named_parameters(remove_duplicate=False))
-        by_id = {}
-        for name, param in named.items():
-            by_id.setdefault(id(param), name)
-        used = {}  # first name of a parameter -> (segment, node)
-        params_of = [set() for _ in range(len(self.cuts) + 1)]
-        for node in self.nodes:
-            if node.op == "call_module":
-                prefix = node.target + "."
-                names = [n for n in named if n.startswith(prefix)]
-            elif node.op == "get_attr" and node.target in named:
-                names = [node.target]
-            else:
-                continue
-            for user in node.users if node.op == "get_attr" else [node]:
-                seg = self.segment[user]
-                for name in names:
-                    first = by_id[id(named[name])]
-                    if first in used and used[first][0] != seg:
-                        _refuse("the parameter '%s' is used on both sides of %s (%s and %s): give each use its "
-                                "own nn.Parameter and name the pair in shared_weights (the manual's rule)"
-                                % (first, self.name_of_cut(min(seg, used[first][0])),
-                                   _user_line(used[first][1]) or "?", _user_line(user) or "?"), user)
-                    used.setdefault(first, (seg, user))
-                    params_of[seg].add(name)
-        return params_of
-
-    def piece_graph(self, k):
-        """Segment k as a graph forward(activation, inputs) -> tensor."""
-        graph = torch.fx.Graph()
-        activation = graph.placeholder("activation")
-        inputs = graph.placeholder("inputs")
-        env = {}
-
-        def value(node):
-            if node in env:
-                return env[node]
-            if k > 0 and node is self.cuts[k - 1]:
-                return activation
-            if node.op == "placeholder":
-                default = node.args[0] if node.args else None
-                env[node] = graph.call_method("get", (inputs, node.target, default))
-            elif node in self.input_only or node.op == "get_attr":
-                env[node] = graph.node_copy(node, value)
-            else:
-                raise AssertionError("node %s of segment %s reached from segment %d" % (node, self.segment.get(node), k))
-            return env[node]
-
-        for node in self.nodes:
-            if node.op in ("placeholder", "output", "get_attr") or node in self.input_only:
-                continue
-            if self.segment[node] != k or (_is_cut(node) and self.cuts.index(node) == k):
-                continue
-            env[node] = graph.node_copy(node, value)
-        end = self.cuts[k].args[0] if k < len(self.cuts) else self.nodes[-1].args[0]
-        if k == len(self.cuts) and not isinstance(end, torch.fx.Node):
-            _refuse("the model's forward must return the loss (one tensor)")
-        graph.output(value(end))
-        graph.lint()
-        return graph
-
-
 def _is_meta(module):
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
@@ -284,11 +107,15 @@ def initialize(module, init_fn=None, seed=0, only=None):
     under torch.manual_seed derived from `seed` and its name (so a weight's
     initial value depends on neither the layout nor what else was built
     first): init_fn(name, submodule) if given, else the submodule's
-    reset_parameters(). Apply it to a normally built model to get the
-    weights a meta-built one gets."""
+    reset_parameters(). A tensor held by two submodules (a tie) is
+    initialised by the first only. Apply it to a normally built model to get
+    the weights a meta-built one gets."""
+    done = set()
     for name, sub in module.named_modules():
         own = list(sub.named_parameters(recurse=False)) + list(sub.named_buffers(recurse=False))
-        if not own or (only is not None and name not in only):
+        fresh = [t for _, t in own if id(t) not in done]
+        done.update(id(t) for _, t in own)
+        if not fresh or (only is not None and name not in only):
             continue
         torch.manual_seed(_module_seed(seed, name))
         if init_fn is not None:
@@ -302,54 +129,102 @@ def initialize(module, init_fn=None, seed=0, only=None):
                                                      ", ".join(n for n, _ in own)))
 
 
-def _materialise(root, piece, graph, k, init_fn, seed):
-    """Piece k of a meta-built model with values: the model's own submodules
-    that hold the piece's tensors (their classes, their reset_parameters) are
-    materialised on the CPU and initialised as initialize() would, then the
-    piece is built again over them."""
-    owners = {name.rpartition(".")[0] for name, _ in
-              itertools.chain(piece.named_parameters(remove_duplicate=False), piece.named_buffers(remove_duplicate=False))}
-    for path in owners:
-        root.get_submodule(path).to_empty(device="cpu", recurse=False)
-    with torch.no_grad():
-        initialize(root, init_fn, seed, only=owners)
-    piece = torch.fx.GraphModule(root, graph, class_name="VarunaPiece%d" % k)
-    for name, tensor in itertools.chain(piece.named_parameters(), piece.named_buffers()):
-        if tensor.is_meta:
-            raise _C.ConfigError("'%s' is a plain tensor attribute of a model built on the meta device: it has "
-                                 "no values; register it as a buffer (register_buffer) so that it is "
-                                 "materialised and initialised with its module" % name)
-    return piece
+class SplitModel:
+    """A CutPoint model split into pieces (split_at_cutpoints).
 
+    pieces: [(name, factory, parameter count)] as the runtime takes them;
+      piece k's factory builds the module for the code between CutPoints k-1
+      and k ("piece<k>").
+    names: the model's name of each parameter and buffer -> the runtime's
+      ("piece<k>.<name>"); every name of a tied tensor is there.
+    ties: [(runtime name, runtime name)] of tensors the model holds under two
+      names and uses in two pieces: shared-weight pairs.
+    release(): drops the reference to the model once the runtime has built
+      its pieces (a rank keeps only what it owns).
+    prepare_evaluation(): captures the forward in evaluation mode and gives
+      every piece built so far its evaluation graph (once).
+    """
 
-def split_at_cutpoints(model, init_fn=None, seed=0):
-    """(pieces, names, release): pieces as the runtime takes them, [(name,
-    factory, parameter count)], where piece k's factory builds the module for
-    the code between CutPoints k-1 and k from `model`; names maps each
-    original parameter name to the runtime's ("piece<k>.<name>"); release()
-    drops the reference to `model` once the runtime has built its pieces.
-    A model on the meta device is materialised piece by piece (only the
-    pieces a rank owns, on the CPU) and initialised with initialize()."""
-    where = find_cutpoints(model)
-    on_meta = _is_meta(model)
-    split = _Split(model, where)
-    holder = {"model": model}
-    pieces, names = [], {}
-    sizes = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
-    for k in range(len(split.cuts) + 1):
-        graph = split.piece_graph(k)
-        piece_name = "piece%d" % k
-        for n in split.params_of[k]:
-            names[n] = "%s.%s" % (piece_name, n)
+    def __init__(self, model, split, sample_inputs, init_fn, seed):
+        self._holder = {"model": model}
+        self._split = split
+        self._sample_inputs = sample_inputs
+        self._init_fn, self._seed = init_fn, seed
+        self._on_meta = _is_meta(model)
+        self._graphs = [split.piece_graph(k) for k in range(len(split.cuts) + 1)]
+        self._builder = PieceBuilder(split, self._graphs)
+        self._built = {}  # k -> piece module
+        self._eval_model = None  # what evaluation captures from, kept past release (no values)
+        self.pieces, self.names = [], {}
+        sizes = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
+        for k, graph in enumerate(self._graphs):
+            for n in split.params_of[k]:
+                self.names[n] = "piece%d.%s" % (k, n)
+            for node in graph.nodes:
+                if node.op == "get_attr" and node.target not in split.params_of[k]:
+                    self.names.setdefault(node.target, "piece%d.%s" % (k, node.target))
+            count = sum(sizes[n] for n in split.params_of[k])
+            self.pieces.append(("piece%d" % k, self._factory(k), count))
+        for names in split.names_of.values():  # a tie used in one piece: all its names are that one
+            used = [self.names[n] for n in names if n in self.names]
+            for n in names:
+                if used:
+                    self.names.setdefault(n, used[0])
+        self.ties = [(self.names[a], self.names[b]) for a, b in split.ties]
 
-        def factory(graph=graph, k=k):
-            root = holder.get("model")
+    def __iter__(self):
+        """(pieces, names, release): what split_at_cutpoints returned before
+        it returned this object."""
+        return iter((self.pieces, self.names, self.release))
+
+    def _factory(self, k):
+        def factory():
+            root = self._holder.get("model")
             if root is None:
                 raise RuntimeError("piece %d was asked for after the model was released" % k)
-            piece = torch.fx.GraphModule(root, graph, class_name="VarunaPiece%d" % k)
-            if on_meta:
-                piece = _materialise(root, piece, graph, k, init_fn, seed)
+            name = "VarunaPiece%d" % k
+            piece = self._builder.build(root, k, name)
+            if self._on_meta:
+                piece = materialise(root, piece, lambda r: self._builder.build(r, k, name), self._init_fn,
+                                    self._seed, initialize)
+            self._built[k] = piece
             return piece
-        count = sum(sizes[n] for n in split.params_of[k])
-        pieces.append((piece_name, factory, count))
-    return pieces, names, holder.clear
+        return factory
+
+    def release(self):
+        model = self._holder.pop("model", None)
+        if model is not None and self._sample_inputs is not None:
+            from ._capture import meta_copy
+            self._eval_model = meta_copy(model)
+
+    def prepare_evaluation(self):
+        if self._sample_inputs is None or all("_varuna_eval_forward" in p.__dict__ for p in self._built.values()):
+            return
+        model = self._holder.get("model")
+        model = self._eval_model if model is None else model
+        captured = capture(model, self._sample_inputs, training=False)
+        split = Split(model, captured, self._split.where)
+        if [sorted(p) for p in split.params_of] != [sorted(p) for p in self._split.params_of]:
+            refuse("in evaluation mode the model's forward uses its parameters between other CutPoints than in "
+                   "training mode; the pieces cannot change with the mode")
+        for k, piece in self._built.items():
+            install_evaluation(piece, split.piece_graph(k), captured.module)
+
+
+def split_at_cutpoints(model, init_fn=None, seed=0, sample_inputs=None):
+    """The model split at its CutPoints, as a SplitModel. sample_inputs (a
+    dict of tensors, batch first: what get_batch_fn returns) are what the
+    forward is captured on; without them it is traced symbolically with
+    torch.fx, which cannot follow shape arithmetic and gives no evaluation
+    graphs (for looking at a model's structure only). A model on the meta
+    device is materialised piece by piece (only the pieces a rank owns, on
+    the CPU) and initialised with initialize()."""
+    where = find_cutpoints(model)
+    if not where:
+        refuse("the model has no CutPoint: mark the possible stage boundaries in its forward with "
+               "varuna.CutPoint (docs/python.md)")
+    if sample_inputs is None:
+        captured = trace_symbolically(model, CutPoint)
+    else:
+        captured = capture(model, sample_inputs)
+    return SplitModel(model, Split(model, captured, where), sample_inputs, init_fn, seed)

@@ -9,8 +9,7 @@ import json
 import torch
 
 from . import _C
-from .cutpoint import split_at_cutpoints
-from .runtime import _check_tied_parameters, _device_of, _pieces_of, _split_name, get_launch_args
+from .runtime import _check_tied_parameters, _device_of, _pieces_of, get_launch_args, split_cutpoint_model
 
 __all__ = ["Profiler"]
 
@@ -111,8 +110,8 @@ class Profiler:
         if isinstance(model, torch.nn.Module) and not isinstance(model, torch.nn.Sequential):
             # The pieces' factories keep the model: profile_all builds the
             # pieces from it (one at a time), as often as it is called.
-            pieces, names, _ = split_at_cutpoints(model, init_fn, int(seed))
-            shared_weights = [tuple(_split_name(names, model, n) for n in pair) for pair in shared_weights]
+            split, shared_weights, _ = split_cutpoint_model(model, shared_weights, get_batch_fn, 2, init_fn, seed)
+            pieces = split.pieces
         else:
             if isinstance(model, torch.nn.Sequential):
                 _check_tied_parameters(model, shared_weights)

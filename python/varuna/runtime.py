@@ -103,11 +103,30 @@ def _check_tied_parameters(model, shared_weights):
 
 def _split_name(names, model, name):
     """The runtime's name of the model's parameter `name` (CutPoint form)."""
-    if name not in names:
+    if name not in names or name not in dict(model.named_parameters(remove_duplicate=False)):
         known = [n for n, _ in model.named_parameters()]
         raise _C.ConfigError("shared weight '%s' is not a parameter of the model; it has: %s"
                              % (name, ", ".join(known[:20]) + (", ..." if len(known) > 20 else "")))
     return names[name]
+
+
+def split_cutpoint_model(model, shared_weights, get_batch_fn, sample_size, init_fn, seed):
+    """A CutPoint model's pieces for the runtime: (SplitModel, shared-weight
+    pairs in the runtime's names: the declared ones and the model's own
+    ties, each once, {runtime name: the model's name}). The forward is
+    captured on get_batch_fn's samples (at least 2, so that the batch size is
+    not taken as fixed)."""
+    samples = dict(get_batch_fn(max(2, int(sample_size)), torch.device("cpu")))
+    split = split_at_cutpoints(model, init_fn, int(seed), sample_inputs=samples)
+    pairs, seen = [], set()
+    for a, b in [tuple(_split_name(split.names, model, n) for n in pair) for pair in shared_weights] + split.ties:
+        if a != b and frozenset((a, b)) not in seen:
+            seen.add(frozenset((a, b)))
+            pairs.append((a, b))
+    original = {}
+    for name, full in split.names.items():
+        original.setdefault(full, name)
+    return split, pairs, original
 
 
 def _pieces_of(model):
@@ -205,12 +224,12 @@ class Varuna:
         if keep_checkpoints is not None:
             options.keep_checkpoints = int(keep_checkpoints)
         shared_weights = [tuple(p) for p in (shared_weights or [])]
-        release = None
-        self._original_names = {}  # the runtime's parameter names -> the model's (CutPoint form)
+        self._split = None
+        self._original_names = {}  # the runtime's names -> the model's (CutPoint form)
         if isinstance(model, torch.nn.Module) and not isinstance(model, torch.nn.Sequential):
-            pieces, names, release = split_at_cutpoints(model, init_fn, int(seed))
-            shared_weights = [tuple(_split_name(names, model, n) for n in pair) for pair in shared_weights]
-            self._original_names = {full: original for original, full in names.items()}
+            self._split, shared_weights, self._original_names = split_cutpoint_model(
+                model, shared_weights, get_batch_fn, options.chunk_size, init_fn, seed)
+            pieces = self._split.pieces
         else:
             if isinstance(model, torch.nn.Sequential):
                 _check_tied_parameters(model, shared_weights)
@@ -222,8 +241,8 @@ class Varuna:
             return dict(get_batch_fn(size, torch.device(device_name)))
         options.set_get_batch(get_batch)
         self._runtime = _C.Runtime(options)
-        if release:
-            release()
+        if self._split is not None:
+            self._split.release()
         self._bridge = None
         _open_runtimes.add(self)
 
@@ -256,7 +275,8 @@ class Varuna:
         return out
 
     def named_buffers(self):
-        return self._runtime.named_buffers()
+        """(name, buffer) of this stage, named as parameters are."""
+        return [(self._original_names.get(name, name), b) for name, b in self._runtime.named_buffers()]
 
     # --- training ------------------------------------------------------------------
     def set_optimizer(self, optimizer, loss_scale="dynamic", init_loss_scale=1048576, min_loss_scale=1.0,
@@ -283,7 +303,11 @@ class Varuna:
         return StepResult(self._runtime.step(dict(inputs), clip_grad_max_norm))
 
     def evaluate(self, inputs):
-        """Mean loss over every replica's inputs, without gradients."""
+        """Mean loss over every replica's inputs, without gradients. A
+        CutPoint model's forward is captured in evaluation mode the first
+        time (a few seconds)."""
+        if self._split is not None:
+            self._split.prepare_evaluation()
         return self._runtime.evaluate(dict(inputs))
 
     def exit_if_checkpoint_requested(self, result):
