@@ -12,6 +12,7 @@ docs/python.md has the whole API; what is not here is in the C++ runtime
 (worker/include/varuna/worker/varuna.h), which this package drives.
 """
 from ._C import ConfigError, Error, EXIT_CHECKPOINTED  # noqa: F401
+from . import hf  # noqa: F401  (varuna.hf: Hugging Face models in the CutPoint form)
 from .cutpoint import CutPoint, initialize  # noqa: F401
 from .optimizer import OptimizerBridge  # noqa: F401
 from .profiler import Profiler  # noqa: F401

@@ -15,6 +15,9 @@ follow shape arithmetic on tensors, so the runtime always captures.
 """
 import contextlib
 import copy
+import dataclasses
+import functools
+import io
 import itertools
 import logging
 import os
@@ -63,18 +66,48 @@ def _mode(model, training):
 
 @contextlib.contextmanager
 def _quiet():
-    """Export logs its partial graph and symbolic-shape notes on a failure;
-    the refusal says what matters."""
+    """Export prints its partial graph and logs symbolic-shape notes on a
+    failure; the refusal says what matters."""
     loggers = [logging.getLogger(n) for n in ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
                                               "torch.export")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
     try:
-        yield
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def loss_of(output):
+    """The loss in what a forward returned: the tensor itself, the "loss"
+    of a dict, ModelOutput or dataclass, or the first of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    if dataclasses.is_dataclass(output) or hasattr(output, "loss"):
+        return getattr(output, "loss", None)
+    if isinstance(output, (tuple, list)) and output:
+        return loss_of(output[0])
+    return None
+
+
+def _returning_the_loss(shadow):
+    """The copy's forward, returning only the loss (so any output type
+    works, and nothing else the forward returns is kept)."""
+    original = shadow.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        loss = loss_of(original(*args, **kwargs))
+        if not isinstance(loss, torch.Tensor):
+            raise _C.ConfigError("the model's forward must return the loss: one tensor, or a dict, ModelOutput, "
+                                 "dataclass or tuple holding it (under 'loss', or first)")
+        return loss
+    shadow.forward = forward
 
 
 def capture(model, sample_inputs, training=True):
@@ -84,6 +117,7 @@ def capture(model, sample_inputs, training=True):
     fixes it. A forward that cannot be captured is a ConfigError naming the
     cause and the line of the model's code where it happened."""
     shadow = meta_copy(model)
+    _returning_the_loss(shadow)
     inputs = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in sample_inputs.items()}
     dims = {k: ({d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None)
             for k, v in inputs.items()}

@@ -136,7 +136,10 @@ class SplitModel:
       piece k's factory builds the module for the code between CutPoints k-1
       and k ("piece<k>").
     names: the model's name of each parameter and buffer -> the runtime's
-      ("piece<k>.<name>"); every name of a tied tensor is there.
+      ("piece<k>.<name>"; a buffer several pieces use: the first's); every
+      name of a tied tensor is there.
+    model_names: the runtime's name of each piece's parameters and buffers
+      -> the model's.
     ties: [(runtime name, runtime name)] of tensors the model holds under two
       names and uses in two pieces: shared-weight pairs.
     release(): drops the reference to the model once the runtime has built
@@ -155,14 +158,16 @@ class SplitModel:
         self._builder = PieceBuilder(split, self._graphs)
         self._built = {}  # k -> piece module
         self._eval_model = None  # what evaluation captures from, kept past release (no values)
-        self.pieces, self.names = [], {}
+        self.pieces, self.names, self.model_names = [], {}, {}
         sizes = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
         for k, graph in enumerate(self._graphs):
             for n in split.params_of[k]:
                 self.names[n] = "piece%d.%s" % (k, n)
             for node in graph.nodes:
-                if node.op == "get_attr" and node.target not in split.params_of[k]:
-                    self.names.setdefault(node.target, "piece%d.%s" % (k, node.target))
+                if node.op in ("get_attr", "call_module"):
+                    self.model_names["piece%d.%s" % (k, node.target)] = node.target
+                    if node.target not in split.params_of[k]:
+                        self.names.setdefault(node.target, "piece%d.%s" % (k, node.target))
             count = sum(sizes[n] for n in split.params_of[k])
             self.pieces.append(("piece%d" % k, self._factory(k), count))
         for names in split.names_of.values():  # a tie used in one piece: all its names are that one

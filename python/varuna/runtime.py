@@ -123,10 +123,7 @@ def split_cutpoint_model(model, shared_weights, get_batch_fn, sample_size, init_
         if a != b and frozenset((a, b)) not in seen:
             seen.add(frozenset((a, b)))
             pairs.append((a, b))
-    original = {}
-    for name, full in split.names.items():
-        original.setdefault(full, name)
-    return split, pairs, original
+    return split, pairs, split.model_names
 
 
 def _pieces_of(model):
@@ -275,8 +272,14 @@ class Varuna:
         return out
 
     def named_buffers(self):
-        """(name, buffer) of this stage, named as parameters are."""
-        return [(self._original_names.get(name, name), b) for name, b in self._runtime.named_buffers()]
+        """(name, buffer) of this stage, named as parameters are; a buffer
+        several of its pieces use (a rotary table), once."""
+        out, seen = [], set()
+        for name, b in self._runtime.named_buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                out.append((self._original_names.get(name, name), b))
+        return out
 
     # --- training ------------------------------------------------------------------
     def set_optimizer(self, optimizer, loss_scale="dynamic", init_loss_scale=1048576, min_loss_scale=1.0,
