@@ -8,7 +8,11 @@ MASTER_PORT). Placement is Varuna's "clustered" one: replica r holds ranks
 r*P .. r*P+P-1.
 
     scripts/varuna_launch.py --nstages 2 --replicas 2 --chunk_size 4 \
-        --batch_size 8 -- build/examples/gpt/train_gpt --steps 20
+        --batch_size 16 -- build/examples/gpt/train_gpt --steps 20
+
+--batch_size is the global batch, as for run_varuna and varuna.Varuna: each
+replica gets batch_size / replicas samples a step (the launch contract's
+per-replica --batch-size). --replica_batch_size gives that share instead.
 
 If a worker fails, the others get --grace seconds to notice (they exit by
 themselves with a clear error) before they are killed; the launcher exits with
@@ -38,7 +42,9 @@ def main() -> int:
     parser.add_argument("--nstages", type=int, required=True, help="pipeline stages P")
     parser.add_argument("--replicas", type=int, default=1, help="data-parallel replicas D")
     parser.add_argument("--chunk_size", type=int, required=True, help="micro-batch size")
-    parser.add_argument("--batch_size", type=int, required=True, help="per-replica batch size")
+    batch = parser.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--batch_size", type=int, help="the global batch (all replicas together)")
+    batch.add_argument("--replica_batch_size", type=int, help="each replica's share of the global batch")
     parser.add_argument("--resume_step", type=int, default=None)
     parser.add_argument("--master_port", type=int, default=0, help="0: pick a free port")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds survivors get to exit after a failure")
@@ -49,12 +55,20 @@ def main() -> int:
         parser.error("give the training program after --")
     if args.nstages < 1 or args.replicas < 1:
         parser.error("--nstages and --replicas must be >= 1")
+    per_replica = args.replica_batch_size
+    if args.batch_size is not None:
+        if args.batch_size < 1 or args.batch_size % args.replicas:
+            parser.error(f"--batch_size {args.batch_size} (the global batch) must be a positive multiple of "
+                         f"--replicas {args.replicas}")
+        per_replica = args.batch_size // args.replicas
+    if per_replica < 1:
+        parser.error("--replica_batch_size must be >= 1")
 
     world = args.nstages * args.replicas
     port = args.master_port or free_port()
     stage_map = clustered_map(args.nstages, args.replicas)
     print(f"varuna_launch: {args.nstages} stages x {args.replicas} replicas, stage_to_rank_map {stage_map}, "
-          f"port {port}", flush=True)
+          f"global batch {per_replica * args.replicas} ({per_replica} per replica), port {port}", flush=True)
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -62,7 +76,7 @@ def main() -> int:
         # After the program's own arguments, as run_varuna's agent does: the
         # program may be an interpreter and its script (python train.py).
         cmd = list(program) + ["--rank", str(rank), "--local_rank", str(rank), "--stage_to_rank_map", stage_map,
-                               "--chunk_size", str(args.chunk_size), "--batch-size", str(args.batch_size)]
+                               "--chunk_size", str(args.chunk_size), "--batch-size", str(per_replica)]
         if args.resume_step is not None:
             cmd += ["--resume_step", str(args.resume_step)]
         # SIGUSR1 blocked until the runtime installs its handler

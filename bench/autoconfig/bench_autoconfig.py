@@ -60,7 +60,7 @@ def run(cmd, env=None, timeout=600):
 
 def launch(build, stages, replicas, chunk, per_replica_batch, program_args, env=None, timeout=600):
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "varuna_launch.py"), "--nstages", str(stages),
-           "--replicas", str(replicas), "--chunk_size", str(chunk), "--batch_size", str(per_replica_batch), "--",
+           "--replicas", str(replicas), "--chunk_size", str(chunk), "--replica_batch_size", str(per_replica_batch), "--",
            *program_args]
     return run(cmd, env=env, timeout=timeout)
 

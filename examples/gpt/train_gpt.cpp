@@ -180,7 +180,7 @@ int run(int argc, char** argv) {
   options.model = gpt::makeGptModel(o.model);
   if (!o.pieceCosts.empty()) options.model.pieceCosts = parseCosts(o.pieceCosts);
   const auto map = varuna::StageToRankMap::parse(options.stageToRankMap);
-  const int64_t perReplica = launch.batchSize > 0 ? launch.batchSize : 8;
+  const int64_t perReplica = launch.replicaBatchSize > 0 ? launch.replicaBatchSize : 8;
   options.batchSize = perReplica * map.numReplicas();
   options.chunkSize = launch.chunkSize > 0 ? launch.chunkSize : std::min<int64_t>(perReplica, 4);
   options.precision = varuna::parsePrecision(o.precision);

@@ -3,7 +3,7 @@
 data, options and output as the C++ build/examples/gpt/train_gpt, so either
 resumes the other's checkpoints (docs/python.md).
 
-    scripts/varuna_launch.py --nstages 2 --replicas 2 --chunk_size 4 --batch_size 8 \\
+    scripts/varuna_launch.py --nstages 2 --replicas 2 --chunk_size 4 --batch_size 16 \\
         -- .venv/bin/python examples/python/train_gpt.py --steps 50
     run_varuna --machine_list machines.txt --nstages 2 --chunk_size 4 --batch_size 16 \\
         -- .venv/bin/python examples/python/train_gpt.py --steps 200
@@ -85,10 +85,9 @@ def main():
                            seq_len=o.seq_len, dropout=o.dropout, seed=o.model_seed,
                            tie_embeddings=not o.untied, batch_norm=o.batchnorm)
     pieces, shared = gpt.gpt_pieces(config)
-    replicas = len(launch.stage_to_rank_map.split(";")[0].split(",")) if launch.stage_to_rank_map else 1
-    per_replica = launch.batch_size if launch.batch_size > 0 else 8
-    global_batch = per_replica * replicas
-    chunk = launch.chunk_size if launch.chunk_size > 0 else min(per_replica, 4)
+    # The launcher's global batch (8 per replica when it gave none).
+    global_batch = launch.batch_size if launch.batch_size > 0 else 8 * launch.replicas
+    chunk = launch.chunk_size if launch.chunk_size > 0 else min(global_batch // launch.replicas, 4)
 
     def sample(size, device):
         return {k: v.to(device) for k, v in data.samples(0, size, o.seq_len, o.data_seed).items()}

@@ -9,7 +9,7 @@ character-level data of train_gpt.py (gpt.py's CharDataset).
     run_varuna --machine_list machines.txt --batch_size 16 --profile prof/profile.json \\
         -- .venv/bin/python examples/python/train_gpt2_cutpoints.py --steps 200
     # or with a plan of your own
-    scripts/varuna_launch.py --nstages 2 --replicas 2 --chunk_size 4 --batch_size 8 \\
+    scripts/varuna_launch.py --nstages 2 --replicas 2 --chunk_size 4 --batch_size 16 \\
         -- .venv/bin/python examples/python/train_gpt2_cutpoints.py --steps 50 --meta
 
 The model flags (--d_model --layers --heads --seq_len --dropout --data) must
@@ -139,10 +139,9 @@ def main():
         profile(o, launch, model, sample)
         return
     store = o.checkpoint_dir or launch.global_store
-    replicas = len(launch.stage_to_rank_map.split(";")[0].split(",")) if launch.stage_to_rank_map else 1
-    per_replica = launch.batch_size if launch.batch_size > 0 else 8
-    global_batch = per_replica * replicas
-    chunk = launch.chunk_size if launch.chunk_size > 0 else min(per_replica, 4)
+    # The launcher's global batch (8 per replica when it gave none).
+    global_batch = launch.batch_size if launch.batch_size > 0 else 8 * launch.replicas
+    chunk = launch.chunk_size if launch.chunk_size > 0 else min(global_batch // launch.replicas, 4)
 
     model = varuna.Varuna(model, get_batch_fn=sample, batch_size=global_batch, chunk_size=chunk,
                           shared_weights=gpt2_cutpoints.SHARED_WEIGHTS, precision=o.precision, schedule=o.schedule,

@@ -45,7 +45,14 @@ void bindOptions(py::module_& m) {
       .def_readonly("world_size", &LaunchArgs::worldSize)
       .def_readonly("stage_to_rank_map", &LaunchArgs::stageToRankMap)
       .def_readonly("chunk_size", &LaunchArgs::chunkSize)
-      .def_readonly("batch_size", &LaunchArgs::batchSize)
+      .def_property_readonly("batch_size", &LaunchArgs::globalBatchSize,
+                             "the global batch (all replicas together); 0 when the launcher gave none")
+      .def_readonly("replica_batch_size", &LaunchArgs::replicaBatchSize,
+                    "this replica's share of the global batch (the launch contract's --batch-size)")
+      .def_property_readonly("stages", &LaunchArgs::stages)
+      .def_property_readonly("replicas", &LaunchArgs::replicas)
+      .def_property_readonly("stage", &LaunchArgs::stage, "this rank's pipeline stage")
+      .def_property_readonly("replica", &LaunchArgs::replica, "this rank's data-parallel replica")
       .def_readonly("resume_step", &LaunchArgs::resumeStep)
       .def_readonly("master_addr", &LaunchArgs::masterAddr)
       .def_readonly("master_port", &LaunchArgs::masterPort)

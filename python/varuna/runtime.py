@@ -15,9 +15,12 @@ __all__ = ["Varuna", "StepResult", "get_launch_args", "install_checkpoint_signal
 
 def get_launch_args(argv=None):
     """The launcher's arguments (run_varuna, scripts/varuna_launch.py, torchrun)
-    from `argv` (default sys.argv) and the environment: rank, local_rank,
-    stage_to_rank_map, chunk_size, batch_size (per replica), resume_step, the
-    rendezvous, and user_args, everything the runtime did not recognise."""
+    from `argv` (default sys.argv; argv[0] is the program) and the
+    environment: rank, local_rank, stage_to_rank_map, chunk_size, batch_size
+    (the global batch), replica_batch_size (this replica's share: the launch
+    contract's --batch-size), stages, replicas, stage, replica, resume_step,
+    the rendezvous, and user_args, everything the runtime did not
+    recognise."""
     return _C.parse_launch_args(list(sys.argv if argv is None else argv))
 
 
@@ -173,8 +176,10 @@ class Varuna:
       right after torch.manual_seed(seed + index), so initial weights do not
       depend on the layout. Parameters with requires_grad=False are state
       like buffers: checkpointed, identical on every replica, not trained.
-    stage_to_rank_map, batch_size (global), chunk_size (micro-batch), local_rank:
-      as the launcher passes them; None takes them from get_launch_args().
+    stage_to_rank_map, batch_size (the global batch: all replicas together),
+      chunk_size (micro-batch), local_rank: None takes them from the
+      launcher (get_launch_args(); its batch_size is global too); a
+      batch_size other than the launcher's is refused.
     get_batch_fn(size, device): sample inputs (a dict of tensors, batch first).
     fp16 / precision: "fp32" (default), "bf16" or "fp16" (with loss scaling).
     device: None/-1 for the CPU, a CUDA index, a torch device string, or
@@ -204,9 +209,9 @@ class Varuna:
             options.stage_to_rank_map = stage_to_rank_map
         if local_rank is not None and local_rank >= 0:
             options.local_rank = local_rank
-        if batch_size is None:
-            raise ValueError("Varuna: batch_size (the global batch) is required")
-        options.batch_size = int(batch_size)
+        # The global batch; None takes the launcher's (its --batch_size), and
+        # the runtime refuses a value other than the launcher's.
+        options.batch_size = int(batch_size) if batch_size is not None else 0
         options.chunk_size = int(chunk_size if chunk_size is not None else args.chunk_size)
         options.precision = precision or ("fp16" if fp16 else "fp32")
         options.comm_backend = comm_backend

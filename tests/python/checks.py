@@ -14,7 +14,7 @@ def launch(script, stages, replicas, micro, global_batch, worker_args, timeout=3
     """Runs `script` (with worker_args) as a stages x replicas job started by
     scripts/varuna_launch.py on loopback; returns the CompletedProcess."""
     cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
-           "--replicas", str(replicas), "--chunk_size", str(micro), "--batch_size", str(global_batch // replicas),
+           "--replicas", str(replicas), "--chunk_size", str(micro), "--batch_size", str(global_batch),
            "--grace", "30", "--", sys.executable, script] + [str(a) for a in worker_args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 

@@ -69,7 +69,7 @@ def output_of(proc):
 def run_job(out, stages, replicas, global_batch, *worker_args, resume_step=None, micro=MICRO):
     """A job of frontend_faults_worker.py under scripts/varuna_launch.py."""
     cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
-           "--replicas", str(replicas), "--chunk_size", str(micro), "--batch_size", str(global_batch // replicas),
+           "--replicas", str(replicas), "--chunk_size", str(micro), "--batch_size", str(global_batch),
            "--grace", "30"]
     if resume_step is not None:
         cmd += ["--resume_step", str(resume_step)]

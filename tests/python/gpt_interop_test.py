@@ -35,7 +35,7 @@ failures = checks.failures
 
 def launch(program, args, stages=2, replicas=1, resume=None):
     cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
-           "--replicas", str(replicas), "--chunk_size", "2", "--batch_size", str(8 // replicas)]
+           "--replicas", str(replicas), "--chunk_size", "2", "--batch_size", "8"]
     if resume is not None:
         cmd += ["--resume_step", str(resume)]
     proc = subprocess.run(cmd + ["--"] + program + MODEL + args, capture_output=True, text=True, timeout=300)

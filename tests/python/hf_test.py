@@ -14,6 +14,8 @@ varuna.hf.cut_between_blocks(model), varuna.Varuna(model, ...):
   meta             the Llama-style model built on the meta device, each rank
                    materialising and initialising (its own _init_weights) only
                    its pieces, equals the model initialised the same way whole
+  the example      examples/python/train_hf.py, launched as its docstring
+                   says, trains each model (the loss falls) and evaluates
 
     hf_test.py [name ...]
     hf_test.py --worker --out DIR --kind K [--optimizer O] [--meta]   (one rank)
@@ -164,6 +166,19 @@ def test_meta_built_llama_equals_the_initialised_model():
         ours = run_layout("llama", stages, replicas, "--meta")
         if ours is not None:
             compare("llama on meta %dx%d" % (stages, replicas), ours, reference, rtol=1e-5)
+
+
+def test_the_example_trains_every_model():
+    example = os.path.join(checks.SOURCE, "examples", "python", "train_hf.py")
+    for kind in hm.KINDS:
+        proc = checks.launch(example, 2, 2, 4, 16, ["--model", kind, "--steps", "30"])
+        lines = [line.split() for line in proc.stdout.splitlines() if line.startswith(("step ", "eval loss"))]
+        if proc.returncode != 0 or not lines or lines[-1][:2] != ["eval", "loss"]:
+            failures.append("train_hf.py --model %s failed (%d): %s" % (kind, proc.returncode, proc.stderr[-2000:]))
+            continue
+        losses = [float(line[3]) for line in lines if line[0] == "step"]
+        if not losses[-1] < losses[0] - 0.5:
+            failures.append("train_hf.py --model %s: the loss did not fall: %s" % (kind, losses))
 
 
 if __name__ == "__main__":

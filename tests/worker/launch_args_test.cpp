@@ -24,7 +24,11 @@ TEST_CASE("the launcher's arguments are parsed and the rest is left to the progr
   CHECK(a.worldSize == 4);
   CHECK(a.stageToRankMap == "0,2;1,3;");
   CHECK(a.chunkSize == 4);
-  CHECK(a.batchSize == 16);
+  CHECK(a.replicaBatchSize == 16);
+  CHECK(a.globalBatchSize() == 32);  // 2 replicas
+  CHECK(a.stages() == 2);
+  CHECK(a.stage() == 1);
+  CHECK(a.replica() == 1);
   CHECK(a.resumeStep == 200);
   CHECK(a.userArgs == std::vector<std::string>{"--steps", "10", "--lr=0.1"});
 }

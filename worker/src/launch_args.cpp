@@ -9,6 +9,7 @@
 #include "varuna/common/agent_beat.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/schedule.h"
+#include "varuna/common/stage_map.h"
 
 extern char** environ;
 
@@ -93,7 +94,8 @@ LaunchArgs parseLaunchArgs(int argc, const char* const* argv, const std::map<std
   app.add_option("--world_size", args.worldSize, "number of workers")->check(CLI::PositiveNumber);
   app.add_option("--stage_to_rank_map", args.stageToRankMap, "e.g. 0,2;1,3;");
   app.add_option("--chunk_size", args.chunkSize, "micro-batch size")->check(CLI::PositiveNumber);
-  app.add_option("--batch-size,--batch_size", args.batchSize, "per-replica batch size")->check(CLI::PositiveNumber);
+  app.add_option("--batch-size,--batch_size", args.replicaBatchSize, "this replica's share of the global batch")
+      ->check(CLI::PositiveNumber);
   app.add_option("--resume_step", args.resumeStep, "checkpoint step to resume from")->check(CLI::NonNegativeNumber);
   app.add_option("--master_addr", args.masterAddr, "rendezvous host");
   app.add_option("--master_port", args.masterPort, "rendezvous port")->check(CLI::Range(1, 65535));
@@ -121,6 +123,20 @@ std::map<std::string, std::string> currentEnvironment() {
     if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
   }
   return env;
+}
+
+int LaunchArgs::stages() const {
+  return stageToRankMap.empty() ? 1 : StageToRankMap::parse(stageToRankMap).numStages();
+}
+
+int LaunchArgs::replicas() const {
+  return stageToRankMap.empty() ? worldSize : StageToRankMap::parse(stageToRankMap).numReplicas();
+}
+
+int LaunchArgs::stage() const { return stageToRankMap.empty() ? 0 : StageToRankMap::parse(stageToRankMap).stageOf(rank); }
+
+int LaunchArgs::replica() const {
+  return stageToRankMap.empty() ? rank : StageToRankMap::parse(stageToRankMap).replicaOf(rank);
 }
 
 }  // namespace varuna

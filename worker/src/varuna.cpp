@@ -85,6 +85,7 @@ void VarunaOptions::applyLaunchArgs(const LaunchArgs& args) {
   if (!args.schedule.empty()) launcherSchedule = parseScheduleKind(args.schedule);
   launcherPieceCosts = args.pieceCosts;
   launcherProfiledPieces = args.profiledPieces;
+  launcherBatchSize = args.globalBatchSize();
 }
 
 namespace {
@@ -130,10 +131,10 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   }
   validateModelSpec(opt_.model);
   if (!opt_.getBatch) throw ConfigError("VarunaOptions.getBatch is required: it provides sample inputs of a given size");
-  if (opt_.batchSize < 1) throw ConfigError(strCat("global batch size must be >= 1, got ", opt_.batchSize));
   if (opt_.chunkSize < 1) throw ConfigError(strCat("chunk size (micro-batch size) must be >= 1, got ", opt_.chunkSize));
   P_ = map_.numStages();
   D_ = map_.numReplicas();
+  checkBatchSize();
   stage_ = map_.stageOf(opt_.rank);
   replica_ = map_.replicaOf(opt_.rank);
   if (opt_.batchSize % D_ != 0) {
@@ -179,6 +180,23 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   guarded([this] { learnCutShapes(); });
   runTag_ = agreeOnRunTag();
   armSalvage();
+}
+
+// One meaning of the batch size: the global batch, whoever gives it (the
+// program, or the launcher as its per-replica --batch-size x replicas).
+void Varuna::Impl::checkBatchSize() {
+  const int64_t launcher = opt_.launcherBatchSize;
+  if (opt_.batchSize == 0 && launcher > 0) opt_.batchSize = launcher;
+  if (opt_.batchSize < 1) {
+    throw ConfigError(strCat("the global batch size is not set (got ", opt_.batchSize, "): give it to Varuna "
+                             "(batch_size / VarunaOptions::batchSize), or launch with --batch_size"));
+  }
+  if (launcher > 0 && opt_.batchSize != launcher) {
+    throw ConfigError(strCat("the global batch size is ", opt_.batchSize, " here (batch_size / VarunaOptions::",
+                             "batchSize) but ", launcher, " by the launcher (its --batch-size ", launcher / D_,
+                             " per replica x ", D_, " replicas): give the same global batch to both, or leave it "
+                             "unset here to take the launcher's"));
+  }
 }
 
 std::vector<double> Varuna::Impl::pieceCosts() const {

@@ -121,6 +121,7 @@ class Varuna::Impl {
   int64_t localBatch() const { return opt_.batchSize / D_; }
 
   std::vector<double> pieceCosts() const;
+  void checkBatchSize();
   std::string checkSharedWeights() const;
   std::string checkOneTensorUnderTwoNames() const;
   void setUpGradients();

@@ -17,7 +17,10 @@ struct LaunchArgs {
   int worldSize = 1;
   std::string stageToRankMap;  // empty: one stage, every rank a data-parallel replica
   int64_t chunkSize = 0;       // micro-batch size; 0: not given
-  int64_t batchSize = 0;       // per-replica batch (the original's --batch-size); 0: not given
+  // This replica's share of the global batch: what the launch contract's
+  // --batch-size carries (the original's "per process batch size"); 0: not
+  // given. globalBatchSize() is the job's batch.
+  int64_t replicaBatchSize = 0;
   int64_t resumeStep = -1;     // -1: fresh start
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
@@ -42,6 +45,15 @@ struct LaunchArgs {
   std::vector<std::pair<std::string, int64_t>> profiledPieces;
   // Everything the runtime did not recognise, for the training program itself.
   std::vector<std::string> userArgs;
+
+  // The layout the stage-to-rank map gives (no map: one stage, every rank a
+  // replica) and this rank's place in it.
+  int stages() const;
+  int replicas() const;
+  int stage() const;
+  int replica() const;
+  // The global batch: replicaBatchSize x replicas(); 0 when not given.
+  int64_t globalBatchSize() const { return replicaBatchSize * replicas(); }
 };
 
 // Parses `--rank --local_rank --stage_to_rank_map --chunk_size --batch-size

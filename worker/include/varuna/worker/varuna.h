@@ -73,7 +73,7 @@ struct VarunaOptions {
   int rank = 0;
   int localRank = 0;
   GetBatchFn getBatch;       // required: used to learn the shapes crossing each cut
-  int64_t batchSize = 0;     // global batch size (all replicas together)
+  int64_t batchSize = 0;     // global batch size (all replicas together); 0: the launcher's
   int64_t chunkSize = 0;     // micro-batch size
   Precision precision = Precision::kFp32;
   torch::Device device = torch::kCPU;
@@ -96,6 +96,9 @@ struct VarunaOptions {
   // The pieces (name, parameter count) of the profile the launcher planned
   // with; a model that differs is refused at start-up (a stale profile).
   std::vector<std::pair<std::string, int64_t>> launcherProfiledPieces;
+  // The global batch the launcher gave (its per-replica --batch-size x
+  // replicas; 0: none): batchSize 0 takes it, another batchSize is refused.
+  int64_t launcherBatchSize = 0;
 
   // Fills rank, local rank, map and rendezvous from the launcher's arguments.
   void applyLaunchArgs(const LaunchArgs& args);
