@@ -167,6 +167,9 @@ void ManagerDaemon::createController(int firstGeneration) {
   options.failureWindow = millis(config_.failureWindowS);
   options.restartBackoff = millis(config_.restartBackoffS);
   options.firstGeneration = firstGeneration;
+  options.generationProgressed = [this] {
+    return generationReached_ > std::max<int64_t>(generationResume_, 0);
+  };
   if (!config_.profile.empty()) createPlanner(options);
   // The controller's resume step is the last checkpoint seen; a launch
   // replaces it with what its own (thorough) scan finds (finishLaunch).
@@ -340,6 +343,7 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   } else if (const auto* report = std::get_if<proto::StepReport>(&message)) {
     liveness_.noteStep(*worker, report->step, /*report=*/true, now);
     reachedStep_ = std::max(reachedStep_, report->step);
+    generationReached_ = std::max(generationReached_, report->step);
     onStepReport(*report);
   } else if (const auto* failed = std::get_if<proto::CheckpointFailed>(&message)) {
     onCheckpointFailed(rank, *failed);
@@ -355,6 +359,7 @@ void ManagerDaemon::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting
   worker.waiting = waiting;
   liveness_.noteStep(worker, step, /*report=*/false, now);
   reachedStep_ = std::max(reachedStep_, step);
+  generationReached_ = std::max(generationReached_, step);
 }
 
 void ManagerDaemon::onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats) {
@@ -555,6 +560,8 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   checkpoints_->note(latest, now, prep.scan.latestAgeSeconds);
   metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
   launch.resumeStep = latest.value_or(-1);
+  generationResume_ = launch.resumeStep;
+  generationReached_ = -1;
   const int64_t reached = reachedStep_;  // the job's highest step so far (-1: none seen by this manager)
   metrics_.launched(plan, launch.generation, launch.resumeStep, now);
   liveness_.launched(now);  // the startup timeout until its first step

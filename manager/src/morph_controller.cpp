@@ -128,7 +128,9 @@ std::vector<Action> MorphController::failure(const std::string& reason, TimePoin
     if (auto givingUp = countFailure(reason, now)) return *givingUp;
   }
   if (options_.salvage && (phase_ == Phase::kRunning || phase_ == Phase::kCheckpointing) && !running_.empty()) {
-    return beginSalvage(reason, now);
+    if (!nothingToSalvage()) return beginSalvage(reason, now);
+    log::info("nothing to salvage (", reason, "): no rank got past the checkpoint this generation resumed from; ",
+              "relaunching from it at once");
   }
   if (salvaging()) return {};  // the salvage under way ends the generation (or gives up and kills)
   const bool alreadyStopping = phase_ == Phase::kStopping || phase_ == Phase::kBackoff;

@@ -14,7 +14,6 @@ import torch
 import torch.fx
 
 from . import _C
-from ._capture import capture
 
 
 def _resolve(root, target):
@@ -147,7 +146,3 @@ def materialise(root, piece, rebuild, init_fn, seed, initialize):
                                  "no values; register it as a buffer (register_buffer) so that it is "
                                  "materialised and initialised with its module" % name)
     return piece
-
-
-def capture_for_evaluation(model, sample_inputs):
-    return capture(model, sample_inputs, training=False)

@@ -34,7 +34,7 @@ import zlib
 import torch
 
 from . import _C
-from ._capture import capture, trace_symbolically
+from ._capture import capture, meta_copy, trace_symbolically
 from ._piece import PieceBuilder, install_evaluation, materialise
 from ._split import Split, refuse
 
@@ -199,7 +199,6 @@ class SplitModel:
     def release(self):
         model = self._holder.pop("model", None)
         if model is not None and self._sample_inputs is not None:
-            from ._capture import meta_copy
             self._eval_model = meta_copy(model)
 
     def prepare_evaluation(self):

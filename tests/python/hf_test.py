@@ -171,7 +171,7 @@ def test_meta_built_llama_equals_the_initialised_model():
 def test_the_example_trains_every_model():
     example = os.path.join(checks.SOURCE, "examples", "python", "train_hf.py")
     for kind in hm.KINDS:
-        proc = checks.launch(example, 2, 2, 4, 16, ["--model", kind, "--steps", "30"])
+        proc = checks.launch(example, 2, 1, 4, 16, ["--model", kind, "--steps", "25"])
         lines = [line.split() for line in proc.stdout.splitlines() if line.startswith(("step ", "eval loss"))]
         if proc.returncode != 0 or not lines or lines[-1][:2] != ["eval", "loss"]:
             failures.append("train_hf.py --model %s failed (%d): %s" % (kind, proc.returncode, proc.stderr[-2000:]))

@@ -12,6 +12,9 @@ and PyTorch's own way of tying weights:
                      embedding's (self.dec_weight = self.embed.weight),
                      declared in shared_weights or not, trains exactly; the
                      two names stay one weight on every rank
+  evaluation         evaluate() runs the forward captured in evaluation mode
+                     (dropout off, BatchNorm's running statistics, a branch
+                     on self.training): the plain module's eval-mode loss
   data-dependent     a branch on a tensor's value is refused at
                      construction, naming this file, the line and the cause
 
@@ -103,6 +106,27 @@ class PyTorchTie(torch.nn.Module):
         return torch.nn.functional.cross_entropy((x @ self.dec_weight.t()).reshape(-1, VOCAB), targets.reshape(-1))
 
 
+class ModeDependent(torch.nn.Module):
+    """Dropout, BatchNorm and a branch on self.training: evaluation differs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.norms = torch.nn.ModuleList([torch.nn.BatchNorm1d(WIDTH) for _ in range(BLOCKS)])
+        self.drop = torch.nn.Dropout(0.5)
+        self.cuts = [varuna.CutPoint() for _ in range(BLOCKS)]
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids, targets):
+        x = self.embed(input_ids)
+        for cut, norm in zip(self.cuts, self.norms):
+            x = cut(x)
+            x = self.drop(norm(x.transpose(1, 2)).transpose(1, 2))
+            if self.training:
+                x = x * 1.5
+        return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+
+
 class DataDependent(RealCode):
     def forward(self, input_ids, targets):
         x = self.embed(input_ids)
@@ -113,7 +137,7 @@ class DataDependent(RealCode):
         return torch.nn.functional.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
 
 
-MODELS = {"real_code": RealCode, "tie": PyTorchTie}
+MODELS = {"real_code": RealCode, "tie": PyTorchTie, "modes": ModeDependent}
 
 
 def build(name):
@@ -152,6 +176,7 @@ def worker():
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
     parser.add_argument("--declare", action="store_true", help="name the tie in shared_weights")
+    parser.add_argument("--evaluate_only", action="store_true", help="evaluate the initial model, no training")
     args = parser.parse_args(launch.user_args)
     try:
         shared = [("embed.weight", "dec_weight")] if args.declare else None
@@ -159,6 +184,11 @@ def worker():
                               launch_args=launch, shared_weights=shared, peer_timeout_s=60)
         model.set_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         share = GLOBAL_BATCH // model.num_replicas
+        if args.evaluate_only:
+            batch = global_batch(0, GLOBAL_BATCH)
+            loss = model.evaluate({k: v[model.replica * share:(model.replica + 1) * share] for k, v in batch.items()})
+            torch.save({"eval_loss": loss}, os.path.join(args.out, "rank_%d.pt" % launch.rank))
+            return
         losses = []
         for step in range(STEPS):
             batch = global_batch(step, GLOBAL_BATCH)
@@ -201,6 +231,22 @@ def test_real_model_code_trains_exactly():
 def test_a_pytorch_tie_trains_as_one_weight():
     check_layouts("tie")
     check_layouts("tie", "--declare")
+
+
+def test_evaluation_runs_the_evaluation_mode_graph():
+    # Dropout off, BatchNorm on its running statistics, the branch on
+    # self.training not taken: as the plain module in eval mode.
+    model = build("modes").eval()
+    with torch.no_grad():
+        expected = model(**global_batch(0, GLOBAL_BATCH)).item()
+    with tempfile.TemporaryDirectory() as out:
+        proc = checks.launch(os.path.abspath(__file__), 2, 1, MICRO, GLOBAL_BATCH,
+                             ["--worker", "--out", out, "--model", "modes", "--evaluate_only"])
+        if proc.returncode != 0:
+            raise AssertionError("the job failed (%d): %s" % (proc.returncode, proc.stderr[-2500:]))
+        got = torch.load(os.path.join(out, "rank_0.pt"))["eval_loss"]
+    if abs(got - expected) > 1e-5 * abs(expected):
+        failures.append("evaluate() gave %r, the plain module in eval mode %r" % (got, expected))
 
 
 def test_a_data_dependent_branch_is_refused_naming_the_line():

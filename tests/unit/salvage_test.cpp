@@ -394,3 +394,35 @@ TEST_CASE("salvage off: a sudden loss kills and rolls back as before", "[salvage
   CHECK_FALSE(has<action::SalvageStop>(actions));
   CHECK(h.controller.salvageReady(0, 0, 5, h.now).empty());
 }
+
+TEST_CASE("a loss before the generation got past its checkpoint: nothing to salvage, relaunched at once",
+          "[salvage]") {
+  bool progressed = false;
+  auto options = Harness::defaults();
+  options.generationProgressed = [&progressed] { return progressed; };
+  SECTION("no rank finished a step since the resume: no salvage round, no wait for reports") {
+    Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+    const auto actions = h.controller.hostLost("b", h.now);
+    CHECK_FALSE(has<action::SalvageStop>(actions));
+    CHECK(has<action::KillAll>(actions));
+    CHECK(h.controller.phase() == Phase::kStopping);
+    h.controller.workerExited(0, -1, h.now);
+    h.controller.workerExited(1, -1, h.now);
+    h.controller.workerExited(2, -1, h.now);
+    h.controller.workerExited(3, -1, h.now);
+    const auto launch = find<action::Launch>(h.controller.tick(h.now + 1s));  // the backoff, not 20 s of reports
+    CHECK(launch.resumeStep == 10);
+    CHECK_FALSE(h.controller.lastLaunchSalvaged());
+  }
+  SECTION("a survivor's report is the first sign: the same") {
+    Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+    const auto actions = h.controller.salvageReady(2, 0, 10, h.now);
+    CHECK_FALSE(has<action::SalvageStop>(actions));
+    CHECK(has<action::KillAll>(actions));
+  }
+  SECTION("a step finished past it: the salvage runs as before") {
+    Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+    progressed = true;
+    CHECK(has<action::SalvageStop>(h.controller.hostLost("b", h.now)));
+  }
+}

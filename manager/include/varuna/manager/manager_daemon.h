@@ -202,6 +202,11 @@ class ManagerDaemon : private AgentPool::Observer {
   // the generations this manager ran: what a relaunch loses is measured from it.
   int64_t reachedStep_ = -1;
   int64_t salvageStep_ = -1;  // the step the last salvage ordered written
+  // The running generation: the step it resumed from (-1: fresh) and the
+  // highest step any of its ranks said it finished (-1: none): a loss
+  // before it got past its checkpoint leaves nothing to salvage.
+  int64_t generationResume_ = -1;
+  int64_t generationReached_ = -1;
   std::vector<std::string> slowHosts_;
   int checkpointFailures_ = 0;            // CheckpointFailed reports of every generation
   nlohmann::json lastCheckpointFailure_;  // the newest one, for state.json

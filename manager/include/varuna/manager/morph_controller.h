@@ -112,6 +112,12 @@ struct ControllerOptions {
   // reports, the writes) must finish within salvageTimeout.
   bool salvage = false;
   std::chrono::milliseconds salvageTimeout{std::chrono::seconds(30)};
+  // Whether some rank of the running generation has finished a step past
+  // the checkpoint it resumed from. A loss before that leaves nothing to
+  // salvage: the job relaunches from that checkpoint at once instead of
+  // waiting for reports from ranks still starting up. Empty: not known
+  // (every loss starts a salvage).
+  std::function<bool()> generationProgressed;
   // Turns the machines at hand into a plan, at start and at every morph; may
   // throw ConfigError (no plan fits: wait for machines). Null: makePlan with
   // `stages` and `chunkSize`. AutoConfig plugs in here (autoConfigPlanner),
@@ -204,6 +210,8 @@ class MorphController {
   std::vector<Action> decideSalvage(TimePoint now);
   std::vector<Action> abandonSalvage(const std::string& why, TimePoint now);
   bool salvaging() const { return phase_ == Phase::kSalvaging || phase_ == Phase::kSalvageWriting; }
+  // No rank of the generation got past the checkpoint it resumed from.
+  bool nothingToSalvage() const { return options_.generationProgressed && !options_.generationProgressed(); }
   std::set<std::string> unavailable() const;
   PlanRequest planRequest() const;
   Plan makeNextPlan() const;
