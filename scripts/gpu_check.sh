@@ -86,8 +86,11 @@ EOF
 }
 
 run() {
-  local out="${OUT_DIR:-${OUT:-$BUILD_DIR/out}}"
-  mkdir -p "$out"
+  # $OUT gets 7 files (the device tool brings back 8 at most): summary.json,
+  # configure.log, build.log, tests.log, tests.xml, bench.log, checkpoint.log.
+  # Everything else stays in $work.
+  local out="${OUT_DIR:-${OUT:-$BUILD_DIR/out}}" work="$BUILD_DIR/gpu-check-work"
+  mkdir -p "$out" "$work"
   local started=$SECONDS status=0
   PY="${PYTHON:-$(command -v python3)}"
   "$PY" -c 'import torch' 2>/dev/null || die "$PY cannot import torch: give --python a Python with torch"
@@ -143,17 +146,17 @@ run() {
   local bench='null' checkpoint='null'
   if [[ -z "${NO_BENCH:-}" ]]; then
     say "benchmarks: engine overhead, MFU, Python front end, start-up"
-    if "$PY" "$ROOT/bench/gpu/bench_gpu.py" --build "$BUILD_DIR" --python "$PY" --out_dir "$out/bench" \
-        > "$out/bench.json.log" 2> "$out/bench.log"; then
-      bench=$(tail -1 "$out/bench.json.log")
+    if "$PY" "$ROOT/bench/gpu/bench_gpu.py" --build "$BUILD_DIR" --python "$PY" --out_dir "$work/bench" \
+        > "$work/bench.json" 2> "$out/bench.log"; then
+      bench=$(tail -1 "$work/bench.json")
     else
       status=1
       tail -20 "$out/bench.log" >&2
     fi
     say "benchmarks: checkpoints from GPU memory against dd"
     if "$BUILD_DIR/bench/bench_checkpoint" --device cuda "${TMPDIR:-/tmp}/varuna-gpu-ckpt" \
-        > "$out/checkpoint.json.log" 2> "$out/checkpoint.log"; then
-      checkpoint=$(tail -1 "$out/checkpoint.json.log")
+        > "$work/checkpoint.json" 2> "$out/checkpoint.log"; then
+      checkpoint=$(tail -1 "$work/checkpoint.json")
     else
       status=1
       tail -20 "$out/checkpoint.log" >&2

@@ -24,7 +24,7 @@ object of every figure.
 import argparse
 import json
 import os
-import statistics
+import re
 import subprocess
 import sys
 import tempfile
@@ -62,38 +62,45 @@ def run_plain_loop(build, size, device, steps, warmup, out_dir):
     return json.loads(out.strip().splitlines()[-1])
 
 
+STEP_LINE = re.compile(r"^step (\d+) loss .* time ([0-9.eE+-]+)s")
+
+
 def run_ours(build, trainer, python, size, device, steps, warmup, out_dir, name):
-    """One 1x1 job of a trainer ("cpp" or "python") through varuna_launch.py;
-    the median step time after warmup and the start-up time."""
-    dump = os.path.join(out_dir, name)
-    os.makedirs(dump, exist_ok=True)
+    """One 1x1 job of a trainer ("cpp" or "python") through varuna_launch.py,
+    printing every step's time (no dump: at this size the parameters alone
+    are over a GB); the median step time after warmup, and the start-up: from
+    the launch to the first step's line, minus that step."""
     program = ([os.path.join(build, "examples", "gpt", "train_gpt")] if trainer == "cpp"
                else [python, os.path.join(SOURCE, "examples", "python", "train_gpt.py")])
     argv = [python, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", "1", "--replicas", "1",
             "--chunk_size", str(size["batch"]), "--batch_size", str(size["batch"]), "--"] + program + [
         "--device", device, "--precision", size["precision"], "--untied", "--optimizer", "adamw", "--lr", "3e-4",
-        "--clip", "0", "--steps", str(warmup + steps), "--log_every", "10", "--dump_dir", dump] + model_args(size)
-    steps_file = os.path.join(dump, "rank0_steps.jsonl")
+        "--clip", "0", "--steps", str(warmup + steps), "--log_every", "1"] + model_args(size)
+    log_path = os.path.join(out_dir, name + ".log")
     start = time.monotonic()
     first_line_at = None
-    with open(os.path.join(out_dir, name + ".log"), "w") as logf:
+    with open(log_path, "w") as logf:
         env = dict(os.environ, PYTHONPATH=os.path.join(build, "python"))
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
-            if first_line_at is None and os.path.exists(steps_file) and os.path.getsize(steps_file) > 0:
+            if first_line_at is None and _step_times(log_path):
                 first_line_at = time.monotonic()
             time.sleep(0.01)
     if proc.returncode != 0:
-        raise RuntimeError("%s failed (exit %d): see %s" % (name, proc.returncode,
-                                                           os.path.join(out_dir, name + ".log")))
-    with open(steps_file) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    times = sorted(r["time_s"] for r in records[warmup:])
+        raise RuntimeError("%s failed (exit %d): see %s" % (name, proc.returncode, log_path))
+    records = _step_times(log_path)
+    times = sorted(t for _, t in records[warmup:])
     median = times[len(times) // 2]
-    first_step = records[0]["time_s"]
+    first_step = records[0][1]
     startup = (first_line_at - start - first_step) if first_line_at else None
     return {"step_s_median": median, "tokens_per_s": size["batch"] * size["seq_len"] / median,
             "start_to_first_step_s": startup, "first_step_s": first_step}
+
+
+def _step_times(log_path):
+    """[(step, seconds)] of the trainer's step lines so far."""
+    with open(log_path, errors="replace") as f:
+        return [(int(m.group(1)), float(m.group(2))) for m in map(STEP_LINE.match, f) if m]
 
 
 def flops_per_token(params, size):
