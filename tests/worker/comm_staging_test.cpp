@@ -1,9 +1,9 @@
 // The communication backend choice (devices.h) and the point-to-point path
 // through host buffers that a Gloo job on CUDA takes (comm.h). On CPU the
 // staging is forced (CommOptions::stageThroughHost), so the same bookkeeping
-// runs here that runs on a GPU: a receive lands in its host buffer and
-// reaches its tensor only when waitFor completes it, never after an
-// interruption.
+// runs here that runs on a GPU: a receive reaches its (even non-contiguous)
+// tensor through its host buffer when waitFor completes it, a send's host
+// copy is taken at once, and an interrupted receive writes nothing.
 // libtorch's headers (through comm.h) define a CHECK of their own: Catch2's
 // comes after them.
 #include "comm.h"
