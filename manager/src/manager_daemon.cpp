@@ -22,9 +22,6 @@ constexpr auto kTickInterval = std::chrono::milliseconds(100);
 constexpr auto kListPollInterval = std::chrono::milliseconds(500);
 constexpr auto kCheckpointPollInterval = std::chrono::milliseconds(1000);
 constexpr auto kHelloDeadline = std::chrono::seconds(10);
-// An agent sends a frame at least every second (its heartbeat; relays every
-// 250 ms while its workers beat): one silent for longer is stopped or cut off.
-constexpr auto kAgentSilentBeforeWorkers = std::chrono::milliseconds(2000);
 // At the stop, how long the manager waits for its last look at the store.
 constexpr auto kFinalScanWait = std::chrono::seconds(10);
 // A preempted host whose notice gave no deadline is not expected back before this.
@@ -708,11 +705,8 @@ void ManagerDaemon::checkSilentRanks(TimePoint now) {
   for (const auto& silent : liveness_.silentRanks(controller_->runningRanks(), workers_, now)) {
     if (!workers_.expects(silent.rank) || !controller_->runningRanks().count(silent.rank)) continue;
     const std::string host = controller_->plan().placement.at(static_cast<size_t>(silent.rank)).host;
-    // Its beats come through its agent: while the agent, still connected, is
-    // silent itself (stopped, cut off) the silence is the agent's, and the
-    // agent's own timeout ends the host's part (a host loss, not a hung
-    // worker). Its workers' pings may be too rare to keep them heard.
-    if (pool_->connected(host) && !pool_->heardFrom(host, now, kAgentSilentBeforeWorkers)) continue;
+    // A silent agent (stopped, cut off): its own timeout ends the host's part.
+    if (LivenessWatchdog::silenceIsTheAgents(silent, pool_->lastHeard(host), now)) continue;
     log::error("rank ", silent.rank, " on ", host, " is hung: ", silent.why);
     events_->write("worker_hung", {{"rank", silent.rank}, {"host", host}, {"reason", silent.why}});
     // Read when it runs again (a stopped process): it must not train on.

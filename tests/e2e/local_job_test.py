@@ -134,7 +134,7 @@ def test_every_process_of_a_host_killed():
     """kill -9 of the agent and the workers of 127.0.0.2 (the kernel closes their
     connections): the manager decides at once and carries on with 127.0.0.1,
     starts the host's agent again after --host_retry_s and grows back to both."""
-    m = manager("host-killed", steps=300, extra_args=["--restart_backoff_s", "0.2", "--no_salvage"],
+    m = manager("host-killed", steps=100000, extra_args=["--restart_backoff_s", "0.2", "--no_salvage"],
                 train_args=["--checkpoint_every", "20"]).start()
     m.wait_step(45)
     on_host = [p for p, cmd in processes_of_job(m.job)
@@ -147,7 +147,7 @@ def test_every_process_of_a_host_killed():
     log("kill -9 of a host's processes -> manager decision: %.2f s" % (time.monotonic() - t0))
     m.wait_event("host_back", timeout=30)
     log("kill -9 of a host's processes -> host back: %.2f s" % (time.monotonic() - t0))
-    assert m.wait_exit() == 0, m.tail()
+    assert m.stop_once_trained_on(launches=3) == 0, m.tail()
     launches = m.events("launch")
     assert launches[1]["plan"]["hosts"] == ["127.0.0.1"] and launches[1]["resume_step"] >= 40, launches
     assert launches[-1]["plan"]["hosts"] == ["127.0.0.1", "127.0.0.2"], launches
@@ -158,11 +158,11 @@ def test_every_process_of_a_host_killed():
 
 
 def test_host_added_to_machine_list_grows_the_job():
-    m = manager("grow", machines=["127.0.0.1 slots=2"], steps=300).start()
+    m = manager("grow", machines=["127.0.0.1 slots=2"], steps=100000).start()
     m.wait_step(20)
     m.write_machines(TWO_HOSTS)
     m.wait_event("machine_list_changed", timeout=10)
-    assert m.wait_exit() == 0, m.tail()
+    assert m.stop_once_trained_on(launches=2) == 0, m.tail()
     plans = [(e["plan"]["stages"], e["plan"]["replicas"]) for e in m.events("launch")]
     assert plans == [(2, 1), (2, 2)], plans
     assert_nothing_left(m.job)
@@ -171,7 +171,7 @@ def test_host_added_to_machine_list_grows_the_job():
 def test_preempted_host_comes_back_when_the_list_is_written_again():
     """A preempted host (taken in 10 min) stays out; the machine list written
     again with the same text brings it back at once, and the job grows back."""
-    m = manager("preempt-back", steps=300, train_args=["--checkpoint_every", "20"]).start()
+    m = manager("preempt-back", steps=100000, train_args=["--checkpoint_every", "20"]).start()
     m.wait_step(20)
     r = m.notify_preempt("127.0.0.2", "--in_seconds", "600")
     assert r.returncode == 0, r.stderr
@@ -188,7 +188,7 @@ def test_preempted_host_comes_back_when_the_list_is_written_again():
     m.write_machines(TWO_HOSTS)  # the same text
     m.wait_event("host_back", timeout=30)
     log("machine list written -> host back: %.2f s" % (time.monotonic() - t0))
-    assert m.wait_exit() == 0, m.tail()
+    assert m.stop_once_trained_on(launches=3) == 0, m.tail()
     launches = m.events("launch")
     assert launches[-1]["plan"]["hosts"] == ["127.0.0.1", "127.0.0.2"], launches
     back = m.events("host_back")[0]

@@ -103,6 +103,21 @@ class Manager:
         return wait_for("event %s (manager output:\n%s)" % (name, self.tail()),
                         lambda: len(self.events(name)) >= count or self._died(), timeout)
 
+    def stop_once_trained_on(self, launches, steps=5, timeout=120):
+        """For a job that must not end before a late event (a host coming back,
+        a growth): it trains with far more steps than the test needs, so a fast
+        machine cannot finish it first; once its `launches`-th launch trained
+        `steps` steps, SIGTERM stops it (a checkpoint, then exit 0).
+        Returns the exit code."""
+        self.wait_event("launch", count=launches, timeout=timeout)
+        generation = self.events("launch")[launches - 1]["generation"]
+        resume = self.events("launch")[launches - 1].get("resume_step", 0)
+        wait_for("generation %d trained %d steps (manager output:\n%s)" % (generation, steps, self.tail()),
+                 lambda: (self.state().get("generation") == generation and self.step() >= resume + steps)
+                 or self._died(), timeout)
+        self.kill(signal.SIGTERM)
+        return self.wait_exit()
+
     def _died(self):
         if self.proc.poll() is not None:
             raise AssertionError("run_varuna exited early with %s:\n%s" % (self.proc.returncode, self.tail()))

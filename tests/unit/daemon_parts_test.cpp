@@ -114,6 +114,24 @@ TEST_CASE("a silent rank and one that never connected are named; others are not"
   CHECK_THAT(silent[1].why, Catch::Contains("never connected within 60"));
 }
 
+TEST_CASE("a silent rank whose agent fell silent with it is the agent's case, however late the manager looks") {
+  using Silent = LivenessWatchdog::SilentRank;
+  const Silent rank{3, "no heartbeat for 2 s", t0};
+  // The agent's last frame came with the rank's last relayed beat, or just
+  // after: the agent stopped. Looked at 2 s later or 20 s later (a manager
+  // descheduled on a loaded machine), the same answer.
+  CHECK(LivenessWatchdog::silenceIsTheAgents(rank, t0, t0 + 2s));
+  CHECK(LivenessWatchdog::silenceIsTheAgents(rank, t0 + 900ms, t0 + 2s));
+  CHECK(LivenessWatchdog::silenceIsTheAgents(rank, t0 + 900ms, t0 + 20s));
+  // The agent was heard on since: it is alive and the rank is hung.
+  CHECK_FALSE(LivenessWatchdog::silenceIsTheAgents(rank, t0 + 1500ms, t0 + 2s));
+  // ...unless it has since fallen silent itself for over 2 s.
+  CHECK(LivenessWatchdog::silenceIsTheAgents(rank, t0 + 1500ms, t0 + 4s));
+  // No agent connected, or a rank that never said hello: the rank's own case.
+  CHECK_FALSE(LivenessWatchdog::silenceIsTheAgents(rank, std::nullopt, t0 + 2s));
+  CHECK_FALSE(LivenessWatchdog::silenceIsTheAgents(Silent{1, "never connected", std::nullopt}, t0, t0 + 2s));
+}
+
 TEST_CASE("no progress: the rank computing while its peers wait is named hung") {
   LivenessWatchdog watchdog({10, 60, 100});
   const Plan plan = twoRankPlan();

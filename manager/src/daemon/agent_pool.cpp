@@ -225,8 +225,9 @@ bool AgentPool::connected(const std::string& host) const {
   return it != agents_.end() && it->second.connection && it->second.connection->open();
 }
 
-bool AgentPool::heardFrom(const std::string& host, TimePoint now, std::chrono::milliseconds window) const {
-  return connected(host) && now - agents_.at(host).lastSeen <= window;
+std::optional<AgentPool::TimePoint> AgentPool::lastHeard(const std::string& host) const {
+  if (!connected(host)) return std::nullopt;
+  return agents_.at(host).lastSeen;
 }
 
 void AgentPool::send(const std::string& host, const proto::Message& message) {

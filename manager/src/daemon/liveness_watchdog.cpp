@@ -35,12 +35,23 @@ std::vector<LivenessWatchdog::SilentRank> LivenessWatchdog::silentRanks(const st
     const WorkerState* w = workers.find(rank);
     if (!w) continue;
     if (w->connected && now - w->lastSeen > millis(limits_.heartbeatTimeoutS)) {
-      silent.push_back({rank, strCat("no heartbeat for ", limits_.heartbeatTimeoutS, " s")});
+      silent.push_back({rank, strCat("no heartbeat for ", limits_.heartbeatTimeoutS, " s"), w->lastSeen});
     } else if (!w->connected && now - launchedAt_ > millis(limits_.startupTimeoutS)) {
-      silent.push_back({rank, strCat("never connected within ", limits_.startupTimeoutS, " s of the launch")});
+      silent.push_back({rank, strCat("never connected within ", limits_.startupTimeoutS, " s of the launch"), std::nullopt});
     }
   }
   return silent;
+}
+
+bool LivenessWatchdog::silenceIsTheAgents(const SilentRank& silent, std::optional<TimePoint> agentLastHeard,
+                                          TimePoint now) {
+  if (!agentLastHeard || !silent.lastHeard) return false;  // no agent connected, or a rank that never said hello
+  // An agent sends a frame at least every second (its heartbeat; relays
+  // every 250 ms while its workers beat). Heard from no later than this
+  // after the rank's last beat: it fell silent with the rank.
+  constexpr auto kSameSilence = std::chrono::milliseconds(1000);
+  constexpr auto kAgentSilent = std::chrono::milliseconds(2000);
+  return *agentLastHeard - *silent.lastHeard <= kSameSilence || now - *agentLastHeard > kAgentSilent;
 }
 
 std::optional<LivenessWatchdog::Hang> LivenessWatchdog::findHang(const std::set<int>& running,

@@ -13,6 +13,7 @@
 #include <boost/asio.hpp>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <set>
 #include <memory>
 #include <string>
@@ -116,8 +117,8 @@ class AgentPool {
   void send(const std::vector<std::string>& hosts, const proto::Message& message);
   void send(const std::string& host, const proto::Message& message);
   bool connected(const std::string& host) const;
-  // Its agent is connected and sent a frame within `window` of `now`.
-  bool heardFrom(const std::string& host, TimePoint now, std::chrono::milliseconds window) const;
+  // When its agent, connected, last sent a frame; unset when not connected.
+  std::optional<TimePoint> lastHeard(const std::string& host) const;
   // After a launch: hosts preempted or no longer listed are told to shut down.
   void releaseDeparted();
   // The job stopped: every agent is told so (its loss is then expected) and

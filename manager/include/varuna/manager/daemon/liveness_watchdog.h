@@ -36,6 +36,7 @@ class LivenessWatchdog {
   struct SilentRank {
     int rank;
     std::string why;
+    std::optional<TimePoint> lastHeard;  // unset: it never connected
   };
   struct Hang {
     std::vector<int> ranks;  // the ranks named
@@ -55,6 +56,15 @@ class LivenessWatchdog {
   void noteStep(WorkerState& worker, int64_t step, bool report, TimePoint now);
 
   std::vector<SilentRank> silentRanks(const std::set<int>& running, const WorkerRegistry& workers, TimePoint now) const;
+  // Whether a silent rank's silence is its agent's: a worker's beats come
+  // through its agent, so while the agent, still connected, sent nothing
+  // since about the rank's last beat (or nothing for a while) the agent is
+  // stopped or cut off, and the agent's own timeout ends the host's part (a
+  // host loss, not a hung worker). A live agent is heard on (its heartbeat),
+  // so a rank that is really hung is written off at most one agent heartbeat
+  // later. Comparing the two arrival times, not each with a window, keeps
+  // the answer the same when the manager itself is slow to look.
+  static bool silenceIsTheAgents(const SilentRank& silent, std::optional<TimePoint> agentLastHeard, TimePoint now);
   // Only for a generation whose running ranks all said hello (one that did
   // not is silentRanks' to time out).
   std::optional<Hang> findHang(const std::set<int>& running, const WorkerRegistry& workers, const Plan& plan,
