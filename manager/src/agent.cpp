@@ -1,4 +1,5 @@
 #include "varuna/manager/agent.h"
+#include "varuna/common/worker_exit.h"
 
 #include <fcntl.h>
 #include <sys/prctl.h>
@@ -425,9 +426,9 @@ void Agent::reapChildren() {
       exited.exitCode = -1;
       exited.signal = WTERMSIG(status);
     }
-    if (exited.exitCode != 0 && exited.exitCode != kExitCheckpointed) exited.logTail = tailOfFile(worker.logPath, 8);
-    log::info("rank ", worker.rank, " (generation ", worker.generation, ") exited: ",
-              exited.exitCode >= 0 ? strCat("code ", exited.exitCode) : strCat("signal ", exited.signal));
+    const WorkerExit exit{exited.exitCode, exited.signal};
+    if (!exit.asOrdered()) exited.logTail = tailOfFile(worker.logPath, 8);
+    log::info("rank ", worker.rank, " (generation ", worker.generation, ") exited: ", exit.describe());
     if (manager_->open()) manager_->send(exited);
   }
   maybeExit();

@@ -9,6 +9,8 @@
 #include "varuna/common/machine_list.h"
 #include "varuna/manager/daemon/job_setup.h"
 #include "varuna/manager/daemon/launch_message.h"
+#include "varuna/common/time_util.h"
+#include "varuna/common/worker_exit.h"
 
 namespace varuna {
 namespace {
@@ -30,12 +32,6 @@ constexpr auto kPreemptedWithoutDeadline = std::chrono::seconds(120);
 // megabytes of one runaway line.
 constexpr size_t kMaxLoggedLogTailBytes = 4096;
 
-double secondsBetween(TimePoint a, TimePoint b) { return std::chrono::duration<double>(b - a).count(); }
-
-std::chrono::milliseconds millis(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
 // The end of `text` (of a log, the end matters), at most about maxBytes, valid UTF-8.
 std::string endOfText(const std::string& text, size_t maxBytes) {
   if (text.size() <= maxBytes) return proto::boundedText(text, maxBytes);
@@ -49,12 +45,14 @@ std::string endOfText(const std::string& text, size_t maxBytes) {
 std::string bindIp(const JobConfig& config) { return config.managerIp.empty() ? "0.0.0.0" : config.managerIp; }
 
 // A worker's unexpected exit as a failure cause.
-JobMetrics::Failure exitFailure(const proto::WorkerExited& exited) {
-  if (exited.exitCode == kExitConfigError) return JobMetrics::Failure::kConfigError;
-  if (exited.exitCode == kExitPeerLost) return JobMetrics::Failure::kPeerLost;
-  if (exited.exitCode == kExitStorageError) return JobMetrics::Failure::kCheckpointStorage;
-  if (exited.exitCode == kExitSuperseded) return JobMetrics::Failure::kSuperseded;
-  return JobMetrics::Failure::kWorkerCrashed;
+JobMetrics::Failure exitFailure(const WorkerExit& exit) {
+  switch (exit.kind()) {
+    case ExitKind::kConfigError: return JobMetrics::Failure::kConfigError;
+    case ExitKind::kPeerLost: return JobMetrics::Failure::kPeerLost;
+    case ExitKind::kStorageError: return JobMetrics::Failure::kCheckpointStorage;
+    case ExitKind::kSuperseded: return JobMetrics::Failure::kSuperseded;
+    default: return JobMetrics::Failure::kWorkerCrashed;
+  }
 }
 
 AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string address, std::string token) {
@@ -381,11 +379,11 @@ void ManagerDaemon::agentMessage(const std::string& host, const proto::Message& 
 
 void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {
   if (exited.generation != controller_->generation()) return;  // a straggler of an earlier launch
-  const std::string how = exited.exitCode >= 0 ? strCat("code ", exited.exitCode) : strCat("signal ", exited.signal);
+  const WorkerExit exit{exited.exitCode, exited.signal};
+  const std::string how = exit.describe();
   // A salvage's writers exit with 77 and the ranks it ordered out with 76.
   const bool salvaging = controller_->phase() == Phase::kSalvageWriting;
-  const bool expected = exited.exitCode == 0 || exited.exitCode == kExitCheckpointed ||
-                        exited.exitCode == kExitSalvaged || (salvaging && exited.exitCode == kExitSuperseded);
+  const bool expected = exit.asOrdered() || (salvaging && exit.kind() == ExitKind::kSuperseded);
   if (expected) {
     log::info("rank ", exited.rank, " on ", host, " exited with ", how);
   } else {
@@ -399,7 +397,7 @@ void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerE
     // A failure of the generation, not the echo of one being ended (a kill-all's SIGKILLs).
     const Phase phase = controller_->phase();
     if ((phase == Phase::kRunning || phase == Phase::kCheckpointing) && controller_->runningRanks().count(exited.rank)) {
-      metrics_.failure(exitFailure(exited));
+      metrics_.failure(exitFailure(exit));
     }
     morph_.start(strCat("rank ", exited.rank, " failed"), Clock::now());
     metrics_.morphStarted(JobMetrics::MorphCause::kWorkerFailed);

@@ -8,14 +8,13 @@
 #include "varuna/common/log.h"
 #include "varuna/manager/daemon/launch_message.h"
 #include "varuna/manager/manager_daemon.h"
+#include "varuna/common/time_util.h"
 
 namespace varuna {
 namespace {
 
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-double secondsBetween(TimePoint a, TimePoint b) { return std::chrono::duration<double>(b - a).count(); }
 
 }  // namespace
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "varuna/common/errors.h"
+#include "varuna/common/worker_exit.h"
 #include "varuna/common/log.h"
 
 namespace varuna {
@@ -22,21 +23,6 @@ const char* toString(Phase phase) {
     case Phase::kFailed: return "failed";
   }
   return "?";
-}
-
-std::string describeExit(int exitCode) {
-  if (exitCode < 0) return "a signal";
-  const char* meaning = nullptr;
-  switch (exitCode) {
-    case kExitConfigError: meaning = "configuration error"; break;
-    case kExitPeerLost: meaning = "lost a peer"; break;
-    case kExitStorageError: meaning = "checkpoint storage failed"; break;
-    case kExitCheckpointed: meaning = "checkpointed"; break;
-    case kExitSuperseded: meaning = "superseded by a newer generation"; break;
-    case kExitSalvaged: meaning = "wrote its salvage share"; break;
-    default: break;
-  }
-  return meaning ? strCat("code ", exitCode, " (", meaning, ")") : strCat("code ", exitCode);
 }
 
 MorphController::MorphController(ControllerOptions options, std::vector<Machine> machines,
@@ -157,13 +143,6 @@ std::vector<Action> MorphController::allExited(TimePoint now) {
   return {};
 }
 
-namespace {
-// A rank's own failure, as opposed to the echo of another's: a rank that lost
-// a peer (3) or was ordered out of a superseded generation (76) exits because
-// of something that happened elsewhere, which is counted where it happened.
-bool causedHere(int exitCode) { return exitCode != kExitPeerLost && exitCode != kExitSuperseded; }
-}  // namespace
-
 std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePoint now) {
   if (!running_.erase(rank)) return {};  // an earlier generation's straggler
   if (salvaging()) return salvageExit(rank, exitCode, now);
@@ -182,7 +161,8 @@ std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePo
     } else if (exitCode != 0) {
       // Storage faults (74) and a superseded generation (76) land here too: a
       // relaunch from the latest complete checkpoint can succeed.
-      return failure(strCat("rank ", rank, " exited with ", describeExit(exitCode)), now, causedHere(exitCode));
+      const auto exit = WorkerExit::fromCode(exitCode);
+      return failure(strCat("rank ", rank, " exited with ", exit.describe()), now, exit.causedHere());
     } else if (running_.empty()) {
       phase_ = Phase::kFinished;
       return {action::Stop{"training finished", 0}};
@@ -191,8 +171,9 @@ std::vector<Action> MorphController::workerExited(int rank, int exitCode, TimePo
     }
   }
   if (phase_ == Phase::kCheckpointing && exitCode != kExitCheckpointed && exitCode != 0) {
-    return failure(strCat("rank ", rank, " exited with ", describeExit(exitCode), " during the on-demand checkpoint"), now,
-                   causedHere(exitCode));
+    const auto exit = WorkerExit::fromCode(exitCode);
+    return failure(strCat("rank ", rank, " exited with ", exit.describe(), " during the on-demand checkpoint"), now,
+                   exit.causedHere());
   }
   if (running_.empty()) return allExited(now);
   return {};

@@ -6,16 +6,10 @@
 
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
+#include "varuna/common/worker_exit.h"
 #include "varuna/manager/morph_controller.h"
 
 namespace varuna {
-namespace {
-// As in morph_controller.cpp: a rank's own failure, not the echo of another's.
-bool crashedHere(int exitCode) {
-  return exitCode != kExitPeerLost && exitCode != kExitSuperseded && exitCode != kExitSalvaged;
-}
-}  // namespace
-
 std::vector<Action> MorphController::beginSalvage(const std::string& reason, TimePoint now) {
   phase_ = Phase::kSalvaging;
   deadline_ = now + options_.salvageTimeout;
@@ -69,15 +63,16 @@ std::vector<Action> MorphController::decideSalvage(TimePoint now) {
 std::vector<Action> MorphController::salvageExit(int rank, int exitCode, TimePoint now) {
   // A crash (not the echo of the loss) counts towards --max_failures even when
   // a survivor's report started the salvage before the crash was known here.
-  if (phase_ == Phase::kSalvaging && crashedHere(exitCode) && !salvageCrashCounted_) {
+  const auto exit = WorkerExit::fromCode(exitCode);
+  if (phase_ == Phase::kSalvaging && exit.causedHere() && !salvageCrashCounted_) {
     salvageCrashCounted_ = true;
-    if (auto givingUp = countFailure(strCat("rank ", rank, " exited with ", describeExit(exitCode)), now)) {
+    if (auto givingUp = countFailure(strCat("rank ", rank, " exited with ", exit.describe()), now)) {
       return *givingUp;
     }
   }
   if (phase_ == Phase::kSalvaging) return decideIfAllReported(now);  // one survivor fewer to wait for
-  if (salvageWriters_.erase(rank) && exitCode != kExitSalvaged) {
-    return abandonSalvage(strCat("writer rank ", rank, " exited with ", describeExit(exitCode)), now);
+  if (salvageWriters_.erase(rank) && exit.kind() != ExitKind::kSalvaged) {
+    return abandonSalvage(strCat("writer rank ", rank, " exited with ", exit.describe()), now);
   }
   return salvageWritesProgress(now);
 }

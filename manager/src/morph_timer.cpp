@@ -1,16 +1,9 @@
 #include "varuna/manager/morph_timer.h"
+#include "varuna/common/time_util.h"
 
 #include <nlohmann/json.hpp>
 
 namespace varuna {
-namespace {
-
-double secondsBetween(MorphTimer::TimePoint a, MorphTimer::TimePoint b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-}  // namespace
-
 nlohmann::json MorphPhases::toJson() const {
   return {{"cause", cause},
           {"checkpoint_and_teardown_s", checkpointAndTeardownS},

@@ -413,13 +413,6 @@ TEST_CASE("storage faults (74) and a superseded generation (76) relaunch from th
   CHECK_THAT(std::get<action::Stop>(stop[1]).reason, Catch::Contains("configuration error (code 2)"));
 }
 
-TEST_CASE("exit codes are named in messages", "[morph]") {
-  CHECK(describeExit(-1) == "a signal");
-  CHECK(describeExit(1) == "code 1");
-  CHECK(describeExit(kExitStorageError) == "code 74 (checkpoint storage failed)");
-  CHECK(describeExit(kExitSuperseded) == "code 76 (superseded by a newer generation)");
-}
-
 TEST_CASE("a launch that cannot be carried out backs off and retries; repeated ones stop", "[morph]") {
   Harness h(twoHosts());
   h.latest = 30;

@@ -11,11 +11,10 @@
 #include "varuna/common/agent_beat.h"
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
+#include "varuna/common/time_util.h"
 
 namespace varuna {
 namespace {
-
-double seconds(std::chrono::milliseconds duration) { return static_cast<double>(duration.count()) / 1000; }
 
 // A private close-on-exec copy of the agent's beat socket, or -1 when `fd`
 // is not a Unix datagram socket made by this process's parent (not started

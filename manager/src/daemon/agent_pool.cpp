@@ -4,6 +4,7 @@
 
 #include "varuna/common/log.h"
 #include "varuna/manager/job_config.h"
+#include "varuna/common/time_util.h"
 
 namespace varuna {
 namespace {
@@ -14,8 +15,6 @@ using nlohmann::json;
 
 // The manager's heartbeat to its agents (as often as theirs to it).
 constexpr auto kHeartbeatInterval = std::chrono::seconds(1);
-
-double secondsBetween(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 }  // namespace
 

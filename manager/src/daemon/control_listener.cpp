@@ -57,7 +57,7 @@ void ControlListener::doAccept() {
 void ControlListener::onAccept(const boost::system::error_code& ec, asio::ip::tcp::socket socket) {
   if (ec == asio::error::operation_aborted || closed_) return;
   if (ec) return onAcceptFailed(ec);
-  backoff_ = std::chrono::milliseconds(0);
+  backoff_.reset();
   // Whatever goes wrong with this one connection, the next accept is armed.
   guard_->run("admitting a connection", [&] {
     ::fcntl(socket.native_handle(), F_SETFD, FD_CLOEXEC);
@@ -101,18 +101,18 @@ void ControlListener::onAcceptFailed(const boost::system::error_code& ec) {
   // anything else that would fail again at once: re-arming now would spin.
   // Back off, and free a descriptor from the oldest connection that has not
   // said hello, so that the next peer (perhaps a notice) gets one.
-  backoff_ = backoff_.count() == 0 ? kAcceptBackoffMin : std::min(2 * backoff_, kAcceptBackoffMax);
+  const auto wait = backoff_.next();
   const bool shed = (code == EMFILE || code == ENFILE) && pending_.shedOldest("out of file descriptors");
   uint64_t suppressed = 0;
   if (failureLog_.allow(Clock::now(), &suppressed)) {
     log::error("accepting a connection failed: ", ec.message(),
-               shed ? " (closed the oldest connection without a hello)" : "", "; retrying in ", backoff_.count(), " ms",
+               shed ? " (closed the oldest connection without a hello)" : "", "; retrying in ", wait.count(), " ms",
                suppressed ? strCat(" (", suppressed + 1, " failures since the last line)") : std::string(),
                code == EMFILE ? strCat("; the open-file limit is too low for the ", pending_.size(),
                                        " pending and the job's connections (docs/run_varuna.md)")
                               : std::string());
   }
-  retryTimer_.expires_after(backoff_);
+  retryTimer_.expires_after(wait);
   retryTimer_.async_wait(guard_->wrap("retrying accept", [this](const boost::system::error_code& timerError) {
     if (timerError || closed_) return;
     doAccept();

@@ -1,15 +1,9 @@
 #include "varuna/manager/daemon/host_absences.h"
+#include "varuna/common/time_util.h"
 
 #include <algorithm>
 
 namespace varuna {
-namespace {
-
-double secondsBetween(HostAbsence::TimePoint a, HostAbsence::TimePoint b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-}  // namespace
 
 HostAbsence& HostAbsences::markAbsent(const std::string& host, const std::string& why, TimePoint now) {
   auto [it, fresh] = absent_.try_emplace(host);
@@ -28,8 +22,7 @@ HostAbsence& HostAbsences::markAbsent(const std::string& host, const std::string
 void HostAbsences::scheduleRetry(const std::string& host, TimePoint now) {
   HostAbsence& absence = absent_.at(host);
   if (policy_.first.count() <= 0) return;  // --host_retry_s 0: back only when the list is written
-  const auto most = std::max(policy_.first, policy_.most);
-  absence.backoff = absence.backoff.count() == 0 ? policy_.first : std::min(2 * absence.backoff, most);
+  absence.backoff = DoublingBackoff::after(absence.backoff, policy_.first, policy_.most);
   absence.retryAt = now + absence.backoff;
 }
 

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "varuna/common/checkpoint_files.h"
+#include "varuna/common/time_util.h"
 
 namespace varuna {
 namespace {
@@ -14,10 +15,6 @@ namespace {
 using prometheus::BuildCounter;
 using prometheus::BuildGauge;
 using prometheus::BuildHistogram;
-
-double secondsBetween(JobMetrics::TimePoint a, JobMetrics::TimePoint b) {
-  return std::chrono::duration<double>(b - a).count();
-}
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 // Steps whose completion time is kept for the duration of their checkpoint

@@ -3,15 +3,12 @@
 #include <algorithm>
 
 #include "varuna/common/errors.h"
+#include "varuna/common/time_util.h"
 
 namespace varuna {
 namespace {
 
 using nlohmann::json;
-
-std::chrono::milliseconds millis(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
 
 }  // namespace
 

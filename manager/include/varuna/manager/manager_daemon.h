@@ -90,9 +90,6 @@ class ManagerDaemon : private AgentPool::Observer {
   uint64_t handlerFailures() const { return guard_->failures(); }
   bool stateWriteFailing() const { return stateFile_.failing(); }
 
-  static constexpr std::chrono::milliseconds kAcceptBackoffMin = ControlListener::kAcceptBackoffMin;
-  static constexpr std::chrono::milliseconds kAcceptBackoffMax = ControlListener::kAcceptBackoffMax;
-
  private:
   // Start-up (start()).
   void listen();

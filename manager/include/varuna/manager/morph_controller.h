@@ -84,8 +84,6 @@ enum class Phase {
   kSalvageWriting, kFinished, kFailed
 };
 const char* toString(Phase phase);
-// "code 74 (checkpoint storage failed)", "a signal", ...: a worker's exit for messages.
-std::string describeExit(int exitCode);
 
 // Thrown by an asynchronous planner (run_varuna's AsyncPlanner, which runs
 // AutoConfig off the event loop): the plan for this request is being

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "varuna/common/protocol.h"
+#include "varuna/common/time_util.h"
 #include "varuna/manager/event_log.h"
 #include "varuna/manager/framed_connection.h"
 #include "varuna/manager/handler_guard.h"
@@ -78,7 +79,7 @@ class ControlListener {
   OnHello onHello_;
   ExpectedHellos expected_;
   bool closed_ = false;
-  std::chrono::milliseconds backoff_{0};  // 0: the last accept worked
+  DoublingBackoff backoff_{kAcceptBackoffMin, kAcceptBackoffMax};  // reset when an accept works
   uint64_t acceptFailures_ = 0;
   RateLimiter failureLog_{std::chrono::seconds(10), 1};
   PendingConnections pending_;      // before their hello: capped, with a deadline
