@@ -94,6 +94,7 @@ void ManagerDaemon::start() {
   const json previous = previousState(config_);
   token_ = loadOrCreateToken(config_.stateDir);
   events_ = std::make_unique<EventLog>((fs::path(config_.stateDir) / "events.jsonl").string());
+  morph_.setEventLog(events_.get());
   stepLog_ = std::make_unique<StepLog>((fs::path(config_.stateDir) / "steps.jsonl").string(), config_.batchSize);
   if (!config_.envFile.empty()) env_ = parseEnvFile(ckpt::readFile(config_.envFile), config_.envFile);
   env_ = jobEnvironment(config_, std::move(env_));
@@ -323,8 +324,7 @@ void ManagerDaemon::onPreemptNotice(const std::shared_ptr<FramedConnection>& con
   updateHostMetrics(now);
   connection->send(proto::Ack{true, ""});
   connection->closeAfterSending("done");
-  morph_.start("preemption of " + notice.host, now);
-  metrics_.morphStarted(JobMetrics::MorphCause::kPreemption);
+  morph_.begin("preemption of " + notice.host, JobMetrics::MorphCause::kPreemption, now);
   apply(controller_->preemptNotice(notice.host, now, takenAt));
 }
 
@@ -399,8 +399,7 @@ void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerE
     if ((phase == Phase::kRunning || phase == Phase::kCheckpointing) && controller_->runningRanks().count(exited.rank)) {
       metrics_.failure(exitFailure(exit));
     }
-    morph_.start(strCat("rank ", exited.rank, " failed"), Clock::now());
-    metrics_.morphStarted(JobMetrics::MorphCause::kWorkerFailed);
+    morph_.begin(strCat("rank ", exited.rank, " failed"), JobMetrics::MorphCause::kWorkerFailed, Clock::now());
   }
   apply(controller_->workerExited(exited.rank, exited.exitCode, Clock::now()));
 }
@@ -425,8 +424,7 @@ void ManagerDaemon::agentLost(const std::string& host, const std::string&) {
   // or partitioned agent, not a dead host) are told so.
   workers_.orderHostOut(host, controller_->plan(), controller_->generation(),
                         strCat("the agent of host ", host, " was lost"));
-  morph_.start("loss of host " + host, Clock::now());
-  metrics_.morphStarted(JobMetrics::MorphCause::kHostLost);
+  morph_.begin("loss of host " + host, JobMetrics::MorphCause::kHostLost, Clock::now());
   updateHostMetrics(Clock::now());
   if (!jobStarted_) {
     pool_->markFailed(host);  // its first start-up did not last until the job began
@@ -470,15 +468,14 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
     if (const auto* launch = std::get_if<action::Launch>(&a)) {
       doLaunch(*launch);
     } else if (std::holds_alternative<action::Checkpoint>(a)) {
-      morph_.start("the machines changed", Clock::now());
-      if (!stopping_) metrics_.morphStarted(JobMetrics::MorphCause::kMachinesChanged);  // the stop is no morph
+      // The stop is no morph.
+      morph_.begin("the machines changed", JobMetrics::MorphCause::kMachinesChanged, Clock::now(), !stopping_);
       metrics_.checkpointOrdered(Clock::now());
       log::info("ordering an on-demand checkpoint from every worker");
       events_->write("checkpoint_ordered", {{"generation", controller_->generation()}});
       pool_->send(controller_->plan().hosts, proto::CheckpointAndExit{});
     } else if (const auto* kill = std::get_if<action::KillAll>(&a)) {
-      morph_.start(kill->reason, Clock::now());
-      if (!stopping_) metrics_.morphStarted(JobMetrics::MorphCause::kOther);
+      morph_.begin(kill->reason, JobMetrics::MorphCause::kOther, Clock::now(), !stopping_);
       log::warn("stopping every worker: ", kill->reason);
       events_->write("kill_all", {{"reason", kill->reason}});
       pool_->send(controller_->plan().hosts, proto::KillWorkers{kill->reason});
@@ -710,8 +707,7 @@ void ManagerDaemon::checkSilentRanks(TimePoint now) {
     // Read when it runs again (a stopped process): it must not train on.
     workers_.orderRankOut(silent.rank, controller_->generation(), strCat("rank ", silent.rank, " is hung: ", silent.why));
     metrics_.failure(JobMetrics::Failure::kWorkerHung);
-    morph_.start(strCat("rank ", silent.rank, " hung"), now);
-    metrics_.morphStarted(JobMetrics::MorphCause::kWorkerHung);
+    morph_.begin(strCat("rank ", silent.rank, " hung"), JobMetrics::MorphCause::kWorkerHung, now);
     apply(controller_->workerHung(silent.rank, now));
     if (finished_) return;
   }
@@ -728,8 +724,7 @@ void ManagerDaemon::checkProgress(TimePoint now) {
   // controller kills the rest and relaunches from the latest checkpoint.
   for (const int rank : hang->ranks) workers_.orderRankOut(rank, controller_->generation(), hang->reason);
   metrics_.failure(JobMetrics::Failure::kNoProgress);
-  morph_.start(strCat("rank(s) ", hang->summary, " hung: no progress"), now);
-  metrics_.morphStarted(JobMetrics::MorphCause::kNoProgress);
+  morph_.begin(strCat("rank(s) ", hang->summary, " hung: no progress"), JobMetrics::MorphCause::kNoProgress, now);
   apply(controller_->workerHung(hang->ranks.front(), now, hang->reason));
   // A salvage goes on without every named rank (one failure counted, above).
   for (size_t i = 1; i < hang->ranks.size() && controller_->phase() == Phase::kSalvaging; ++i) {
@@ -752,8 +747,7 @@ void ManagerDaemon::watchMachineList() {
             change.removed.size(), " removed ", json(change.removed).dump());
   events_->write("machine_list_changed", {{"added", change.added}, {"removed", change.removed}});
   if (!change.removed.empty()) {
-    morph_.start("machine list shrank", now);
-    metrics_.morphStarted(JobMetrics::MorphCause::kMachinesChanged);
+    morph_.begin("machine list shrank", JobMetrics::MorphCause::kMachinesChanged, now);
   }
   readmitListedHosts(now);  // every host it lists that was out, too
   usableMachinesChanged();

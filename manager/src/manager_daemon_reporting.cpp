@@ -29,18 +29,7 @@ void ManagerDaemon::onStepReport(const proto::StepReport& report) {
   const auto now = Clock::now();
   metrics_.stepCompleted(step->step, step->loss, step->maxStepSeconds, now);
   stepLog_->add(controller_->generation(), step->step, step->loss, step->maxStepSeconds, now, unixMillisNow());
-  if (step->firstOfGeneration) {
-    if (const auto phases = morph_.finish(now)) {
-      metrics_.morphFinished(*phases);
-      json fields = phases->toJson();
-      fields["generation"] = controller_->generation();
-      fields["plan"] = plan.describe();
-      ++morphs_;
-      log::info("morph done in ", phases->totalS, " s (", phases->cause, "): first step ", step->step, " on ",
-                plan.stages, "x", plan.replicas);
-      events_->write("morph_complete", fields);
-    }
-  }
+  if (step->firstOfGeneration) morph_.firstStep(controller_->generation(), plan, step->step, now);
   progress_.print(*step, plan, checkpointText(now), now);
 }
 
@@ -126,7 +115,7 @@ json ManagerDaemon::stateJson() {
           {"last_checkpoint_failure", lastCheckpointFailure_},
           {"skipped_checkpoints", checkpoints_->skipped()},
           {"progress", progress_.toJson()},
-          {"morphs", morphs_},
+          {"morphs", morph_.completed()},
           {"slow_machines", slowHosts_},
           {"uptime_s", secondsBetween(startedAt_, now)},
           {"updated", isoTimeNow()},
@@ -141,7 +130,7 @@ json ManagerDaemon::stateJson() {
 void ManagerDaemon::printSummary() {
   const auto latest = checkpoints_->latest();
   log::info("summary: job '", config_.job, "', last step ", progress_.lastStep(), ", loss ", progress_.lastLoss(), ", ",
-            morphs_, " morph(s), last checkpoint ", latest ? std::to_string(*latest) : "none", ", ran ",
+            morph_.completed(), " morph(s), last checkpoint ", latest ? std::to_string(*latest) : "none", ", ran ",
             static_cast<int>(secondsBetween(startedAt_, Clock::now())), " s; events in ", events_->path());
 }
 

@@ -33,8 +33,7 @@ void ManagerDaemon::onSalvageReady(int rank, const proto::SalvageReady& ready) {
 }
 
 void ManagerDaemon::doSalvageStop(const action::SalvageStop& stop) {
-  morph_.start(stop.reason, Clock::now());
-  if (!stopping_) metrics_.morphStarted(JobMetrics::MorphCause::kOther);
+  morph_.begin(stop.reason, JobMetrics::MorphCause::kOther, Clock::now(), !stopping_);
   const int generation = controller_->generation();
   log::warn("salvaging generation ", generation, ": ", stop.reason, "; asking the survivors which step they hold");
   events_->write("salvage_started", {{"generation", generation}, {"reason", stop.reason},

@@ -20,6 +20,8 @@
 #include "varuna/manager/checkpoint_scan.h"
 #include "varuna/manager/daemon/job_metrics.h"
 #include "varuna/manager/daemon/metrics_server.h"
+#include "varuna/manager/daemon/morph_tracker.h"
+#include "varuna/manager/event_log.h"
 #include "varuna/manager/job_config.h"
 
 using namespace varuna;
@@ -192,6 +194,45 @@ TEST_CASE("metrics: morphs by their first cause, the last recovery time and thei
   CHECK(countAtMost(h, 10) == 1);
   CHECK(countAtMost(h, 60) == 2);
   CHECK(gauge(m, "varuna_last_morph_recovery_seconds") == 40);
+}
+
+TEST_CASE("morph tracker: one morph from its first cause to the first step, in the metrics, the event and the count") {
+  JobMetrics m(16);
+  MorphTracker tracker(m);
+  const auto dir = test::scratchDir("morph_tracker");
+  EventLog events((dir / "events.jsonl").string());
+  tracker.setEventLog(&events);
+  Plan plan;
+  plan.stages = 2;
+  plan.replicas = 1;
+  // Before any morph, a generation's first step is nothing.
+  tracker.firstStep(1, plan, 0, t0);
+  CHECK(tracker.completed() == 0);
+  tracker.begin("preemption of h2", JobMetrics::MorphCause::kPreemption, t0);
+  tracker.begin("the machines changed", JobMetrics::MorphCause::kMachinesChanged, t0 + 1s);  // folds into it
+  CHECK(tracker.active());
+  CHECK(gauge(m, "varuna_morph_in_progress") == 1);
+  tracker.launched(t0 + 2s);
+  tracker.connected(t0 + 3s);
+  tracker.firstStep(2, plan, 41, t0 + 5s);
+  CHECK_FALSE(tracker.active());
+  CHECK(tracker.completed() == 1);
+  CHECK(gauge(m, "varuna_morph_in_progress") == 0);
+  CHECK(counter(m, "varuna_morphs_total", {{"cause", "preemption"}}) == 1);
+  CHECK(gauge(m, "varuna_last_morph_recovery_seconds") == 5);
+  std::ifstream in(dir / "events.jsonl");
+  std::string line;
+  REQUIRE(std::getline(in, line));
+  const auto event = nlohmann::json::parse(line);
+  CHECK(event["event"] == "morph_complete");
+  CHECK(event["cause"] == "preemption of h2");
+  CHECK(event["generation"] == 2);
+  CHECK(event["total_s"] == 5.0);
+  CHECK(event["checkpoint_and_teardown_s"] == 2.0);
+  // The job's stop: timed, but no morph in the metrics.
+  tracker.begin("stopping", JobMetrics::MorphCause::kOther, t0 + 10s, /*counted=*/false);
+  CHECK(tracker.active());
+  CHECK(gauge(m, "varuna_morph_in_progress") == 0);
 }
 
 TEST_CASE("metrics: failures by cause, every cause present from the start") {

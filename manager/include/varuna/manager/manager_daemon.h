@@ -50,7 +50,7 @@
 #include "varuna/manager/host_launcher.h"
 #include "varuna/manager/job_config.h"
 #include "varuna/manager/morph_controller.h"
-#include "varuna/manager/morph_timer.h"
+#include "varuna/manager/daemon/morph_tracker.h"
 #include "varuna/manager/pending_connections.h"
 #include "varuna/manager/slow_machine_detector.h"
 
@@ -192,9 +192,8 @@ class ManagerDaemon : private AgentPool::Observer {
   SlowMachineDetector slowDetector_;
   StepProgress progress_;
   StateFile stateFile_;
-  MorphTimer morph_;  // the morph under way, for the morph_complete event
   JobMetrics metrics_;  // set at the points where events are logged
-  int morphs_ = 0;
+  MorphTracker morph_{metrics_};  // the morph under way: its timing, metrics and event
   // The highest step any rank said it finished (heartbeats, reports), over
   // the generations this manager ran: what a relaunch loses is measured from it.
   int64_t reachedStep_ = -1;
