@@ -10,8 +10,10 @@
 #include <torch/utils.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 
 #include "char_dataset.h"
@@ -55,6 +57,7 @@ struct TrainOptions {
   // end-to-end tests of run_varuna's liveness rules.
   int64_t testBusyLoopAtStep = -1;  // >= 0: at this step (0-based) ...
   int testBusyLoopRank = 0;         // ... this rank spins forever
+  std::string testLoseExchange;     // STAGE@STEP[/REPLICA]: see loseExchangeHook
   gpt::GptConfig model;
 };
 
@@ -63,6 +66,26 @@ std::vector<double> parseCosts(const std::string& text) {
   std::stringstream in(text);
   for (std::string item; std::getline(in, item, ',');) costs.push_back(std::stod(item));
   return costs;
+}
+
+// --test_lose_exchange STAGE@STEP[/REPLICA] (tests/e2e/salvage_test.py): the
+// ranks of that stage (of that replica only, if given) act as if the
+// job-wide exchange completing STEP had failed under them right after it
+// completed everywhere else: the split a peer dying during the exchange can
+// leave, made deterministic. In run_varuna's first generation only: a
+// fallback to an earlier checkpoint must not meet it again.
+std::function<bool(const varuna::ExchangePoint&)> loseExchangeHook(const std::string& text) {
+  int stage = 0, replica = -1, end = 0;
+  long long step = 0;
+  const char* value = text.c_str();
+  const bool whole = (std::sscanf(value, "%d@%lld%n", &stage, &step, &end) == 2 && value[end] == '\0') ||
+                     (std::sscanf(value, "%d@%lld/%d%n", &stage, &step, &replica, &end) == 3 && value[end] == '\0');
+  if (!whole) {
+    throw varuna::ConfigError("--test_lose_exchange '" + text + "' is not STAGE@STEP or STAGE@STEP/REPLICA (e.g. 1@60)");
+  }
+  return [=](const varuna::ExchangePoint& at) {
+    return at.generation <= 1 && at.stage == stage && at.step == step && (replica < 0 || at.replica == replica);
+  };
 }
 
 void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
@@ -109,6 +132,9 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
                  "test hook: before step N (0-based; -1: off) rank --test_busy_loop_rank spins in a busy loop "
                  "forever, outside c10d: its heartbeats go on with its step stalled while its peers wait");
   app.add_option("--test_busy_loop_rank", o.testBusyLoopRank, "test hook: the rank of --test_busy_loop_at_step");
+  app.add_option("--test_lose_exchange", o.testLoseExchange,
+                 "test hook: STAGE@STEP[/REPLICA]: that stage's ranks act as if the exchange completing STEP failed "
+                 "under them (run_varuna's first generation only)");
   gpt::addModelOptions(app, o.model);
   gpt::parseCommandLine(app, args, "train_gpt");
 }
@@ -179,6 +205,7 @@ int run(int argc, char** argv) {
   options.applyLaunchArgs(launch);
   options.model = gpt::makeGptModel(o.model);
   if (!o.pieceCosts.empty()) options.model.pieceCosts = parseCosts(o.pieceCosts);
+  if (!o.testLoseExchange.empty()) options.faults.loseExchange = loseExchangeHook(o.testLoseExchange);
   const auto map = varuna::StageToRankMap::parse(options.stageToRankMap);
   const int64_t perReplica = launch.replicaBatchSize > 0 ? launch.replicaBatchSize : 8;
   options.batchSize = perReplica * map.numReplicas();

@@ -129,15 +129,14 @@ def test_the_python_trainer_salvages_too():
 
 def test_a_split_exchange_is_finished_from_the_relayed_result():
     """The split a peer dying during the job-wide exchange can leave, made
-    deterministic (VARUNA_TEST_LOSE_EXCHANGE=1@60): the exchange of step 60
+    deterministic (train_gpt --test_lose_exchange 1@60): the exchange of step 60
     completes on stage 0 and "fails" on both ranks of stage 1. Stage 0 holds
     60 with the exchange's result; stage 1 holds 59 and can finish 60. The
     manager relays the result in the write order, stage 1's writer applies
     step 60 itself, and the job resumes from 60 with its losses equal to an
     uninterrupted run's."""
     steps = 120
-    env = ("env", "VARUNA_TEST_LOSE_EXCHANGE=1@60")
-    m = manager("split", steps=steps, prefix=env, train_args=["--checkpoint_every", "1000"]).start()
+    m = manager("split", steps=steps, train_args=["--checkpoint_every", "1000", "--test_lose_exchange", "1@60"]).start()
     m.wait_event("launch", count=2, timeout=RECOVERY_BOUND_S + 120)
     assert m.wait_exit() == 0, m.tail()
     reports = {e["rank"]: e for e in m.events("salvage_report") if e["generation"] == 1}
@@ -156,7 +155,7 @@ def test_a_split_exchange_is_finished_from_the_relayed_result():
 
 def test_a_replica_that_missed_the_buffer_broadcast_relays_the_exchange():
     """A model with BatchNorm buffers (train_gpt --batchnorm), 1 stage x 2
-    replicas, one per host. VARUNA_TEST_LOSE_EXCHANGE=0@60/0 makes the
+    replicas, one per host. train_gpt --test_lose_exchange 0@60/0 makes the
     exchange of step 60 "fail" under replica 0 only. Replica 1 finished it,
     applied step 60 and waits for replica 0's buffers, whose broadcast never
     comes: it vouches for no whole step, yet reports the exchange result of
@@ -165,9 +164,9 @@ def test_a_replica_that_missed_the_buffer_broadcast_relays_the_exchange():
     resumes from 60 with its losses equal to an uninterrupted run's."""
     steps = 120
     machines = ["127.0.0.1 slots=1", "127.0.0.2 slots=1"]
-    env = ("env", "VARUNA_TEST_LOSE_EXCHANGE=0@60/0")
     train = ["--checkpoint_every", "1000", "--batchnorm"]
-    m = manager("broadcast", machines=machines, stages=1, steps=steps, prefix=env, train_args=train).start()
+    m = manager("broadcast", machines=machines, stages=1, steps=steps,
+                train_args=train + ["--test_lose_exchange", "0@60/0"]).start()
     m.wait_event("launch", count=2, timeout=RECOVERY_BOUND_S + 120)
     assert m.wait_exit() == 0, m.tail()
     reports = {e["rank"]: e for e in m.events("salvage_report") if e["generation"] == 1}

@@ -552,18 +552,16 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   // that yields clipping and the fp16 overflow verdict identically everywhere.
   pendingUpdate_ = PendingUpdate{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
   stepPoint_ = StepPoint::kExchanging;
-  auto stats = torch::zeros({3}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
-  stats[0] = lossSum;
-  stats[1] = buckets_.sumOfSquares();
-  stats[2] = gCheckpointSignal.load() ? 1.0 : 0.0;
+  auto summed = StepExchange::share(lossSum, buckets_.sumOfSquares(), gCheckpointSignal.load());
   if (map_.worldSize() > 1) {
-    std::vector<at::Tensor> tensors{stats};
+    std::vector<at::Tensor> tensors{summed};
     comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the step's loss and gradient norm");
   }
-  if (exchangeLossInjected()) throw PeerLostError("VARUNA_TEST_LOSE_EXCHANGE: this rank's exchange 'failed'", -1);
-  stats = stats.cpu();
-  const std::vector<double> exchange = {stats[0].item<double>(), stats[1].item<double>(), stats[2].item<double>()};
-  if (exchange[2] > 0) gCheckpointSignal.store(false);  // this step carries the request
+  if (opt_.faults.loseExchange && opt_.faults.loseExchange({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
+    throw PeerLostError("fault injected: this rank's exchange 'failed'", -1);
+  }
+  const StepExchange exchange = StepExchange::fromTensor(summed);
+  if (exchange.checkpointRequested) gCheckpointSignal.store(false);  // this step carries the request
   StepResult result = applyStep(exchange, pendingUpdate_);
   synchroniseReplicaBuffers();
   stepPoint_ = StepPoint::kBetweenSteps;
@@ -572,19 +570,19 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
 
 // The rest of a step once its exchange result is known: from here on this
 // rank holds the new step (varuna_salvage.cpp), without talking to anyone.
-StepResult Varuna::Impl::applyStep(const std::vector<double>& exchange, const PendingUpdate& pending) {
+StepResult Varuna::Impl::applyStep(const StepExchange& exchange, const PendingUpdate& pending) {
   using Clock = std::chrono::steady_clock;
   const double scale = pending.scale;
-  const double sumOfSquares = exchange[1] / D_;  // every replica holds the reduced gradients
+  const double sumOfSquares = exchange.sumOfSquares / D_;  // every replica holds the reduced gradients
   StepResult result;
-  result.checkpointRequested = exchange[2] > 0;
+  result.checkpointRequested = exchange.checkpointRequested;
   ++stepsDone_;
   lastExchange_ = exchange;
   lastExchangeStep_ = stepsDone_;
   stepPoint_ = StepPoint::kSyncingBuffers;
   result.microbatches = pending.microbatches;
   result.computeSecondsPerMicrobatch = pending.computeSeconds / pending.microbatches;
-  result.loss = exchange[0] / static_cast<double>(opt_.batchSize);
+  result.loss = exchange.lossSum / static_cast<double>(opt_.batchSize);
   result.lossScale = scale;
   result.overflow = !std::isfinite(sumOfSquares);
   result.gradNorm = std::sqrt(sumOfSquares) / scale;

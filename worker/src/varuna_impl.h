@@ -31,6 +31,7 @@
 #include "grad_buckets.h"
 #include "manager_link.h"
 #include "stage_model.h"
+#include "step_exchange.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/errors.h"
 #include "varuna/worker/varuna.h"
@@ -140,7 +141,7 @@ class Varuna::Impl {
     int microbatches = 0;
     double computeSeconds = 0.0;
   };
-  StepResult applyStep(const std::vector<double>& exchange, const PendingUpdate& pending);
+  StepResult applyStep(const StepExchange& exchange, const PendingUpdate& pending);
 
   // Tied pairs whose two parameters live on different stages, and this
   // rank's role: the stage holding the first name counts it in the norm.
@@ -163,17 +164,16 @@ class Varuna::Impl {
     // The newest exchange result this rank finished, and its step: usually
     // `step`; for a rank that applied a step but missed its buffer broadcast
     // (its `step` is -1), the step it applied, whose result a finisher needs.
-    std::vector<double> exchange;
+    std::optional<StepExchange> exchange;
     int64_t exchangeStep = -1;
   };
   HeldState stateHeld();  // puts the changing buffers back to that step's values
-  void finishStep(const std::vector<double>& exchange);
+  void finishStep(const StepExchange& exchange);
   void writeSalvageShare(const proto::SalvageWrite& order);
-  bool exchangeLossInjected() const;  // test hook, see varuna_salvage.cpp
   std::vector<torch::Tensor> stepStartBuffers_;  // changing buffers as the step in progress found them
   std::vector<torch::Tensor> exchangingBuffers_;  // as the forwards left them, for finishStep()
   PendingUpdate pendingUpdate_;                   // of the step in kExchanging
-  std::vector<double> lastExchange_;              // the exchange result of step lastExchangeStep_
+  StepExchange lastExchange_;                     // the exchange result of step lastExchangeStep_
   int64_t lastExchangeStep_ = -1;
   std::atomic<bool> optimizerSet_{false};        // read by the link thread (salvage_stop)
 

@@ -23,7 +23,6 @@
 // (stage_to_rank_map), so the next generation seeds fresh streams, as after
 // any morph to another layout.
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <thread>
@@ -120,7 +119,7 @@ Varuna::Impl::HeldState Varuna::Impl::stateHeld() {
   return held;
 }
 
-void Varuna::Impl::finishStep(const std::vector<double>& exchange) {
+void Varuna::Impl::finishStep(const StepExchange& exchange) {
   torch::NoGradGuard noGrad;
   const auto& names = model_->changingBuffers();
   for (size_t i = 0; i < names.size() && i < exchangingBuffers_.size(); ++i) {
@@ -129,34 +128,6 @@ void Varuna::Impl::finishStep(const std::vector<double>& exchange) {
   const auto result = applyStep(exchange, pendingUpdate_);
   log::info("finished step ", stepsDone_, " from the exchange result run_varuna relayed (loss ", result.loss,
             result.overflow ? ", overflow: update skipped" : "", ")");
-}
-
-// Test hook (tests/e2e/salvage_test.py): VARUNA_TEST_LOSE_EXCHANGE=<stage>@<step>
-// makes the ranks of that stage act as if that step's job-wide exchange had
-// failed under them right after it completed everywhere else: the split a
-// peer dying during the exchange can leave, made deterministic. In the job's
-// first generation only: a fallback to an earlier checkpoint must not meet
-// it again.
-bool Varuna::Impl::exchangeLossInjected() const {
-  // <stage>@<step>, or <stage>@<step>/<replica> for that replica's rank only.
-  struct Target {
-    int stage = 0;
-    int64_t step = 0;
-    int replica = -1;  // -1: every replica of the stage
-  };
-  static const std::optional<Target> target = []() -> std::optional<Target> {
-    const char* value = std::getenv("VARUNA_TEST_LOSE_EXCHANGE");
-    int stage = 0, replica = -1, end = 0;
-    long long step = 0;
-    if (!value) return std::nullopt;
-    // The whole value must parse: a malformed one acts nowhere rather than on every replica.
-    const bool whole = (std::sscanf(value, "%d@%lld%n", &stage, &step, &end) == 2 && value[end] == '\0') ||
-                       (std::sscanf(value, "%d@%lld/%d%n", &stage, &step, &replica, &end) == 3 && value[end] == '\0');
-    if (!whole) return std::nullopt;
-    return Target{stage, step, replica};
-  }();
-  return target && opt_.manager.generation <= 1 && target->stage == stage_ && target->step == stepsDone_ + 1 &&
-         (target->replica < 0 || target->replica == replica_);
 }
 
 void Varuna::Impl::salvage(const PeerLostError& lost) {
@@ -169,7 +140,9 @@ void Varuna::Impl::salvage(const PeerLostError& lost) {
             held.finishableStep >= 0 ? strCat(" and can finish step ", held.finishableStep) : std::string(),
             ", waiting up to ", timeout.count() / 1000.0, " s for run_varuna's order");
   managerLink_->reportSalvageReady(proto::SalvageReady{opt_.rank, stage_, replica_, step, opt_.manager.generation,
-                                                       held.finishableStep, held.exchange, held.exchangeStep});
+                                                       held.finishableStep,
+                                                       held.exchange ? held.exchange->toWire() : std::vector<double>(),
+                                                       held.exchangeStep});
   std::optional<proto::SalvageWrite> order;
   {
     BlockedOnPeers blocked(&waitingOnPeers_);  // waiting, not hung
@@ -179,8 +152,8 @@ void Varuna::Impl::salvage(const PeerLostError& lost) {
     log::error("no salvage order from run_varuna within ", timeout.count() / 1000.0, " s; exiting with ", kExitPeerLost);
     exitWorker(kExitPeerLost);
   }
-  const bool finish = order->step != step && order->step == held.finishableStep &&
-                      order->exchange.size() == proto::kExchangeValues;
+  const auto relayed = StepExchange::fromWire(order->exchange);
+  const bool finish = order->step != step && order->step == held.finishableStep && relayed.has_value();
   if (order->step != step && !finish) {
     log::error("run_varuna ordered step ", order->step, " written but this rank holds ", step,
                held.finishableStep >= 0 ? strCat(" (and can finish ", held.finishableStep, " given its exchange)")
@@ -190,7 +163,7 @@ void Varuna::Impl::salvage(const PeerLostError& lost) {
   }
   if (finish) {
     try {
-      finishStep(order->exchange);
+      finishStep(*relayed);
     } catch (const std::exception& e) {
       log::error("finishing step ", order->step, " from the relayed exchange failed: ", e.what(), "; exiting with ",
                  kExitPeerLost);

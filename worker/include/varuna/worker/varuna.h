@@ -67,6 +67,25 @@ struct CheckpointOptions {
   int keepCheckpoints = 3;
 };
 
+// Where a step's job-wide exchange (the all-reduce of loss, gradient norm and
+// the checkpoint request) just completed on this rank: what a fault
+// injector (VarunaOptions::faults) is shown.
+struct ExchangePoint {
+  int stage = 0;
+  int replica = 0;
+  int64_t step = 0;    // the step it completes: stepsDone() once applied
+  int generation = 0;  // run_varuna's launch (0: none)
+};
+
+// Faults a test program injects into the runtime (none in production): each
+// hook, when set, is asked at its point and answers whether to fail there.
+struct FaultInjector {
+  // True: this rank acts as if the exchange had failed under it right after
+  // it completed everywhere else (a PeerLostError; salvage takes it from
+  // there): the split a peer dying during the exchange can leave.
+  std::function<bool(const ExchangePoint&)> loseExchange;
+};
+
 struct VarunaOptions {
   ModelSpec model;
   std::string stageToRankMap;  // the launcher's string, e.g. "0,2;1,3;"
@@ -99,6 +118,9 @@ struct VarunaOptions {
   // The global batch the launcher gave (its per-replica --batch-size x
   // replicas; 0: none): batchSize 0 takes it, another batchSize is refused.
   int64_t launcherBatchSize = 0;
+
+  // Test programs only (e.g. train_gpt --test_lose_exchange).
+  FaultInjector faults;
 
   // Fills rank, local rank, map and rendezvous from the launcher's arguments.
   void applyLaunchArgs(const LaunchArgs& args);
