@@ -53,9 +53,9 @@ Plan MorphController::makeNextPlan() const {
   return options_.planner ? options_.planner(planRequest()) : makePlan(planRequest());
 }
 
-std::vector<Action> MorphController::start(TimePoint now) { return relaunch(now); }
+std::vector<Action> MorphController::start(TimePoint now) { return relaunch(); }
 
-std::vector<Action> MorphController::relaunch(TimePoint now) {
+std::vector<Action> MorphController::relaunch() {
   recheckPlan_ = false;  // the launch plans anew
   try {
     plan_ = makeNextPlan();
@@ -79,7 +79,6 @@ std::vector<Action> MorphController::relaunch(TimePoint now) {
   salvageSilent_.clear();
   lastLaunchSalvaged_ = salvageDone_;
   salvageDone_ = false;
-  (void)now;
   const auto resume = latestCheckpoint_();
   return {action::Launch{plan_, resume.value_or(-1), generation_}};
 }
@@ -131,14 +130,14 @@ std::vector<Action> MorphController::allExited(TimePoint now) {
     phase_ = Phase::kFinished;
     return {action::Stop{stopReason_, 0}};
   }
-  if (phase_ == Phase::kCheckpointing) return relaunch(now);
+  if (phase_ == Phase::kCheckpointing) return relaunch();
   if (phase_ == Phase::kStopping) {
     // Exponential backoff over the recent failures.
     auto wait = options_.restartBackoff;
     for (size_t i = 1; i < failures_.size(); ++i) wait *= 2;
     phase_ = Phase::kBackoff;
     deadline_ = now + wait;
-    if (wait.count() == 0) return relaunch(now);
+    if (wait.count() == 0) return relaunch();
   }
   return {};
 }
@@ -238,7 +237,7 @@ std::vector<Action> MorphController::machinesChanged(std::vector<Machine> machin
   readmitted_ = false;
   machines_ = std::move(machines);
   if (!changed || !options_.morphing) return {};
-  if (phase_ == Phase::kWaitingForMachines || phase_ == Phase::kPlanning) return relaunch(now);
+  if (phase_ == Phase::kWaitingForMachines || phase_ == Phase::kPlanning) return relaunch();
   if (phase_ == Phase::kRunning) return morphIfPlanChanges(now);
   return beginMorph(now);
 }
@@ -278,7 +277,7 @@ std::vector<Action> MorphController::morphIfPlanChanges(TimePoint now) {
 }
 
 std::vector<Action> MorphController::planReady(TimePoint now) {
-  if (phase_ == Phase::kPlanning) return relaunch(now);
+  if (phase_ == Phase::kPlanning) return relaunch();
   if (phase_ == Phase::kRunning && recheckPlan_) return morphIfPlanChanges(now);
   return {};
 }
@@ -321,7 +320,7 @@ std::vector<Action> MorphController::tick(TimePoint now) {
   if (phase_ == Phase::kCheckpointing && now >= deadline_) {
     return failure("the on-demand checkpoint did not finish in time", now);
   }
-  if (phase_ == Phase::kBackoff && now >= deadline_) return relaunch(now);
+  if (phase_ == Phase::kBackoff && now >= deadline_) return relaunch();
   if (salvaging() && now >= deadline_) return salvageDeadline(now);
   return {};
 }

@@ -98,7 +98,7 @@ std::vector<Action> MorphController::salvageComplete(TimePoint now) {
     return {action::Stop{stopReason_, 0}};
   }
   salvageDone_ = true;
-  return relaunch(now);
+  return relaunch();
 }
 
 std::vector<Action> MorphController::salvageDeadline(TimePoint now) {

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "varuna/common/log.h"
+#include "varuna/manager/daemon/job_setup.h"
 #include "varuna/manager/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
 #include "varuna/manager/job_config.h"

@@ -1,6 +1,6 @@
 // Varuna::Impl: the state and steps behind the public Varuna class, shared by
-// the two files that implement it. Private to the worker library: include it
-// only from varuna.cpp and varuna_checkpoint.cpp.
+// the three files that implement it. Private to the worker library: include
+// it only from varuna.cpp, varuna_checkpoint.cpp and varuna_salvage.cpp.
 //
 // varuna.cpp builds the stage, wires gradients and ties, and runs step() and
 // evaluate(); varuna_checkpoint.cpp writes and loads checkpoints. Both work

@@ -9,7 +9,7 @@
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 #include "varuna/manager/autoconfig.h"
-#include "varuna/manager/manager_daemon.h"
+#include "varuna/manager/host_launcher.h"
 #include "varuna/manager/planner.h"
 
 namespace varuna {

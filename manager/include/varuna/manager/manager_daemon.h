@@ -56,12 +56,6 @@
 
 namespace varuna {
 
-// AutoConfig's request for this job (machines filled in by the caller).
-AutoConfigRequest autoConfigSettings(const JobConfig& config);
-// --dry_run: the plan run_varuna would launch on the machine list now (with
-// AutoConfig's ranked table when a profile is given). Throws ConfigError.
-std::string dryRunReport(const JobConfig& config);
-
 class ManagerDaemon : private AgentPool::Observer {
  public:
   ManagerDaemon(boost::asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,

@@ -3,8 +3,9 @@
 // The daemon feeds it events (worker exits reported by agents, lost agent
 // connections, preemption notices, machine-list changes, heartbeat timeouts,
 // clock ticks) with the current time, and carries out the actions it returns
-// (launch a plan, SIGUSR1 everyone, kill everyone, stop). Nothing here does
-// I/O or reads a clock, so every scenario is a unit test with a fake clock.
+// (launch a plan, SIGUSR1 everyone, kill everyone, stop). It reads no clock
+// and touches no socket or file (it only logs its decisions), so every
+// scenario is a unit test with a fake clock.
 // Not thread-safe: the daemon's single event-loop thread owns it.
 //
 // Lifecycle of a job generation:
@@ -178,7 +179,7 @@ class MorphController {
   bool lastLaunchSalvaged() const { return lastLaunchSalvaged_; }
 
  private:
-  std::vector<Action> relaunch(TimePoint now);
+  std::vector<Action> relaunch();
   // Kill-all, backoff, relaunch. `counts`: whether it counts towards
   // --max_failures. A job is given up only for failures that would repeat
   // (a rank crashing or hanging); consequences of the environment (a host

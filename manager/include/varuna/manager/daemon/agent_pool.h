@@ -45,7 +45,8 @@ class AgentPool {
     virtual void agentLost(const std::string& host, const std::string& reason) = 0;
     // An agent's start-up failed with a configuration error no host will fix.
     virtual void agentConfigError(const std::string& host, const std::string& reason) = 0;
-    // What an agent reports about its workers (WorkerExited).
+    // What an agent reports about its workers: their exits (WorkerExited)
+    // and their relayed heartbeats (WorkerBeats).
     virtual void agentMessage(const std::string& host, const proto::Message& message) = 0;
   };
 

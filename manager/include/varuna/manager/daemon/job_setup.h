@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "varuna/common/machine_list.h"
+#include "varuna/manager/autoconfig.h"
 #include "varuna/manager/event_log.h"
 #include "varuna/manager/job_config.h"
 
@@ -41,5 +42,11 @@ int firstGeneration(const JobConfig& config, const nlohmann::json& previous, Eve
 // host:port the agents and workers dial, from --manager_ip (required unless
 // every listed machine is this one).
 std::string advertisedAddress(const JobConfig& config, const std::vector<Machine>& listed, uint16_t port);
+
+// AutoConfig's request for this job (machines filled in by the caller).
+AutoConfigRequest autoConfigSettings(const JobConfig& config);
+// --dry_run: the plan run_varuna would launch on the machine list now (with
+// AutoConfig's ranked table when a profile is given). Throws ConfigError.
+std::string dryRunReport(const JobConfig& config);
 
 }  // namespace varuna
