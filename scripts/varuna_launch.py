@@ -33,6 +33,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The launch contract (common/include/varuna/common/launch_contract.h), the
+# launcher's side, mirrored: tests/python/launch_contract_test.py checks that
+# these write what the C++ writers write and what the worker decodes.
+def launcher_argv(rank, local_rank, stage_map, chunk_size, replica_batch_size, resume_step=None):
+    """--rank --local_rank --stage_to_rank_map --chunk_size --batch-size [--resume_step]."""
+    argv = ["--rank", str(rank), "--local_rank", str(local_rank)]
+    if stage_map:
+        argv += ["--stage_to_rank_map", stage_map]
+    if chunk_size > 0:
+        argv += ["--chunk_size", str(chunk_size)]
+    if replica_batch_size > 0:
+        argv += ["--batch-size", str(replica_batch_size)]
+    if resume_step is not None and resume_step >= 0:
+        argv += ["--resume_step", str(resume_step)]
+    return argv
+
+
+def rendezvous_environment(rank, local_rank, world_size, master_addr, master_port):
+    """RANK LOCAL_RANK WORLD_SIZE MASTER_ADDR MASTER_PORT."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+
+
 def clustered_map(stages: int, replicas: int) -> str:
     return "".join(",".join(str(r * stages + s) for r in range(replicas)) + ";" for s in range(stages))
 
@@ -71,14 +94,10 @@ def main() -> int:
           f"global batch {per_replica * args.replicas} ({per_replica} per replica), port {port}", flush=True)
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(os.environ, **rendezvous_environment(rank, rank, world, "127.0.0.1", port))
         # After the program's own arguments, as run_varuna's agent does: the
         # program may be an interpreter and its script (python train.py).
-        cmd = list(program) + ["--rank", str(rank), "--local_rank", str(rank), "--stage_to_rank_map", stage_map,
-                               "--chunk_size", str(args.chunk_size), "--batch-size", str(per_replica)]
-        if args.resume_step is not None:
-            cmd += ["--resume_step", str(args.resume_step)]
+        cmd = list(program) + launcher_argv(rank, rank, stage_map, args.chunk_size, per_replica, args.resume_step)
         # SIGUSR1 blocked until the runtime installs its handler
         # (installCheckpointSignalHandler unblocks it): a checkpoint request
         # during start-up waits instead of killing the worker.

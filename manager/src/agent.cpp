@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "varuna/common/agent_beat.h"
+#include "varuna/common/launch_contract.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 
@@ -38,49 +39,47 @@ std::string readCmdline(pid_t pid) {
   return text;
 }
 
-// The worker's command line: the program's own arguments, then what every
-// Varuna launcher passes (names as in the original manual).
+// One worker's part of the launch contract (launch_contract.h).
+LaunchArgs workerLaunch(const proto::LaunchWorkers& launch, const proto::WorkerSpec& spec, const AgentOptions& options,
+                        const std::string& managerAddress, bool beatSocket) {
+  LaunchArgs args;
+  args.rank = spec.rank;
+  args.localRank = spec.localRank;
+  args.worldSize = launch.worldSize;
+  args.stageToRankMap = launch.stageToRankMap;
+  args.chunkSize = launch.chunkSize;
+  args.replicaBatchSize = launch.batchSize;
+  args.resumeStep = launch.resumeStep;
+  args.masterAddr = launch.masterAddr;
+  args.masterPort = launch.masterPort;
+  args.managerAddr = managerAddress;
+  args.jobToken = options.token;
+  args.job = options.job;
+  args.hostAddr = options.host;
+  args.generation = launch.generation;
+  args.agentBeatFd = beatSocket ? kAgentBeatFd : -1;
+  return args;
+}
+
+// The worker's command line: the program's own arguments, then the launcher's.
 std::vector<std::string> workerArgv(const std::string& program, const proto::LaunchWorkers& launch,
-                                    const proto::WorkerSpec& spec) {
+                                    const LaunchArgs& args) {
   std::vector<std::string> argv{program};
   argv.insert(argv.end(), launch.argv.begin() + 1, launch.argv.end());
-  const std::vector<std::string> launcherArgs = {
-      "--rank",       std::to_string(spec.rank),        "--local_rank",  std::to_string(spec.localRank),
-      "--stage_to_rank_map", launch.stageToRankMap,     "--chunk_size",  std::to_string(launch.chunkSize),
-      "--batch-size", std::to_string(launch.batchSize)};
-  argv.insert(argv.end(), launcherArgs.begin(), launcherArgs.end());
-  if (launch.resumeStep >= 0) {
-    argv.push_back("--resume_step");
-    argv.push_back(std::to_string(launch.resumeStep));
-  }
+  const auto launcher = launcherArgv(args);
+  argv.insert(argv.end(), launcher.begin(), launcher.end());
   return argv;
 }
 
-std::vector<std::string> workerEnv(const proto::LaunchWorkers& launch, const proto::WorkerSpec& spec,
-                                   const AgentOptions& options, const std::string& managerAddress, bool beatSocket) {
-  std::map<std::string, std::string> env;
-  for (char** e = environ; *e; ++e) {
-    const std::string kv = *e;
-    const auto eq = kv.find('=');
-    if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
+// The agent's own environment, the job's (env_file, store, plan: in the
+// launch message), then the rendezvous and run_varuna's entries.
+std::vector<std::string> workerEnv(const proto::LaunchWorkers& launch, const LaunchArgs& args) {
+  std::map<std::string, std::string> env = currentEnvironment();
+  env.erase(contract::kAgentBeatFdEnv);  // never an inherited one: that descriptor is not ours
   for (const auto& [k, v] : launch.env) env[k] = v;
-  env["RANK"] = std::to_string(spec.rank);
-  env["LOCAL_RANK"] = std::to_string(spec.localRank);
-  env["WORLD_SIZE"] = std::to_string(launch.worldSize);
-  env["LOCAL_WORLD_SIZE"] = std::to_string(launch.workers.size());
-  env["MASTER_ADDR"] = launch.masterAddr;
-  env["MASTER_PORT"] = std::to_string(launch.masterPort);
-  env["VARUNA_MANAGER_ADDR"] = managerAddress;
-  env["VARUNA_JOB_TOKEN"] = options.token;
-  env["VARUNA_JOB"] = options.job;
-  env["VARUNA_HOST"] = options.host;
-  env["VARUNA_GENERATION"] = std::to_string(launch.generation);
-  if (beatSocket) {
-    env[kAgentBeatFdEnv] = std::to_string(kAgentBeatFd);
-  } else {
-    env.erase(kAgentBeatFdEnv);  // never an inherited one: that descriptor is not ours
-  }
+  for (const auto& [k, v] : rendezvousEnvironment(args)) env[k] = v;
+  env[contract::kLocalWorldSizeEnv] = std::to_string(launch.workers.size());
+  for (const auto& [k, v] : managerEnvironment(args)) env[k] = v;
   std::vector<std::string> out;
   for (const auto& [k, v] : env) out.push_back(k + "=" + v);
   return out;
@@ -346,8 +345,9 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
                    const std::string& logPath, int beatFd) {
   // Everything the child needs is built before fork: only async-signal-safe
   // calls happen between fork and exec.
-  auto argvStrings = workerArgv(program, launch, spec);
-  auto envStrings = workerEnv(launch, spec, options_, managerAddress_, beatFd >= 0);
+  const LaunchArgs args = workerLaunch(launch, spec, options_, managerAddress_, beatFd >= 0);
+  auto argvStrings = workerArgv(program, launch, args);
+  auto envStrings = workerEnv(launch, args);
   auto argv = cStrings(argvStrings);
   auto envp = cStrings(envStrings);
   const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);

@@ -10,6 +10,7 @@
 #include <variant>
 
 #include "varuna/common/errors.h"
+#include "varuna/common/launch_contract.h"
 
 namespace varuna {
 namespace {
@@ -360,8 +361,11 @@ std::vector<ScheduleKind> parseScheduleList(const std::string& text) {
 std::vector<std::pair<std::string, std::string>> jobEnvironment(
     const JobConfig& config, std::vector<std::pair<std::string, std::string>> envFile) {
   auto env = std::move(envFile);
-  env.emplace_back("VARUNA_GLOBAL_STORE", config.globalStore);
-  env.emplace_back("VARUNA_KEEP_CHECKPOINTS", std::to_string(config.keepCheckpoints));
+  LaunchArgs store;
+  store.globalStore = config.globalStore;
+  store.keepCheckpoints = config.keepCheckpoints;
+  const auto entries = storeEnvironment(store);
+  env.insert(env.end(), entries.begin(), entries.end());
   return env;
 }
 

@@ -178,9 +178,8 @@ void ManagerDaemon::createPlanner(ControllerOptions& options) {
   auto profile = profile::readProfile(config_.profile);
   // What the profile describes, for every worker to check against the model
   // it builds: a stale profile (model changed) must not plan silently.
-  json pieces = json::array();
-  for (const auto& piece : profile.pieces) pieces.push_back({piece.name, piece.paramCount});
-  profiledPieces_ = pieces.dump();
+  profiledPieces_.clear();
+  for (const auto& piece : profile.pieces) profiledPieces_.emplace_back(piece.name, piece.paramCount);
   log::info("AutoConfig: planning with the profile ", config_.profile, " (", profile.pieces.size(), " pieces, ",
             profile.device, ", micro-batch sizes ", json(profile.microBatchSizes()).dump(), ")");
   // AutoConfig runs on its own thread (planWorker_), never on the loop: the

@@ -1,6 +1,6 @@
 #include "varuna/manager/daemon/launch_message.h"
 
-#include <cstdio>
+#include "varuna/common/launch_contract.h"
 
 namespace varuna {
 
@@ -16,7 +16,7 @@ json planJson(const Plan& plan) {
 
 proto::LaunchWorkers launchMessage(const JobConfig& config, const action::Launch& launch,
                                   const std::vector<std::pair<std::string, std::string>>& env,
-                                  const std::string& profiledPieces) {
+                                  const std::vector<std::pair<std::string, int64_t>>& profiledPieces) {
   const Plan& plan = launch.plan;
   proto::LaunchWorkers message;
   message.argv = config.program;
@@ -24,15 +24,12 @@ proto::LaunchWorkers launchMessage(const JobConfig& config, const action::Launch
   message.env = env;
   if (!config.profile.empty()) {
     // The workers must run the schedule and partition AutoConfig simulated.
-    message.env.emplace_back("VARUNA_SCHEDULE", toString(plan.schedule));
-    std::string costs;
-    for (double c : plan.pieceCosts) {
-      char text[32];
-      std::snprintf(text, sizeof(text), "%.17g", c);  // exact: the same partition on both sides
-      costs += (costs.empty() ? "" : ",") + std::string(text);
-    }
-    if (!costs.empty()) message.env.emplace_back("VARUNA_PIECE_COSTS", costs);
-    message.env.emplace_back("VARUNA_PROFILE_PIECES", profiledPieces);
+    LaunchArgs chosen;
+    chosen.schedule = toString(plan.schedule);
+    chosen.pieceCosts = plan.pieceCosts;
+    chosen.profiledPieces = profiledPieces;
+    const auto entries = planEnvironment(chosen);
+    message.env.insert(message.env.end(), entries.begin(), entries.end());
   }
   message.stageToRankMap = plan.stageToRankMap;
   message.chunkSize = plan.chunkSize;

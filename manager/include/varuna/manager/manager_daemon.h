@@ -175,7 +175,7 @@ class ManagerDaemon : private AgentPool::Observer {
   std::unique_ptr<HostLauncher> launcher_;  // until start() hands it to the pool
   std::string advertisedAddress_;           // host:port agents and workers dial
   std::string token_;
-  std::string profiledPieces_;  // --profile's pieces as JSON [[name, parameters], ...], for the workers
+  std::vector<std::pair<std::string, int64_t>> profiledPieces_;  // --profile's pieces (name, parameters), for the workers
   std::vector<std::pair<std::string, std::string>> env_;  // env_file
   std::unique_ptr<EventLog> events_;
   std::unique_ptr<StepLog> stepLog_;  // steps.jsonl

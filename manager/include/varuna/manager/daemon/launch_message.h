@@ -20,7 +20,7 @@ namespace varuna {
 // the plan's shape and the generation's rendezvous port.
 proto::LaunchWorkers launchMessage(const JobConfig& config, const action::Launch& launch,
                                    const std::vector<std::pair<std::string, std::string>>& env,
-                                   const std::string& profiledPieces);
+                                   const std::vector<std::pair<std::string, int64_t>>& profiledPieces);
 
 nlohmann::json planJson(const Plan& plan);
 
