@@ -166,7 +166,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < every; ++i) {
       const auto start = Clock::now();
       model.step(batch(step++), 1.0);
-      if (i == every - 1) model.checkpoint(store.string(), step, tempdir.string());
+      if (i == every - 1) model.checkpoint(varuna::CheckpointRequest{store.string(), step, tempdir.string()});
       (i == every - 1 ? checkpointing : plain).push_back(seconds(start));
     }
   }

@@ -5,172 +5,99 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "protocol_wire.h"
+
 namespace varuna::proto {
 namespace {
 
 using nlohmann::json;
 
-template <typename... Ts>
-struct Overloaded : Ts... {
-  using Ts::operator()...;
-};
+}  // namespace
 
-// An exchange result (see kExchangeValues): non-finite values as null, which
-// JSON has no number for.
-json exchangeToJson(const std::vector<double>& values) {
-  json out = json::array();
-  for (double v : values) out.push_back(std::isfinite(v) ? json(v) : json(nullptr));
-  return out;
-}
+// The messages' wire forms (protocol_wire.h): a type tag and its fields.
+namespace wire {
+#define VARUNA_WIRE(T, TAG, ...)                                       \
+  template <>                                                           \
+  struct Form<T> {                                                   \
+    static constexpr const char* type = TAG;                            \
+    static auto fields() { return std::make_tuple(__VA_ARGS__); }       \
+  };
+// A message without fields.
+#define VARUNA_WIRE_EMPTY(T, TAG)                                       \
+  template <>                                                           \
+  struct Form<T> {                                                   \
+    static constexpr const char* type = TAG;                            \
+    static auto fields() { return std::tuple<>(); }                     \
+  };
 
-std::vector<double> exchangeFromJson(const json& message, const std::string& type) {
-  if (!message.contains("exchange")) return {};
-  const auto& values = message.at("exchange");
-  if (!values.is_array() || !(values.empty() || values.size() == kExchangeValues)) {
-    throw ProtocolError(type + ": exchange must be [] or an array of " + std::to_string(kExchangeValues) + " numbers");
+VARUNA_WIRE(Hello, "hello", required("version", &Hello::version), required("token", &Hello::token),
+            required("role", &Hello::role), required("host", &Hello::host), required("rank", &Hello::rank),
+            required("generation", &Hello::generation))
+VARUNA_WIRE(Heartbeat, "heartbeat", required("rank", &Heartbeat::rank), required("step", &Heartbeat::step),
+            optional("waiting", &Heartbeat::waiting, false))
+VARUNA_WIRE(WorkerBeats, "worker_beats", required("generation", &WorkerBeats::generation),
+            required("beats", &WorkerBeats::beats))
+VARUNA_WIRE(StepReport, "step_report", required("rank", &StepReport::rank), required("stage", &StepReport::stage),
+            required("replica", &StepReport::replica), required("step", &StepReport::step),
+            required("loss", &StepReport::loss), required("step_seconds", &StepReport::stepSeconds),
+            required("compute_seconds_per_microbatch", &StepReport::computeSecondsPerMicrobatch))
+VARUNA_WIRE(WorkerExited, "worker_exited", required("host", &WorkerExited::host), required("rank", &WorkerExited::rank),
+            required("exit_code", &WorkerExited::exitCode), required("signal", &WorkerExited::signal),
+            required("generation", &WorkerExited::generation), required("log_tail", &WorkerExited::logTail))
+VARUNA_WIRE(CheckpointFailed, "checkpoint_failed", required("rank", &CheckpointFailed::rank),
+            required("step", &CheckpointFailed::step), bounded("error", &CheckpointFailed::error))
+VARUNA_WIRE(PreemptNotice, "preempt", required("host", &PreemptNotice::host),
+            required("deadline_unix_ms", &PreemptNotice::deadlineUnixMs))
+VARUNA_WIRE(LaunchWorkers, "launch_workers", required("workers", &LaunchWorkers::workers),
+            required("argv", &LaunchWorkers::argv), required("code_dir", &LaunchWorkers::codeDir),
+            required("env", &LaunchWorkers::env), required("stage_to_rank_map", &LaunchWorkers::stageToRankMap),
+            required("chunk_size", &LaunchWorkers::chunkSize), required("batch_size", &LaunchWorkers::batchSize),
+            required("resume_step", &LaunchWorkers::resumeStep), required("master_addr", &LaunchWorkers::masterAddr),
+            required("master_port", &LaunchWorkers::masterPort), required("world_size", &LaunchWorkers::worldSize),
+            required("generation", &LaunchWorkers::generation))
+VARUNA_WIRE_EMPTY(CheckpointAndExit, "checkpoint_and_exit")
+VARUNA_WIRE(KillWorkers, "kill_workers", required("reason", &KillWorkers::reason))
+VARUNA_WIRE(Shutdown, "shutdown", required("reason", &Shutdown::reason))
+VARUNA_WIRE(Ping, "ping", required("sequence", &Ping::sequence), required("sent_ns", &Ping::sentNs))
+VARUNA_WIRE(Pong, "pong", required("sequence", &Pong::sequence), required("sent_ns", &Pong::sentNs))
+VARUNA_WIRE(Ack, "ack", required("ok", &Ack::ok), required("error", &Ack::error))
+VARUNA_WIRE(Welcome, "welcome", required("generation", &Welcome::generation),
+            required("lost_manager_grace_ms", &Welcome::lostManagerGraceMs),
+            optional("salvage_timeout_ms", &Welcome::salvageTimeoutMs, int64_t{0}))
+VARUNA_WIRE(SalvageStop, "salvage_stop", required("generation", &SalvageStop::generation),
+            bounded("reason", &SalvageStop::reason))
+// An exchange of another step than `step` names it (-1: the exchange is step's).
+VARUNA_WIRE(SalvageReady, "salvage_ready", required("rank", &SalvageReady::rank), required("stage", &SalvageReady::stage),
+            required("replica", &SalvageReady::replica), required("step", &SalvageReady::step),
+            required("generation", &SalvageReady::generation),
+            optional("finishable_step", &SalvageReady::finishableStep, int64_t{-1}),
+            exchange("exchange", &SalvageReady::exchange),
+            optional("exchange_step", &SalvageReady::exchangeStep, int64_t{-1}))
+VARUNA_WIRE(SalvageWrite, "salvage_write", required("generation", &SalvageWrite::generation),
+            required("step", &SalvageWrite::step), required("writer_index", &SalvageWrite::writerIndex),
+            required("writers", &SalvageWrite::writers), exchange("exchange", &SalvageWrite::exchange))
+VARUNA_WIRE(ExitNow, "exit_now", required("generation", &ExitNow::generation), bounded("reason", &ExitNow::reason))
+#undef VARUNA_WIRE
+#undef VARUNA_WIRE_EMPTY
+}  // namespace wire
+
+namespace {
+
+// The message whose type tag is `type`: tried against every alternative of Message.
+template <size_t I = 0>
+Message decodeByType(const std::string& type, const json& j) {
+  if constexpr (I < std::variant_size_v<Message>) {
+    using T = std::variant_alternative_t<I, Message>;
+    if (type == wire::Form<T>::type) return wire::decodeMessage<T>(j);
+    return decodeByType<I + 1>(type, j);
+  } else {
+    throw ProtocolError("unknown message type '" + type + "'");
   }
-  std::vector<double> out;
-  for (const auto& v : values) {
-    if (!v.is_null() && !v.is_number()) throw ProtocolError(type + ": exchange values must be numbers or null");
-    out.push_back(v.is_null() ? std::numeric_limits<double>::infinity() : v.get<double>());
-  }
-  return out;
 }
-
-json toJson(const Hello& m) {
-  return {{"type", "hello"}, {"version", m.version}, {"token", m.token}, {"role", m.role}, {"host", m.host}, {"rank", m.rank}, {"generation", m.generation}};
-}
-json toJson(const Heartbeat& m) {
-  return {{"type", "heartbeat"}, {"rank", m.rank}, {"step", m.step}, {"waiting", m.waiting}};
-}
-json toJson(const WorkerBeats& m) {
-  json beats = json::array();
-  // [rank, step, waiting] triples: a host's worth of beats in one small frame.
-  for (const auto& b : m.beats) beats.push_back({b.rank, b.step, b.waiting});
-  return {{"type", "worker_beats"}, {"generation", m.generation}, {"beats", beats}};
-}
-json toJson(const StepReport& m) {
-  return {{"type", "step_report"}, {"rank", m.rank}, {"stage", m.stage}, {"replica", m.replica}, {"step", m.step},
-          {"loss", m.loss}, {"step_seconds", m.stepSeconds}, {"compute_seconds_per_microbatch", m.computeSecondsPerMicrobatch}};
-}
-json toJson(const WorkerExited& m) {
-  return {{"type", "worker_exited"}, {"host", m.host}, {"rank", m.rank}, {"exit_code", m.exitCode}, {"signal", m.signal},
-          {"generation", m.generation}, {"log_tail", m.logTail}};
-}
-json toJson(const CheckpointFailed& m) {
-  return {{"type", "checkpoint_failed"}, {"rank", m.rank}, {"step", m.step}, {"error", boundedText(m.error)}};
-}
-json toJson(const PreemptNotice& m) { return {{"type", "preempt"}, {"host", m.host}, {"deadline_unix_ms", m.deadlineUnixMs}}; }
-json toJson(const LaunchWorkers& m) {
-  json workers = json::array();
-  for (const auto& w : m.workers) workers.push_back({{"rank", w.rank}, {"local_rank", w.localRank}});
-  json env = json::array();
-  for (const auto& [k, v] : m.env) env.push_back({k, v});
-  return {{"type", "launch_workers"}, {"workers", workers}, {"argv", m.argv}, {"code_dir", m.codeDir}, {"env", env},
-          {"stage_to_rank_map", m.stageToRankMap}, {"chunk_size", m.chunkSize}, {"batch_size", m.batchSize},
-          {"resume_step", m.resumeStep}, {"master_addr", m.masterAddr}, {"master_port", m.masterPort},
-          {"world_size", m.worldSize}, {"generation", m.generation}};
-}
-json toJson(const CheckpointAndExit&) { return {{"type", "checkpoint_and_exit"}}; }
-json toJson(const KillWorkers& m) { return {{"type", "kill_workers"}, {"reason", m.reason}}; }
-json toJson(const Shutdown& m) { return {{"type", "shutdown"}, {"reason", m.reason}}; }
-json toJson(const Ping& m) { return {{"type", "ping"}, {"sequence", m.sequence}, {"sent_ns", m.sentNs}}; }
-json toJson(const Pong& m) { return {{"type", "pong"}, {"sequence", m.sequence}, {"sent_ns", m.sentNs}}; }
-json toJson(const Welcome& m) {
-  return {{"type", "welcome"},
-          {"generation", m.generation},
-          {"lost_manager_grace_ms", m.lostManagerGraceMs},
-          {"salvage_timeout_ms", m.salvageTimeoutMs}};
-}
-json toJson(const SalvageStop& m) {
-  return {{"type", "salvage_stop"}, {"generation", m.generation}, {"reason", boundedText(m.reason)}};
-}
-json toJson(const SalvageReady& m) {
-  return {{"type", "salvage_ready"},  {"rank", m.rank},
-          {"stage", m.stage},         {"replica", m.replica},
-          {"step", m.step},           {"generation", m.generation},
-          {"finishable_step", m.finishableStep}, {"exchange", exchangeToJson(m.exchange)},
-          {"exchange_step", m.exchangeStep}};
-}
-json toJson(const SalvageWrite& m) {
-  return {{"type", "salvage_write"}, {"generation", m.generation}, {"step", m.step},
-          {"writer_index", m.writerIndex}, {"writers", m.writers}, {"exchange", exchangeToJson(m.exchange)}};
-}
-json toJson(const ExitNow& m) {
-  return {{"type", "exit_now"}, {"generation", m.generation}, {"reason", boundedText(m.reason)}};
-}
-json toJson(const Ack& m) { return {{"type", "ack"}, {"ok", m.ok}, {"error", m.error}}; }
 
 Message fromJson(const json& j) {
-  const std::string type = j.at("type").get<std::string>();
-  if (type == "hello") {
-    return Hello{j.at("version"), j.at("token"), j.at("role"), j.at("host"), j.at("rank"), j.at("generation")};
-  }
-  if (type == "heartbeat") return Heartbeat{j.at("rank"), j.at("step"), j.value("waiting", false)};
-  if (type == "worker_beats") {
-    WorkerBeats m{j.at("generation"), {}};
-    const auto& beats = j.at("beats");
-    if (!beats.is_array()) throw ProtocolError("worker_beats: beats must be an array");
-    for (const auto& b : beats) {
-      if (!b.is_array() || b.size() != 3) throw ProtocolError("worker_beats: each beat must be [rank, step, waiting]");
-      m.beats.push_back({b.at(0), b.at(1), b.at(2)});
-    }
-    return m;
-  }
-  if (type == "step_report") {
-    return StepReport{j.at("rank"), j.at("stage"), j.at("replica"), j.at("step"), j.at("loss"), j.at("step_seconds"),
-                      j.at("compute_seconds_per_microbatch")};
-  }
-  if (type == "worker_exited") return WorkerExited{j.at("host"), j.at("rank"), j.at("exit_code"), j.at("signal"), j.at("generation"),
-                        j.at("log_tail")};
-  if (type == "checkpoint_failed") {
-    return CheckpointFailed{j.at("rank"), j.at("step"), boundedText(j.at("error").get<std::string>())};
-  }
-  if (type == "preempt") return PreemptNotice{j.at("host"), j.at("deadline_unix_ms")};
-  if (type == "launch_workers") {
-    LaunchWorkers m;
-    for (const auto& w : j.at("workers")) m.workers.push_back({w.at("rank"), w.at("local_rank")});
-    m.argv = j.at("argv").get<std::vector<std::string>>();
-    m.codeDir = j.at("code_dir");
-    for (const auto& kv : j.at("env")) m.env.emplace_back(kv.at(0).get<std::string>(), kv.at(1).get<std::string>());
-    m.stageToRankMap = j.at("stage_to_rank_map");
-    m.chunkSize = j.at("chunk_size");
-    m.batchSize = j.at("batch_size");
-    m.resumeStep = j.at("resume_step");
-    m.masterAddr = j.at("master_addr");
-    m.masterPort = j.at("master_port");
-    m.worldSize = j.at("world_size");
-    m.generation = j.at("generation");
-    return m;
-  }
-  if (type == "checkpoint_and_exit") return CheckpointAndExit{};
-  if (type == "kill_workers") return KillWorkers{j.at("reason")};
-  if (type == "shutdown") return Shutdown{j.at("reason")};
-  if (type == "ping") return Ping{j.at("sequence"), j.at("sent_ns")};
-  if (type == "pong") return Pong{j.at("sequence"), j.at("sent_ns")};
-  if (type == "ack") return Ack{j.at("ok"), j.at("error")};
-  if (type == "welcome") {
-    return Welcome{j.at("generation"), j.at("lost_manager_grace_ms"), j.value("salvage_timeout_ms", int64_t{0})};
-  }
-  if (type == "salvage_stop") {
-    return SalvageStop{j.at("generation"), boundedText(j.at("reason").get<std::string>())};
-  }
-  if (type == "salvage_ready") {
-    return SalvageReady{j.at("rank"),
-                        j.at("stage"),
-                        j.at("replica"),
-                        j.at("step"),
-                        j.at("generation"),
-                        j.value("finishable_step", int64_t{-1}),
-                        exchangeFromJson(j, type),
-                        j.value("exchange_step", int64_t{-1})};  // -1: the exchange is step's
-  }
-  if (type == "salvage_write") {
-    return SalvageWrite{j.at("generation"), j.at("step"), j.at("writer_index"), j.at("writers"),
-                        exchangeFromJson(j, type)};
-  }
-  if (type == "exit_now") return ExitNow{j.at("generation"), boundedText(j.at("reason").get<std::string>())};
-  throw ProtocolError("unknown message type '" + type + "'");
+  if (!j.is_object()) throw ProtocolError("malformed message: not a JSON object");
+  return decodeByType(j.at("type").get<std::string>(), j);
 }
 
 // Heartbeats are most of what the manager reads (10 Hz from every worker).
@@ -263,11 +190,11 @@ std::string boundedText(std::string_view text, size_t maxBytes) {
 }
 
 std::string typeName(const Message& message) {
-  return std::visit([](const auto& m) { return toJson(m).at("type").template get<std::string>(); }, message);
+  return std::visit([](const auto& m) { return std::string(wire::Form<std::decay_t<decltype(m)>>::type); }, message);
 }
 
 std::string encode(const Message& message) {
-  const std::string body = std::visit([](const auto& m) { return toJson(m).dump(); }, message);
+  const std::string body = std::visit([](const auto& m) { return wire::encodeMessage(m).dump(); }, message);
   if (body.size() > kMaxFrameBytes) throw ProtocolError(strCat("message of ", body.size(), " bytes exceeds the frame limit"));
   const uint32_t n = static_cast<uint32_t>(body.size());
   std::string frame;

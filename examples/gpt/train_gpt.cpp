@@ -308,7 +308,7 @@ int run(int argc, char** argv) {
     }
   }
   if (!o.checkpointDir.empty()) {
-    model.checkpoint(o.checkpointDir, o.steps, "", o.checkpointShard);
+    model.checkpoint(varuna::CheckpointRequest{o.checkpointDir, o.steps, "", o.checkpointShard});
     model.waitForCheckpoints();
   }
   // Held-out evaluation: the global batch right after the last training step.

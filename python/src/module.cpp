@@ -158,7 +158,7 @@ void bindRuntime(py::module_& m) {
       .def(
           "checkpoint",
           [](Varuna& v, const std::string& store, std::optional<int64_t> step, const std::string& tempdir, bool shard,
-             bool onDemand) { return v.checkpoint(store, step, tempdir, shard, onDemand); },
+             bool onDemand) { return v.checkpoint(CheckpointRequest{store, step, tempdir, shard, onDemand}); },
           py::arg("global_store"), py::arg("step") = py::none(), py::arg("tempdir") = "", py::arg("shard") = false,
           py::arg("on_demand") = false, Release())
       .def("load_checkpoint", &Varuna::loadCheckpoint, py::arg("global_store"), py::arg("iteration"),

@@ -92,25 +92,23 @@ void Varuna::Impl::reportCheckpointFailure(int64_t step, const std::string& erro
   if (managerLink_) managerLink_->reportCheckpointFailure(step, error);
 }
 
-void Varuna::Impl::waitUntilComplete(const std::filesystem::path& dir) {
-  // Exit code kExitCheckpointed promises a complete checkpoint: wait for the
-  // other ranks' parts (the last one to land completes it).
-  const auto deadline = std::chrono::steady_clock::now() + opt_.peerTimeout;
+void Varuna::Impl::waitUntilIntact(const std::filesystem::path& dir, std::chrono::milliseconds timeout,
+                                   const char* what, bool stopIfInterrupted) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   BlockedOnPeers blocked(&waitingOnPeers_);
   while (!ckpt::isIntact(dir)) {
-    // A peer was lost meanwhile and run_varuna salvages instead (its order).
-    if (comm_->interrupted()) throw comm_->interruption("waiting for the on-demand checkpoint to complete");
+    if (stopIfInterrupted && comm_->interrupted()) throw comm_->interruption(strCat("waiting for the ", what, " to complete"));
     if (std::chrono::steady_clock::now() > deadline) {
-      throw ckpt::CheckpointError(strCat("on-demand checkpoint '", dir.string(), "' did not complete within ",
-                                         opt_.peerTimeout.count(), " ms: some rank did not write its part"));
+      throw ckpt::CheckpointError(strCat(what, " '", dir.string(), "' did not complete within ", timeout.count(),
+                                         " ms: another writer's part is missing"));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  log::info("on-demand checkpoint ", dir.string(), " complete");
 }
 
-bool Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int64_t> stepArg,
-                              const std::string& tempdir, bool shard, bool onDemand) {
+bool Varuna::Impl::checkpoint(const CheckpointRequest& request) {
+  const std::string& globalStore = request.globalStore;
+  const bool onDemand = request.onDemand;
   if (!optimizer_) throw ConfigError("call setOptimizer() before checkpoint()");
   if (globalStore.empty()) throw ConfigError("checkpoint(): global_store is empty");
   if (!writer_) {
@@ -120,7 +118,7 @@ bool Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
     options.onFailure = [this](int64_t step, const std::string& error) { reportCheckpointFailure(step, error); };
     writer_ = std::make_unique<CheckpointWriter>(std::move(options));
   }
-  const int64_t step = stepArg.value_or(stepsDone_);
+  const int64_t step = request.step.value_or(stepsDone_);
   if (onDemand) writer_->drain();  // earlier checkpoints land first
   // A superseded generation never writes: its successor may be loading.
   ckpt::checkNotSuperseded(globalStore, opt_.manager.generation);
@@ -131,25 +129,21 @@ bool Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
     log::info("checkpoint of step ", step, " already complete in ", globalStore);
     return true;
   }
-  const bool background = !tempdir.empty() && !onDemand;
+  const bool background = !request.tempdir.empty() && !onDemand;
 
   // Jobs hold the live tensors. A background job snapshots them on the writer
   // thread while training computes; step() waits for that snapshot before the
   // optimizer changes them.
-  CheckpointJob job;
-  job.globalStore = globalStore;
-  job.step = step;
-  job.tempdir = background ? tempdir : "";
-  for (int k = 0; k < model_->numPieces(); ++k) {
-    const int writerReplica = shard ? k % D_ : 0;  // sharding spreads a stage's pieces over its replicas
-    if (writerReplica != replica_) continue;
-    // A background job snapshots later, but the next step's forward changes
-    // running statistics before it waits for that: copy those now (small).
-    job.files.push_back({pieceFile(k, "params"), pieceState(k, /*copyChangingBuffers=*/background), std::nullopt});
-    job.files.push_back({pieceFile(k, "optim"), optimizer_->state(pieceParams(k)), std::nullopt});
-  }
-  job.files.push_back({strCat("rank_", opt_.rank, ".rng.pt"), generatorStates(opt_.device), std::nullopt});
-  if (opt_.rank == 0) job.files.push_back({ckpt::kMeta, {}, checkpointMeta(step).dump(1)});
+  CheckpointParts parts;
+  // Sharding spreads a stage's pieces over its replicas.
+  parts.writesPiece = [&](int k) { return (request.shard ? k % D_ : 0) == replica_; };
+  // A background job snapshots later, but the next step's forward changes
+  // running statistics before it waits for that: copy those now (small).
+  parts.copyChangingBuffers = background;
+  parts.rng = true;
+  if (opt_.rank == 0) parts.meta = checkpointMeta(step);
+  CheckpointJob job = composeCheckpoint(globalStore, step, parts);
+  job.tempdir = background ? request.tempdir : "";
   if (background) {
     writer_->enqueue(std::move(job));
     return true;
@@ -163,8 +157,29 @@ bool Varuna::Impl::checkpoint(const std::string& globalStore, std::optional<int6
     reportCheckpointFailure(step, e.what());
     return false;
   }
-  if (onDemand) waitUntilComplete(dir);
+  if (onDemand) {
+    // Exit code kExitCheckpointed promises a complete checkpoint: wait for
+    // the other ranks' parts (the last one to land completes it). A peer lost
+    // meanwhile means run_varuna salvages instead (its order).
+    waitUntilIntact(dir, opt_.peerTimeout, "on-demand checkpoint", /*stopIfInterrupted=*/true);
+    log::info("on-demand checkpoint ", dir.string(), " complete");
+  }
   return true;
+}
+
+CheckpointJob Varuna::Impl::composeCheckpoint(const std::string& globalStore, int64_t step,
+                                              const CheckpointParts& parts) const {
+  CheckpointJob job;
+  job.globalStore = globalStore;
+  job.step = step;
+  for (int k = 0; k < model_->numPieces(); ++k) {
+    if (parts.writesPiece && !parts.writesPiece(k)) continue;
+    job.files.push_back({pieceFile(k, "params"), pieceState(k, parts.copyChangingBuffers), std::nullopt});
+    job.files.push_back({pieceFile(k, "optim"), optimizer_->state(pieceParams(k)), std::nullopt});
+  }
+  if (parts.rng) job.files.push_back({strCat("rank_", opt_.rank, ".rng.pt"), generatorStates(opt_.device), std::nullopt});
+  if (parts.meta) job.files.push_back({ckpt::kMeta, {}, parts.meta->dump(1)});
+  return job;
 }
 
 // --- loading ------------------------------------------------------------------
@@ -333,9 +348,12 @@ std::optional<int64_t> Varuna::Impl::loadLatestCheckpoint(const std::string& glo
 
 // --- Varuna's checkpoint methods ---------------------------------------------
 
-bool Varuna::checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
-                        bool shard, bool onDemand) {
-  return impl_->guarded([&] { return impl_->checkpoint(globalStore, step, tempdir, shard, onDemand); });
+bool Varuna::checkpoint(const CheckpointRequest& request) {
+  return impl_->guarded([&] { return impl_->checkpoint(request); });
+}
+
+bool Varuna::checkpoint(const std::string& globalStore, std::optional<int64_t> step) {
+  return checkpoint(CheckpointRequest{globalStore, step});
 }
 
 bool Varuna::checkpoint(std::optional<int64_t> step) {
@@ -343,7 +361,7 @@ bool Varuna::checkpoint(std::optional<int64_t> step) {
   if (c.globalStore.empty()) {
     throw ConfigError("checkpoint(): VarunaOptions::checkpointing.globalStore is empty (or pass the store)");
   }
-  return checkpoint(c.globalStore, step, c.tempdir, c.shard);
+  return checkpoint(CheckpointRequest{c.globalStore, step, c.tempdir, c.shard});
 }
 
 void Varuna::exitIfCheckpointRequested(const StepResult& result) {
@@ -360,7 +378,7 @@ void Varuna::exitIfCheckpointRequested(const StepResult& result) {
   }
   const int64_t step = impl_->stepsDone_;
   try {
-    checkpoint(c.globalStore, step, c.tempdir, c.shard, /*onDemand=*/true);
+    checkpoint(CheckpointRequest{c.globalStore, step, c.tempdir, c.shard, /*onDemand=*/true});
   } catch (const PeerLostError& lost) {
     // The notice was too short: a host went before every part landed.
     if (impl_->salvageOn()) impl_->salvage(lost);

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <memory>
@@ -61,8 +62,7 @@ class Varuna::Impl {
   void setOptimizer(std::shared_ptr<StageOptimizer> optimizer, LossScaleOptions lossScale);
   void synchroniseReplicaBuffers();
   // In varuna_checkpoint.cpp.
-  bool checkpoint(const std::string& globalStore, std::optional<int64_t> step, const std::string& tempdir,
-                  bool shard, bool onDemand);
+  bool checkpoint(const CheckpointRequest& request);
   int64_t loadCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete);
   std::optional<int64_t> loadLatestCheckpoint(const std::string& globalStore, std::optional<int64_t> atMost);
 
@@ -186,7 +186,21 @@ class Varuna::Impl {
   std::string agreeOnRunTag();
   ckpt::WriterIdentity writerIdentity() const;
   void reportCheckpointFailure(int64_t step, const std::string& error);
-  void waitUntilComplete(const std::filesystem::path& dir);
+  // What a checkpoint part holds: the pieces this rank writes (none given:
+  // all of its stage's), its RNG state, the metadata (rank 0, or the first
+  // salvage writer). The one composer of the periodic, on-demand and salvage paths.
+  struct CheckpointParts {
+    std::function<bool(int piece)> writesPiece;
+    bool copyChangingBuffers = false;  // copy running statistics now (a background job snapshots later)
+    bool rng = false;
+    std::optional<nlohmann::json> meta;
+  };
+  CheckpointJob composeCheckpoint(const std::string& globalStore, int64_t step, const CheckpointParts& parts) const;
+  // Waits until `dir` is complete (every writer's part landed): the one wait
+  // of the on-demand and salvage paths. Throws CheckpointError after
+  // `timeout`; with stopIfInterrupted, PeerLostError once a peer is lost.
+  void waitUntilIntact(const std::filesystem::path& dir, std::chrono::milliseconds timeout, const char* what,
+                       bool stopIfInterrupted);
   struct LoadedCheckpoint;
   LoadedCheckpoint readCheckpoint(const std::string& globalStore, int64_t iteration, bool checkComplete);
   void applyCheckpoint(LoadedCheckpoint loaded, int64_t iteration);

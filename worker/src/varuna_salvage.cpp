@@ -191,19 +191,13 @@ void Varuna::Impl::writeSalvageShare(const proto::SalvageWrite& order) {
   ckpt::checkNotSuperseded(store, opt_.manager.generation);
   const auto dir = ckpt::checkpointDir(store, order.step);
   if (ckpt::isIntact(dir)) return;  // e.g. a periodic checkpoint of that step
-  CheckpointJob job;
-  job.globalStore = store;
-  job.step = order.step;
-  for (int k = 0; k < model_->numPieces(); ++k) {
-    job.files.push_back({pieceFile(k, "params"), pieceState(k), std::nullopt});
-    job.files.push_back({pieceFile(k, "optim"), optimizer_->state(pieceParams(k)), std::nullopt});
-  }
+  CheckpointParts parts;  // every piece of the stage; no generator states (see the top of this file)
   if (order.writerIndex == 0) {
-    auto meta = checkpointMeta(order.step);
-    meta["stage_to_rank_map"] = "";  // no rank's generators are kept (see the top of this file)
-    meta["salvaged"] = {{"generation", opt_.manager.generation}, {"writers", order.writers}};
-    job.files.push_back({ckpt::kMeta, {}, meta.dump(1)});
+    parts.meta = checkpointMeta(order.step);
+    (*parts.meta)["stage_to_rank_map"] = "";  // no rank's generators are kept
+    (*parts.meta)["salvaged"] = {{"generation", opt_.manager.generation}, {"writers", order.writers}};
   }
+  const CheckpointJob job = composeCheckpoint(store, order.step, parts);
   CheckpointWriterOptions options;
   // Its own run: the writers' parts never combine with a periodic
   // checkpoint's parts of the same generation.
@@ -216,15 +210,8 @@ void Varuna::Impl::writeSalvageShare(const proto::SalvageWrite& order) {
   // Exit 77 promises a complete checkpoint: the last writer to land completes
   // it; the others wait for that (on a store that is slow to show files, a
   // writer may not see the last part and leave the completion to another).
-  const auto deadline = std::chrono::steady_clock::now() + 2 * managerLink_->salvageTimeout();
-  while (!ckpt::isIntact(dir)) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      throw ckpt::CheckpointError(strCat("the salvaged checkpoint '", dir.string(), "' did not complete within ",
-                                         2 * managerLink_->salvageTimeout().count() / 1000.0,
-                                         " s: another writer's part is missing"));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  // The communicator is interrupted here already: that stops nothing.
+  waitUntilIntact(dir, 2 * managerLink_->salvageTimeout(), "salvaged checkpoint", /*stopIfInterrupted=*/false);
 }
 
 }  // namespace varuna

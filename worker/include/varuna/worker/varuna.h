@@ -126,6 +126,20 @@ struct VarunaOptions {
   void applyLaunchArgs(const LaunchArgs& args);
 };
 
+// One checkpoint to write (Varuna::checkpoint).
+struct CheckpointRequest {
+  std::string globalStore;     // the job's checkpoint root (varuna_ckpt_<step>/ under it)
+  std::optional<int64_t> step; // unset: the steps taken so far
+  // Local folder: tensors are snapshotted in memory, written here, then
+  // copied to the store in the background while training goes on. Empty:
+  // written to the store directly, before checkpoint() returns.
+  std::string tempdir;
+  bool shard = false;     // each stage's pieces written by all its replicas, not only replica 0
+  // Written synchronously (after any background ones) and waited for until
+  // complete on every rank: checkpoint-and-exit.
+  bool onDemand = false;
+};
+
 struct StepResult {
   double loss = 0.0;       // mean over the global batch, identical on every rank
   bool overflow = false;   // fp16: inf/NaN gradients somewhere, step skipped everywhere
@@ -187,9 +201,10 @@ class Varuna {
   // next checkpoint tries again); an on-demand one throws CheckpointError
   // (exit code kExitStorageError). A worker whose generation was superseded
   // throws SupersededError and never completes a checkpoint.
-  bool checkpoint(const std::string& globalStore, std::optional<int64_t> step = std::nullopt,
-                  const std::string& tempdir = "", bool shard = false, bool onDemand = false);
-  // The same with VarunaOptions::checkpointing's store, tempdir and sharding.
+  bool checkpoint(const CheckpointRequest& request);
+  // Into `globalStore`, directly (no tempdir, no sharding).
+  bool checkpoint(const std::string& globalStore, std::optional<int64_t> step = std::nullopt);
+  // With VarunaOptions::checkpointing's store, tempdir and sharding.
   bool checkpoint(std::optional<int64_t> step = std::nullopt);
   // Checkpoint-and-exit, the contract run_varuna's morphing relies on: when
   // `result` says a checkpoint was requested (SIGUSR1 on any rank), writes the

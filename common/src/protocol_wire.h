@@ -1,0 +1,156 @@
+// The wire form of each control message, declared once: its type tag and a
+// table of fields (wire name, member, how it is read). encodeMessage and
+// decodeMessage walk the table, so a field's name is written in one place
+// and every field is decoded by name. Private to protocol.cpp.
+//
+// Field kinds:
+//   required(name, &T::m)        must be present, of the member's JSON type
+//   optional(name, &T::m, v)     may be absent (older peers): then v
+//   bounded(name, &T::m)         text cut to kMaxErrorTextBytes, valid UTF-8,
+//                                on both sides (peer text goes into logs)
+//   exchange(name, &T::m)        a salvage exchange result: [] or
+//                                kExchangeValues numbers, non-finite as null;
+//                                absent: []
+#pragma once
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "varuna/common/protocol.h"
+
+namespace varuna::proto {
+
+// Nested values.
+inline void to_json(nlohmann::json& j, const WorkerSpec& w) { j = {{"rank", w.rank}, {"local_rank", w.localRank}}; }
+inline void from_json(const nlohmann::json& j, WorkerSpec& w) {
+  j.at("rank").get_to(w.rank);
+  j.at("local_rank").get_to(w.localRank);
+}
+// [rank, step, waiting]: a host's worth of beats in one small frame.
+inline void to_json(nlohmann::json& j, const WorkerBeat& b) { j = {b.rank, b.step, b.waiting}; }
+inline void from_json(const nlohmann::json& j, WorkerBeat& b) {
+  if (!j.is_array() || j.size() != 3) throw ProtocolError("worker_beats: each beat must be [rank, step, waiting]");
+  j.at(0).get_to(b.rank);
+  j.at(1).get_to(b.step);
+  j.at(2).get_to(b.waiting);
+}
+
+namespace wire {
+
+template <typename T, typename M>
+struct Required {
+  const char* name;
+  M T::*member;
+};
+template <typename T, typename M>
+struct Optional {
+  const char* name;
+  M T::*member;
+  M fallback;
+};
+template <typename T>
+struct Bounded {
+  const char* name;
+  std::string T::*member;
+};
+template <typename T>
+struct Exchange {
+  const char* name;
+  std::vector<double> T::*member;
+};
+
+template <typename T, typename M>
+constexpr Required<T, M> required(const char* name, M T::*member) {
+  return {name, member};
+}
+template <typename T, typename M>
+constexpr Optional<T, M> optional(const char* name, M T::*member, M fallback) {
+  return {name, member, fallback};
+}
+template <typename T>
+constexpr Bounded<T> bounded(const char* name, std::string T::*member) {
+  return {name, member};
+}
+template <typename T>
+constexpr Exchange<T> exchange(const char* name, std::vector<double> T::*member) {
+  return {name, member};
+}
+
+// Writing.
+template <typename T, typename M>
+void write(nlohmann::json& j, const T& m, const Required<T, M>& f) {
+  j[f.name] = m.*(f.member);
+}
+template <typename T, typename M>
+void write(nlohmann::json& j, const T& m, const Optional<T, M>& f) {
+  j[f.name] = m.*(f.member);
+}
+template <typename T>
+void write(nlohmann::json& j, const T& m, const Bounded<T>& f) {
+  j[f.name] = boundedText(m.*(f.member));
+}
+template <typename T>
+void write(nlohmann::json& j, const T& m, const Exchange<T>& f) {
+  auto values = nlohmann::json::array();
+  for (double v : m.*(f.member)) values.push_back(std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr));
+  j[f.name] = values;
+}
+
+// Reading.
+template <typename T, typename M>
+void read(const nlohmann::json& j, T& m, const Required<T, M>& f) {
+  j.at(f.name).get_to(m.*(f.member));
+}
+template <typename T, typename M>
+void read(const nlohmann::json& j, T& m, const Optional<T, M>& f) {
+  m.*(f.member) = j.contains(f.name) ? j.at(f.name).template get<M>() : f.fallback;
+}
+template <typename T>
+void read(const nlohmann::json& j, T& m, const Bounded<T>& f) {
+  m.*(f.member) = boundedText(j.at(f.name).template get<std::string>());
+}
+template <typename T>
+void read(const nlohmann::json& j, T& m, const Exchange<T>& f, const char* type) {
+  auto& out = m.*(f.member);
+  out.clear();
+  if (!j.contains(f.name)) return;
+  const auto& values = j.at(f.name);
+  if (!values.is_array() || !(values.empty() || values.size() == kExchangeValues)) {
+    throw ProtocolError(std::string(type) + ": " + f.name + " must be [] or an array of " +
+                        std::to_string(kExchangeValues) + " numbers");
+  }
+  for (const auto& v : values) {
+    if (!v.is_null() && !v.is_number()) throw ProtocolError(std::string(type) + ": exchange values must be numbers or null");
+    out.push_back(v.is_null() ? std::numeric_limits<double>::infinity() : v.template get<double>());
+  }
+}
+template <typename T, typename F>
+void read(const nlohmann::json& j, T& m, const F& f, const char*) {
+  read(j, m, f);
+}
+
+// One specialisation per message (protocol.cpp): `type` and `fields()`.
+template <typename T>
+struct Form;
+
+template <typename T>
+nlohmann::json encodeMessage(const T& m) {
+  nlohmann::json j = {{"type", Form<T>::type}};
+  std::apply([&](const auto&... field) { (write(j, m, field), ...); }, Form<T>::fields());
+  return j;
+}
+
+template <typename T>
+T decodeMessage(const nlohmann::json& j) {
+  T m;
+  std::apply([&](const auto&... field) { (read(j, m, field, Form<T>::type), ...); }, Form<T>::fields());
+  return m;
+}
+
+}  // namespace wire
+}  // namespace varuna::proto
