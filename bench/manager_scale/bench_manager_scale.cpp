@@ -260,7 +260,7 @@ class Bench {
     if (::mkfifo(fifo.c_str(), 0600) != 0) throw BenchError(strCat("mkfifo ", fifo.string(), ": ", std::strerror(errno)));
     // run_varuna runs `exec SHIM --daemonize --token_stdin --manager A --host H ...` per host with the job
     // token as the first line of stdin (ManagerDaemon::agentCommand / startAgent). The shim takes the
-    // token exactly as varuna_agent does (manager/src/agent_main.cpp, readJobToken): from stdin with
+    // token exactly as varuna_agent does (manager/src/agent/agent_main.cpp, readJobToken): from stdin with
     // --token_stdin, else from VARUNA_JOB_TOKEN, and fails like it (exit 2) with neither.
     const fs::path shim = dir_ / "agent_shim.sh";
     {

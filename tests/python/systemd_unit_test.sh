@@ -20,8 +20,8 @@ fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 if ! python3 -m json.tool "$CONFIG/examples/gpt-2x2.json" >/dev/null; then
   fail "config/examples/gpt-2x2.json is not valid JSON"
 fi
-# Every key must be one run_varuna knows (its table in manager/src/job_config.cpp).
-python3 - "$CONFIG/examples/gpt-2x2.json" "$SRC/manager/src/job_config.cpp" <<'EOF' || fail "gpt-2x2.json keys or types"
+# Every key must be one run_varuna knows (its table in manager/src/job/job_config.cpp).
+python3 - "$CONFIG/examples/gpt-2x2.json" "$SRC/manager/src/job/job_config.cpp" <<'EOF' || fail "gpt-2x2.json keys or types"
 import json, os, re, sys
 config = json.load(open(sys.argv[1]))
 assert isinstance(config.get("program"), list) and all(isinstance(a, str) for a in config["program"]), "program"
