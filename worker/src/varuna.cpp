@@ -673,31 +673,45 @@ double Varuna::Impl::evaluate(const Batch& inputs) {
 
 // ---------------------------------------------------------------------------
 
-Varuna::Varuna(VarunaOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
-Varuna::~Varuna() {
-  if (std::uncaught_exceptions() == 0 && impl_->comm_) impl_->comm_->finishedCleanly();
+void Varuna::Impl::reportStep(const StepResult& result, double seconds) {
+  if (!managerLink_) return;
+  managerLink_->reportStep(proto::StepReport{opt_.rank, stage_, replica_, stepsDone_, result.loss, seconds,
+                                             result.computeSecondsPerMicrobatch});
 }
 
-void Varuna::abandon() {
-  if (impl_->comm_) impl_->comm_->abandon();
+void Varuna::Impl::finishedCleanly() {
+  if (comm_) comm_->finishedCleanly();
 }
+
+void Varuna::Impl::abandon() {
+  if (comm_) comm_->abandon();
+}
+
+// ---------------------------------------------------------------------------
+
+Varuna::Varuna(VarunaOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Varuna::~Varuna() {
+  if (std::uncaught_exceptions() == 0) impl_->finishedCleanly();
+}
+
+void Varuna::abandon() { impl_->abandon(); }
 
 std::vector<torch::Tensor> Varuna::parameters() const {
   // Each tensor once: the optimizer must not step a tied weight twice.
   std::vector<torch::Tensor> out;
   std::set<const void*> seen;
-  for (const auto& p : impl_->model_->parameters()) {
+  for (const auto& p : impl_->model().parameters()) {
     if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
   }
   return out;
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> Varuna::namedParameters() const {
-  return {impl_->model_->namedParams().begin(), impl_->model_->namedParams().end()};
+  return {impl_->model().namedParams().begin(), impl_->model().namedParams().end()};
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> Varuna::namedBuffers() const {
-  return {impl_->model_->namedBuffers().begin(), impl_->model_->namedBuffers().end()};
+  return {impl_->model().namedBuffers().begin(), impl_->model().namedBuffers().end()};
 }
 
 void Varuna::setOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, LossScaleOptions lossScale) {
@@ -717,12 +731,7 @@ StepResult Varuna::step(const Batch& inputs, std::optional<double> clipGradMaxNo
     if (impl_->salvageOn()) impl_->salvage(lost);
     throw;
   }
-  if (impl_->managerLink_) {
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    impl_->managerLink_->reportStep(proto::StepReport{impl_->opt_.rank, impl_->stage_, impl_->replica_,
-                                                      impl_->stepsDone_, result.loss, seconds,
-                                                      result.computeSecondsPerMicrobatch});
-  }
+  impl_->reportStep(result, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return result;
 }
 
@@ -735,18 +744,18 @@ double Varuna::evaluate(const Batch& inputs) {
   }
 }
 
-int64_t Varuna::stepsDone() const { return impl_->stepsDone_; }
-int64_t Varuna::samplesSeen() const { return impl_->stepsDone_ * impl_->opt_.batchSize; }
+int64_t Varuna::stepsDone() const { return impl_->stepsDone(); }
+int64_t Varuna::samplesSeen() const { return impl_->stepsDone() * impl_->options().batchSize; }
 
-int Varuna::rank() const { return impl_->opt_.rank; }
-int Varuna::stage() const { return impl_->stage_; }
-int Varuna::replica() const { return impl_->replica_; }
-int Varuna::numStages() const { return impl_->P_; }
-int Varuna::numReplicas() const { return impl_->D_; }
-const Partition& Varuna::partition() const { return impl_->partition_; }
-const StageToRankMap& Varuna::stageToRankMap() const { return impl_->map_; }
-torch::Device Varuna::device() const { return impl_->opt_.device; }
-const LossScaler& Varuna::lossScaler() const { return impl_->scaler_; }
+int Varuna::rank() const { return impl_->options().rank; }
+int Varuna::stage() const { return impl_->stage(); }
+int Varuna::replica() const { return impl_->replica(); }
+int Varuna::numStages() const { return impl_->numStages(); }
+int Varuna::numReplicas() const { return impl_->numReplicas(); }
+const Partition& Varuna::partition() const { return impl_->partition(); }
+const StageToRankMap& Varuna::stageToRankMap() const { return impl_->map(); }
+torch::Device Varuna::device() const { return impl_->options().device; }
+const LossScaler& Varuna::lossScaler() const { return impl_->scaler(); }
 
 void exitWorker(int code) {
   log::flush();

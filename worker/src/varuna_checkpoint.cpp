@@ -357,7 +357,7 @@ bool Varuna::checkpoint(const std::string& globalStore, std::optional<int64_t> s
 }
 
 bool Varuna::checkpoint(std::optional<int64_t> step) {
-  const auto& c = impl_->opt_.checkpointing;
+  const auto& c = impl_->options().checkpointing;
   if (c.globalStore.empty()) {
     throw ConfigError("checkpoint(): VarunaOptions::checkpointing.globalStore is empty (or pass the store)");
   }
@@ -366,17 +366,17 @@ bool Varuna::checkpoint(std::optional<int64_t> step) {
 
 void Varuna::exitIfCheckpointRequested(const StepResult& result) {
   if (!result.checkpointRequested) return;
-  const auto& c = impl_->opt_.checkpointing;
+  const auto& c = impl_->options().checkpointing;
   if (c.globalStore.empty()) {
     // Exit 75 promises a checkpoint; with nowhere to write one, exiting would
     // only throw the job's progress away.
-    if (impl_->opt_.rank == 0) {
+    if (impl_->options().rank == 0) {
       log::error("checkpoint requested (SIGUSR1) but no checkpoint store is configured (global_store, or "
                  "run_varuna's VARUNA_GLOBAL_STORE): training goes on without one");
     }
     return;
   }
-  const int64_t step = impl_->stepsDone_;
+  const int64_t step = impl_->stepsDone();
   try {
     checkpoint(CheckpointRequest{c.globalStore, step, c.tempdir, c.shard, /*onDemand=*/true});
   } catch (const PeerLostError& lost) {
@@ -384,7 +384,7 @@ void Varuna::exitIfCheckpointRequested(const StepResult& result) {
     if (impl_->salvageOn()) impl_->salvage(lost);
     throw;
   }
-  if (impl_->opt_.rank == 0) log::info("checkpointed step ", step, " on demand; exiting with ", kExitCheckpointed);
+  if (impl_->options().rank == 0) log::info("checkpointed step ", step, " on demand; exiting with ", kExitCheckpointed);
   exitWorker(kExitCheckpointed);
 }
 
@@ -396,8 +396,10 @@ std::optional<int64_t> Varuna::loadLatestCheckpoint(const std::string& globalSto
   return impl_->guarded([&] { return impl_->loadLatestCheckpoint(globalStore, atMost); });
 }
 
-void Varuna::waitForCheckpoints() {
-  if (impl_->writer_) impl_->writer_->drain();
+void Varuna::Impl::drainCheckpoints() {
+  if (writer_) writer_->drain();
 }
+
+void Varuna::waitForCheckpoints() { impl_->drainCheckpoints(); }
 
 }  // namespace varuna

@@ -88,6 +88,26 @@ class Varuna::Impl {
     }
   }
 
+  // What the Varuna facade reads and asks (varuna.cpp, varuna_checkpoint.cpp).
+  const VarunaOptions& options() const { return opt_; }
+  int stage() const { return stage_; }
+  int replica() const { return replica_; }
+  int numStages() const { return P_; }
+  int numReplicas() const { return D_; }
+  const Partition& partition() const { return partition_; }
+  const StageToRankMap& map() const { return map_; }
+  const LossScaler& scaler() const { return scaler_; }
+  int64_t stepsDone() const { return stepsDone_; }
+  const StageModel& model() const { return *model_; }
+  // The step just taken, to run_varuna (nothing without a manager).
+  void reportStep(const StepResult& result, double seconds);
+  // The process ends: cleanly (peers may exit as well), or leaving its peers.
+  void finishedCleanly();
+  void abandon();
+  // Background checkpoints land (or fail) before this returns.
+  void drainCheckpoints();
+
+ private:
   VarunaOptions opt_;
   StageToRankMap map_;
   int stage_ = 0, replica_ = 0, P_ = 1, D_ = 1;
@@ -114,7 +134,6 @@ class Varuna::Impl {
   enum class StepPoint { kBetweenSteps, kComputing, kExchanging, kSyncingBuffers };
   StepPoint stepPoint_ = StepPoint::kBetweenSteps;
 
- private:
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == P_ - 1; }
   int prevRank() const { return map_.rankOf(stage_ - 1, replica_); }
