@@ -25,6 +25,18 @@ foreach(_dir IN LISTS _varuna_nvidia_lib_dirs)
   target_link_options(varuna_torch INTERFACE "LINKER:-rpath-link,${_dir}" "LINKER:-rpath,${_dir}")
 endforeach()
 
+# Some torch wheels (2.11.0+cu130's) build libtorch.so with a static copy of
+# parts of libstdc++ (std::filesystem, std::chrono's time zones, ...) and
+# export it. A program whose libraries list libtorch.so before libstdc++.so.6
+# binds its own std::filesystem calls to that copy, which crashes: on an H100
+# node std::filesystem::remove_all called through a null pointer. Naming
+# libstdc++ first among the libraries (no-as-needed, so it stays first) makes
+# the dynamic linker find the real one first, in programs and in the Python
+# extension alike.
+if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  target_link_options(varuna_torch INTERFACE "SHELL:-Wl,--push-state,--no-as-needed -lstdc++ -Wl,--pop-state")
+endif()
+
 # Gloo's headers are not in the wheel; libtorch has Gloo compiled in, so only the
 # declarations are needed (Debian's libgloo-dev). Nothing links Debian's libgloo.
 find_path(VARUNA_GLOO_INCLUDE_DIR gloo/context.h REQUIRED)

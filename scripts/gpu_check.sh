@@ -85,11 +85,21 @@ print(json.dumps({"passed": passed, "failed": failed, "skipped": skipped, "failu
 EOF
 }
 
+# The small text files (logs, workers' output, step records; no tensors or
+# checkpoints) of the benchmarks' work folder and the tests' scratch folders
+# (test-tmp/) into the archive $1.
+keep_logs() {
+  (cd "$BUILD_DIR" && find gpu-check-work test-tmp -type f -size -2M ! -name '*.pt' ! -name '*.bin' \
+    ! -path '*/step_*' -print0 2>/dev/null | tar czf "$1" --null -T -) || say "warning: could not archive the logs"
+}
+
 run() {
-  # $OUT gets 7 files (the device tool brings back 8 at most): summary.json,
-  # configure.log, build.log, tests.log, tests.xml, bench.log, checkpoint.log.
-  # Everything else stays in $work.
+  # $OUT gets 8 files (the device tool brings back 8 at most): summary.json,
+  # configure.log, build.log, tests.log, tests.xml, bench.log, checkpoint.log,
+  # and logs.tar.gz: every small text file the tests and benchmarks left in
+  # $work (the workers' output, step records), for a failure's post-mortem.
   local out="${OUT_DIR:-${OUT:-$BUILD_DIR/out}}" work="$BUILD_DIR/gpu-check-work"
+  rm -rf "$work" "$BUILD_DIR/test-tmp"
   mkdir -p "$out" "$work"
   local started=$SECONDS status=0
   PY="${PYTHON:-$(command -v python3)}"
@@ -137,8 +147,8 @@ run() {
   say "GPU tests"
   local tests_regex='^(gpu_training_test|worker_unit_test|python_gpu_frontend_test)$'
   [[ $with_python == ON ]] || tests_regex='^(gpu_training_test|worker_unit_test)$'
-  (cd "$BUILD_DIR" && ctest -R "$tests_regex" --output-on-failure --timeout 400 \
-    --output-junit "$out/tests.xml") > "$out/tests.log" 2>&1 || status=1
+  (cd "$BUILD_DIR" && ctest -R "$tests_regex" \
+    --output-on-failure --timeout 400 --output-junit "$out/tests.xml") > "$out/tests.log" 2>&1 || status=1
   tail -15 "$out/tests.log" >&2
   local tests
   tests=$(junit_summary "$out/tests.xml")
@@ -162,6 +172,7 @@ run() {
       tail -20 "$out/checkpoint.log" >&2
     fi
   fi
+  keep_logs "$out/logs.tar.gz"
   "$PY" - "$device" "$torch_version" "$cuda_version" "$build_s" "$((SECONDS - started))" "$tests" "$bench" \
     "$checkpoint" <<'EOF' | tee "$out/summary.json"
 import json, sys

@@ -112,28 +112,31 @@ def main() -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGUSR1, forward)
 
-    first_failure = None
+    def first_failure():
+        """(rank, code) of the first rank seen to fail so far, or None."""
+        return next(((rank, p.poll()) for rank, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+
+    failure = None
     deadline = None
     while any(p.poll() is None for p in procs):
-        for rank, p in enumerate(procs):
-            code = p.poll()
-            if code not in (None, 0) and first_failure is None:
-                first_failure = (rank, code)
-                deadline = time.monotonic() + args.grace
-                print(f"varuna_launch: rank {rank} exited with code {code}", file=sys.stderr, flush=True)
+        if failure is None and (failure := first_failure()):
+            deadline = time.monotonic() + args.grace
+            report(*failure)
         if deadline is not None and time.monotonic() > deadline:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.05)
-    if first_failure is None:
-        for rank, p in enumerate(procs):
-            if p.returncode != 0:
-                first_failure = (rank, p.returncode)
-                break
-    if first_failure:
-        return first_failure[1] if first_failure[1] > 0 else 1
+    if failure is None and (failure := first_failure()):
+        report(*failure)  # e.g. the only rank, or all at once
+    if failure:
+        return failure[1] if failure[1] > 0 else 1  # a signal's death (negative) as 1
     return 0
+
+
+def report(rank, code):
+    how = "was killed by signal %d" % -code if code < 0 else "exited with code %d" % code
+    print(f"varuna_launch: rank {rank} {how}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,12 @@ def launch(script, stages, replicas, micro, global_batch, worker_args, timeout=3
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
+def output_of(proc, chars=2500):
+    """The end of a finished job's stdout and stderr, for a failure message:
+    the launcher passes the workers' output on, some of it on stdout."""
+    return "stdout: ...%s\nstderr: ...%s" % ((proc.stdout or "")[-chars:], (proc.stderr or "")[-chars:])
+
+
 def run(namespace):
     tests = {name: fn for name, fn in namespace.items() if name.startswith("test_")}
     for name in sys.argv[1:] or list(tests):

@@ -62,10 +62,6 @@ DEADLINE_S = 300
 failures = checks.failures
 
 
-def output_of(proc):
-    return (proc.stdout or "")[-3000:] + (proc.stderr or "")[-3000:]
-
-
 def run_job(out, stages, replicas, global_batch, *worker_args, resume_step=None, micro=MICRO):
     """A job of frontend_faults_worker.py under scripts/varuna_launch.py."""
     cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
@@ -78,7 +74,7 @@ def run_job(out, stages, replicas, global_batch, *worker_args, resume_step=None,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S)
     if proc.returncode != 0:
         raise AssertionError("job %dx%d %s failed (%d):\n%s" % (stages, replicas, worker_args, proc.returncode,
-                                                               output_of(proc)))
+                                                               checks.output_of(proc, 3000)))
     return proc
 
 
@@ -347,7 +343,7 @@ def test_torchrun():
                     "--global_batch", str(batch), "--steps", str(steps), "--optimizer", "sgd"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S)
     if proc.returncode != 0:
-        raise AssertionError("torchrun job failed (%d):\n%s" % (proc.returncode, output_of(proc)))
+        raise AssertionError("torchrun job failed (%d):\n%s" % (proc.returncode, checks.output_of(proc, 3000)))
     ref_losses, ref_params, ref_eval = frontend_model.reference(steps, batch, "sgd", MICRO)
     params, losses, held_out = {}, None, None
     for rank in range(2):

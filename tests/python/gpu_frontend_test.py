@@ -85,7 +85,7 @@ def test_cutpoint_model_on_cuda_equals_plain_pytorch():
             proc = checks.launch(os.path.abspath(__file__), stages, 1, MICRO, GLOBAL_BATCH,
                                  ["--worker", "--out", out, "--comm_backend", backend])
             if proc.returncode != 0:
-                failures.append("%s failed (%d): %s" % (what, proc.returncode, proc.stderr[-2500:]))
+                failures.append("%s failed (%d): %s" % (what, proc.returncode, checks.output_of(proc)))
                 continue
             parts = [torch.load(os.path.join(out, "rank_%d.pt" % r)) for r in range(stages)]
         params = {}
@@ -114,7 +114,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
                               "--init_loss_scale", 1024, "--overflow_at", OVERFLOW_STEP,
                               "--overflow_rank", OVERFLOW_RANK, "--device", "cuda", "--comm_backend", "gloo"])
         if proc.returncode != 0:
-            raise AssertionError("the fp16 job failed (%d): %s" % (proc.returncode, proc.stderr[-2500:]))
+            raise AssertionError("the fp16 job failed (%d): %s" % (proc.returncode, checks.output_of(proc)))
         per_rank = []
         for rank in range(4):
             with open(os.path.join(out, "rank_%d.jsonl" % rank)) as f:
