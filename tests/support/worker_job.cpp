@@ -34,8 +34,9 @@ WorkerJob::WorkerJob(const WorkerJobSpec& spec, const std::filesystem::path& dir
                                      "--master_addr", "127.0.0.1", "--master_port", std::to_string(store_->getPort()),
                                      "--external_store", "--dump_dir", dir.string()};
     argv.insert(argv.end(), spec.trainArgs.begin(), spec.trainArgs.end());
-    workers_.emplace_back(argv, std::map<std::string, std::string>{{"WORLD_SIZE", std::to_string(world)}},
-                          dir / ("worker" + std::to_string(rank)));
+    auto env = spec.env;
+    env["WORLD_SIZE"] = std::to_string(world);
+    workers_.emplace_back(argv, env, dir / ("worker" + std::to_string(rank)));
   }
 }
 

@@ -24,6 +24,7 @@ struct WorkerJobSpec {
   int64_t perReplicaBatch = 8;
   int64_t chunkSize = 2;
   std::vector<std::string> trainArgs;  // passed to train_gpt after the launcher's
+  std::map<std::string, std::string> env;  // more environment for every worker (e.g. a manager's address)
 };
 
 struct StepRecord {

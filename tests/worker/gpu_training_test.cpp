@@ -1,7 +1,8 @@
 // The runtime on CUDA, as real multi-process jobs of train_gpt on the GPUs of
 // this machine (one is enough): exact against a plain libtorch loop on the
 // same GPU in deterministic fp32, pipelines of several stages sharing one GPU
-// through Gloo, mixed precision, and checkpoints moving between CUDA and CPU.
+// through Gloo, mixed precision, checkpoints moving between CUDA and CPU, and
+// a salvage after a kill -9.
 // Skipped (exit 77, with a line saying so) without a GPU, so the suite stays
 // green on CPU-only machines while the code path stays compiled.
 #define CATCH_CONFIG_RUNNER
@@ -12,6 +13,7 @@
 #include "char_dataset.h"
 #include "gpt_model.h"
 #include "reference_trainer.h"
+#include "salvage_manager.h"
 #include "test_env.h"
 #include "varuna/worker/devices.h"
 #include "worker_job.h"
@@ -199,6 +201,13 @@ TEST_CASE("a checkpoint of a CUDA job resumes in a CPU job and the reverse, para
       CHECK(resumed.steps(0).size() == 1);  // step 3 only
     }
   }
+}
+
+TEST_CASE("a kill -9 of one rank of a 2x2 CUDA job (Gloo) salvages with 0 steps lost", "[gpu]") {
+  requireKillSalvagedWithNoStepLost({"--device", "cuda", "--comm_backend", "gloo", "--deterministic", "--d_model", "64",
+                                     "--heads", "2", "--layers", "4", "--seq_len", "32", "--optimizer", "adamw",
+                                     "--lr", "3e-3"},
+                                    scratchDir("gpu-salvage"), /*rtol=*/1e-5);
 }
 
 TEST_CASE("NCCL with more ranks than GPUs is refused at start-up, naming the fix", "[gpu]") {

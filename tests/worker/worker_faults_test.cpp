@@ -1,9 +1,13 @@
 // Faults the worker runtime claims to survive or report: a killed rank makes
-// every other rank exit with a clear error naming it, in bounded time; an fp16
-// overflow skips the same steps on every rank.
+// every other rank exit with a clear error naming it, in bounded time; with a
+// manager that salvages (here SalvageManager, its part played on loopback),
+// the survivors of a killed rank write the newest step and a job resumed from
+// it trains on exactly as if uninterrupted; an fp16 overflow skips the same
+// steps on every rank.
 
 #include <signal.h>
 
+#include "salvage_manager.h"
 #include "test_env.h"
 #include "varuna/common/errors.h"
 #include "worker_job.h"
@@ -50,6 +54,14 @@ TEST_CASE("a killed rank makes every other rank fail fast, naming it", "[integra
   }
   WARN("all survivors exited " << seconds << " s after the kill");
   CHECK(seconds < 20.0);
+}
+
+TEST_CASE("a rank killed with SIGKILL: the survivors salvage the newest step, and training resumes from it exactly",
+          "[integration][fault][salvage]") {
+  // AdamW: the optimizer's state must survive the salvage too.
+  requireKillSalvagedWithNoStepLost({"--d_model", "32", "--heads", "2", "--layers", "4", "--seq_len", "16",
+                                     "--optimizer", "adamw", "--lr", "0.01"},
+                                    scratchDir("salvage-kill"), /*rtol=*/0.0);
 }
 
 TEST_CASE("an fp16 overflow skips the same steps on every rank", "[integration][fp16]") {
