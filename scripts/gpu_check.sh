@@ -93,6 +93,22 @@ keep_logs() {
     ! -path '*/step_*' -print0 2>/dev/null | tar czf "$1" --null -T -) || say "warning: could not archive the logs"
 }
 
+# summary.json ($1) from the tests' counts ($2) and the benchmarks' JSON
+# lines ($3: bench_gpu.py's, $4: bench_checkpoint's; null when not run), with
+# the caller's device, versions and timings; printed too.
+write_summary() {
+  "$PY" - "$device" "$torch_version" "$cuda_version" "$build_s" "$((SECONDS - started))" "$2" "$3" "$4" \
+    <<'EOF' | tee "$1"
+import json, sys
+device, torch_version, cuda, build_s, total_s, tests, bench, checkpoint = sys.argv[1:]
+summary = {"device": device, "torch": torch_version, "cuda": cuda, "build_s": int(build_s),
+           "total_s": int(total_s), "tests": json.loads(tests)}
+summary.update({k: v for k, v in (json.loads(bench) or {}).items() if k not in ("device", "torch", "cuda")})
+summary["checkpoint"] = json.loads(checkpoint)
+print(json.dumps(summary))
+EOF
+}
+
 run() {
   # $OUT gets 8 files (the device tool brings back 8 at most): summary.json,
   # configure.log, build.log, tests.log, tests.xml, bench.log, checkpoint.log,
@@ -152,6 +168,8 @@ run() {
   tail -15 "$out/tests.log" >&2
   local tests
   tests=$(junit_summary "$out/tests.xml")
+  # A first summary now: a run cut short in the benchmarks still leaves one.
+  write_summary "$out/summary.json" "$tests" null null >/dev/null
 
   local bench='null' checkpoint='null'
   if [[ -z "${NO_BENCH:-}" ]]; then
@@ -173,16 +191,7 @@ run() {
     fi
   fi
   keep_logs "$out/logs.tar.gz"
-  "$PY" - "$device" "$torch_version" "$cuda_version" "$build_s" "$((SECONDS - started))" "$tests" "$bench" \
-    "$checkpoint" <<'EOF' | tee "$out/summary.json"
-import json, sys
-device, torch_version, cuda, build_s, total_s, tests, bench, checkpoint = sys.argv[1:]
-summary = {"device": device, "torch": torch_version, "cuda": cuda, "build_s": int(build_s),
-           "total_s": int(total_s), "tests": json.loads(tests)}
-summary.update({k: v for k, v in (json.loads(bench) or {}).items() if k not in ("device", "torch", "cuda")})
-summary["checkpoint"] = json.loads(checkpoint)
-print(json.dumps(summary))
-EOF
+  write_summary "$out/summary.json" "$tests" "$bench" "$checkpoint"
   return $status
 }
 

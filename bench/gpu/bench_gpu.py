@@ -6,7 +6,10 @@
                   replica, untied) under train_gpt against plain_gpt_loop,
                   the same model, data and AdamW in a plain libtorch loop:
                   overhead_vs_plain_loop = our tokens/s over the loop's
-                  (target >= 0.97); mfu = model FLOPs per second over the
+                  (target >= 0.97) with --nonfinite stop (the optimizer
+                  queued before the step's exchange is read, as the loop
+                  queues it before reading its loss); ..._skip: the default
+                  --nonfinite skip (the exchange read first); mfu = model FLOPs per second over the
                   device's dense bf16 peak (PaLM's count: 6N + 12 L d T per
                   token, attention included)
   python          examples/python/train_gpt.py, the same model and plan:
@@ -65,7 +68,7 @@ def run_plain_loop(build, size, device, steps, warmup, out_dir):
 STEP_LINE = re.compile(r"^step (\d+) loss .* time ([0-9.eE+-]+)s")
 
 
-def run_ours(build, trainer, python, size, device, steps, warmup, out_dir, name):
+def run_ours(build, trainer, python, size, device, steps, warmup, out_dir, name, nonfinite="stop"):
     """One 1x1 job of a trainer ("cpp" or "python") through varuna_launch.py,
     printing every step's time (no dump: at this size the parameters alone
     are over a GB); the median step time after warmup, and the start-up: from
@@ -75,7 +78,7 @@ def run_ours(build, trainer, python, size, device, steps, warmup, out_dir, name)
     argv = [python, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", "1", "--replicas", "1",
             "--chunk_size", str(size["batch"]), "--batch_size", str(size["batch"]), "--"] + program + [
         "--device", device, "--precision", size["precision"], "--untied", "--optimizer", "adamw", "--lr", "3e-4",
-        "--clip", "0", "--steps", str(warmup + steps), "--log_every", "1"] + model_args(size)
+        "--clip", "0", "--steps", str(warmup + steps), "--log_every", "1", "--nonfinite", nonfinite] + model_args(size)
     log_path = os.path.join(out_dir, name + ".log")
     start = time.monotonic()
     first_line_at = None
@@ -133,11 +136,15 @@ def main():
     plain = run_plain_loop(build, size, device, steps, warmup, out_dir)
     log("plain loop:", plain)
     cpp = run_ours(build, "cpp", args.python, size, device, steps, warmup, out_dir, "train_gpt")
-    log("train_gpt:", cpp)
+    log("train_gpt --nonfinite stop:", cpp)
+    cpp_skip = run_ours(build, "cpp", args.python, size, device, steps, warmup, out_dir, "train_gpt_skip", "skip")
+    log("train_gpt --nonfinite skip:", cpp_skip)
     result = {"device": info["name"], "torch": info["torch"], "cuda": info["cuda_version"], "size": size,
               "params": plain["params"], "plain_loop_tokens_per_s": plain["tokens_per_s"],
               "tokens_per_s": cpp["tokens_per_s"],
               "overhead_vs_plain_loop": cpp["tokens_per_s"] / plain["tokens_per_s"],
+              "tokens_per_s_skip": cpp_skip["tokens_per_s"],
+              "overhead_vs_plain_loop_skip": cpp_skip["tokens_per_s"] / plain["tokens_per_s"],
               "worker_start_to_first_step_s": cpp["start_to_first_step_s"]}
     peak = next((v for k, v in BF16_PEAKS.items() if k in info["name"]), None)
     result["bf16_peak_flops"] = peak

@@ -36,6 +36,7 @@ struct TrainOptions {
   double clip = 1.0;  // <= 0: no clipping
   std::string precision = "fp32";
   std::string schedule = "varuna";
+  std::string nonFinite = "skip";
   double initLossScale = 65536;
   int64_t growthInterval = 1000;
   uint64_t dataSeed = 7;
@@ -58,6 +59,7 @@ struct TrainOptions {
   int64_t testBusyLoopAtStep = -1;  // >= 0: at this step (0-based) ...
   int testBusyLoopRank = 0;         // ... this rank spins forever
   std::string testLoseExchange;     // STAGE@STEP[/REPLICA]: see loseExchangeHook
+  int64_t testNonFiniteAtStep = -1;  // >= 0: rank 0's gradients of this step (0-based) become non-finite
   gpt::GptConfig model;
 };
 
@@ -100,6 +102,10 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)");
   app.add_option("--precision", o.precision, "fp32, bf16 or fp16")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_option("--schedule", o.schedule, "varuna, 1f1b or gpipe")->check(CLI::IsMember({"varuna", "1f1b", "gpipe"}));
+  app.add_option("--nonfinite", o.nonFinite,
+                 "fp32/bf16 step with non-finite gradients: skip (read the step's exchange before the optimizer) "
+                 "or stop (queue the optimizer first, faster on GPUs; exit 1 on a non-finite step)")
+      ->check(CLI::IsMember({"skip", "stop"}));
   app.add_option("--init_loss_scale", o.initLossScale, "fp16 initial loss scale");
   app.add_option("--loss_scale_growth_interval", o.growthInterval, "fp16 clean steps before the scale grows");
   app.add_option("--data_seed", o.dataSeed, "seed of the data order");
@@ -132,6 +138,8 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
                  "test hook: before step N (0-based; -1: off) rank --test_busy_loop_rank spins in a busy loop "
                  "forever, outside c10d: its heartbeats go on with its step stalled while its peers wait");
   app.add_option("--test_busy_loop_rank", o.testBusyLoopRank, "test hook: the rank of --test_busy_loop_at_step");
+  app.add_option("--test_nonfinite_at_step", o.testNonFiniteAtStep,
+                 "test hook: rank 0's gradients of step N (0-based; -1: off) become non-finite before the exchange");
   app.add_option("--test_lose_exchange", o.testLoseExchange,
                  "test hook: STAGE@STEP[/REPLICA]: that stage's ranks act as if the exchange completing STEP failed "
                  "under them (run_varuna's first generation only)");
@@ -206,12 +214,19 @@ int run(int argc, char** argv) {
   options.model = gpt::makeGptModel(o.model);
   if (!o.pieceCosts.empty()) options.model.pieceCosts = parseCosts(o.pieceCosts);
   if (!o.testLoseExchange.empty()) options.faults.loseExchange = loseExchangeHook(o.testLoseExchange);
+  if (o.testNonFiniteAtStep >= 0) {
+    options.faults.poisonGradients = [rank = launch.rank, step = o.testNonFiniteAtStep](const varuna::ExchangePoint& at) {
+      return rank == 0 && at.step == step + 1;  // at.step counts steps done once this one is applied
+    };
+  }
   const auto map = varuna::StageToRankMap::parse(options.stageToRankMap);
   const int64_t perReplica = launch.replicaBatchSize > 0 ? launch.replicaBatchSize : 8;
   options.batchSize = perReplica * map.numReplicas();
   options.chunkSize = launch.chunkSize > 0 ? launch.chunkSize : std::min<int64_t>(perReplica, 4);
   options.precision = varuna::parsePrecision(o.precision);
   options.schedule = varuna::parseScheduleKind(o.schedule);
+  options.onNonFiniteGradients =
+      o.nonFinite == "stop" ? varuna::NonFiniteGradients::kStopTraining : varuna::NonFiniteGradients::kSkipStep;
   options.commBackend = varuna::parseCommBackend(o.commBackend);
   options.device = o.device == "cuda" ? varuna::cudaDeviceForLocalRank(launch.localRank, options.commBackend)
                                       : torch::Device(torch::kCPU);

@@ -31,6 +31,8 @@ def parse(argv):
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (<= 0: off)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--schedule", default="varuna", choices=["varuna", "1f1b", "gpipe"])
+    p.add_argument("--nonfinite", default="skip", choices=["skip", "stop"],
+                   help="fp32/bf16 step with non-finite gradients: skip it, or stop (optimizer queued first: faster on GPUs)")
     p.add_argument("--data_seed", type=int, default=7)
     p.add_argument("--log_every", type=int, default=1)
     p.add_argument("--init_loss_scale", type=float, default=65536, help="fp16 initial loss scale")
@@ -94,7 +96,7 @@ def main():
 
     model = varuna.Varuna(pieces, get_batch_fn=sample, batch_size=global_batch, chunk_size=chunk,
                           shared_weights=shared, precision=o.precision, schedule=o.schedule, device=o.device,
-                          comm_backend=o.comm_backend,
+                          comm_backend=o.comm_backend, on_nonfinite=o.nonfinite,
                           seed=o.model_seed, peer_timeout_s=o.peer_timeout_s, launch_args=launch,
                           global_store=store or None,
                           keep_checkpoints=o.keep_checkpoints if o.keep_checkpoints >= 0 else None)

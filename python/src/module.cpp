@@ -98,6 +98,17 @@ void bindOptions(py::module_& m) {
           "comm_backend", [](const VarunaOptions& o) { return toString(o.commBackend); },
           [](VarunaOptions& o, const std::string& b) { o.commBackend = parseCommBackend(b); })
       .def_property(
+          "on_nonfinite",
+          [](const VarunaOptions& o) {
+            return o.onNonFiniteGradients == NonFiniteGradients::kStopTraining ? "stop" : "skip";
+          },
+          [](VarunaOptions& o, const std::string& mode) {
+            if (mode != "skip" && mode != "stop") {
+              throw ConfigError("on_nonfinite must be 'skip' or 'stop', got '" + mode + "'");
+            }
+            o.onNonFiniteGradients = mode == "stop" ? NonFiniteGradients::kStopTraining : NonFiniteGradients::kSkipStep;
+          })
+      .def_property(
           "schedule", [](const VarunaOptions& o) { return toString(o.schedule); },
           [](VarunaOptions& o, const std::string& s) { o.schedule = parseScheduleKind(s); })
       .def_property(

@@ -186,6 +186,11 @@ class Varuna:
       "cuda": this worker's GPU by its local rank.
     comm_backend: "auto" (NCCL on CUDA, Gloo on the CPU), "gloo" (also for
       CUDA tensors: several ranks may share one GPU) or "nccl".
+    on_nonfinite: what an fp32/bf16 step with non-finite gradients does:
+      "skip" (default; the step's exchange is read before the optimizer
+      runs) or "stop" (the optimizer is queued first, faster on GPUs where
+      it is many small kernels; such a step then raises varuna.Error, exit
+      code 1). fp16 always skips.
     shared_weights: [(name, name)] of parameters that hold one weight.
     init_fn(name, module): for a CutPoint model built on the meta device (the
       way for big models: no rank ever holds all of it), how each submodule
@@ -198,7 +203,8 @@ class Varuna:
     def __init__(self, model, stage_to_rank_map=None, get_batch_fn=None, batch_size=None, chunk_size=None,
                  fp16=False, local_rank=None, device=None, shared_weights=None, *, precision=None,
                  schedule="varuna", seed=0, piece_costs=None, bucket_bytes=None, peer_timeout_s=None,
-                 launch_args=None, global_store=None, keep_checkpoints=None, init_fn=None, comm_backend="auto"):
+                 launch_args=None, global_store=None, keep_checkpoints=None, init_fn=None, comm_backend="auto",
+                 on_nonfinite="skip"):
         if get_batch_fn is None:
             raise ValueError("Varuna: get_batch_fn is required (sample inputs teach the runtime the shapes "
                              "that cross each cut)")
@@ -217,6 +223,7 @@ class Varuna:
         options.comm_backend = comm_backend
         options.device = _device_of(device, options.local_rank, comm_backend)
         options.schedule = schedule
+        options.on_nonfinite = on_nonfinite
         if bucket_bytes is not None:
             options.bucket_bytes = int(bucket_bytes)
         if peer_timeout_s is not None:

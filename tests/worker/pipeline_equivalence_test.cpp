@@ -4,11 +4,13 @@
 // (relative 1e-5, absolute 1e-6 for values near zero).
 
 #include <cmath>
+#include <memory>
 
 #include "char_dataset.h"
 #include "gpt_model.h"
 #include "reference_trainer.h"
 #include "test_env.h"
+#include "varuna/common/errors.h"
 #include "worker_job.h"
 // Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
 #include <catch2/catch.hpp>
@@ -159,6 +161,73 @@ TEST_CASE("the example learns: loss falls in fp32 and bf16", "[integration]") {
       INFO("mean loss of the first 5 steps " << first << ", of the last 5 " << last);
       CHECK(last < first - 0.7);
       CHECK(std::isfinite(job.evalLoss(0)));
+    }
+  }
+}
+
+TEST_CASE("--nonfinite stop (the update queued before the exchange is read) trains bit for bit as skip",
+          "[integration]") {
+  ReferenceConfig rc;  // its clip bites at the first step: clipping on the device is checked too
+  auto run = [&](const std::string& mode) {
+    WorkerJobSpec spec;
+    spec.stages = 2;
+    spec.replicas = 2;
+    spec.perReplicaBatch = rc.globalBatch / 2;
+    spec.chunkSize = 2;
+    spec.trainArgs = trainArgs("varuna", rc);
+    spec.trainArgs.insert(spec.trainArgs.end(), {"--nonfinite", mode});
+    auto job = std::make_unique<WorkerJob>(spec, scratchDir("nonfinite-" + mode));
+    requireAllSucceeded(*job);
+    return job;
+  };
+  const auto skip = run("skip");
+  const auto stop = run("stop");
+  for (int r = 0; r < skip->worldSize(); ++r) {
+    const auto a = skip->steps(r), b = stop->steps(r);
+    REQUIRE(a.size() == b.size());
+    for (size_t s = 0; s < a.size(); ++s) {
+      INFO("rank " << r << " step " << s);
+      CHECK(a[s].loss == b[s].loss);
+      CHECK(a[s].gradNorm == b[s].gradNorm);
+    }
+    for (const auto& [name, tensor] : skip->params(r)) {
+      INFO("rank " << r << " parameter " << name);
+      CHECK(torch::equal(stop->params(r).at(name), tensor));
+    }
+  }
+}
+
+TEST_CASE("a non-finite gradient on one rank: skip skips that step everywhere; stop stops every rank, naming it",
+          "[integration][fault]") {
+  ReferenceConfig rc;
+  auto spec = [&](const std::string& mode) {
+    WorkerJobSpec s;
+    s.stages = 2;
+    s.perReplicaBatch = rc.globalBatch;
+    s.chunkSize = 2;
+    s.trainArgs = trainArgs("varuna", rc);
+    s.trainArgs.insert(s.trainArgs.end(), {"--nonfinite", mode, "--test_nonfinite_at_step", "2"});
+    return s;
+  };
+  SECTION("skip") {
+    WorkerJob job(spec("skip"), scratchDir("poisoned-skip"));
+    requireAllSucceeded(job);
+    for (int r = 0; r < job.worldSize(); ++r) {
+      const auto steps = job.steps(r);
+      REQUIRE(steps.size() == static_cast<size_t>(rc.steps));
+      for (size_t s = 0; s < steps.size(); ++s) CHECK(steps[s].overflow == (s == 2));
+    }
+    CHECK_THAT(job.worker(0).stderrText(), Catch::Contains("non-finite gradients in fp32 training: step skipped"));
+  }
+  SECTION("stop") {
+    WorkerJob job(spec("stop"), scratchDir("poisoned-stop"));
+    const auto codes = job.waitAll(std::chrono::seconds(120));
+    for (int r = 0; r < job.worldSize(); ++r) {
+      INFO("rank " << r << " stderr:\n" << job.worker(r).stderrText());
+      CHECK(codes[r] == kExitTrainingFailed);
+      CHECK(job.steps(r).size() == 2);  // steps 0 and 1
+      CHECK_THAT(job.worker(r).stderrText(), Catch::Contains("non-finite gradients at step 2 in fp32 training") &&
+                                                 Catch::Contains("Resume from the latest checkpoint"));
     }
   }
 }

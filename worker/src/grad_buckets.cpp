@@ -71,7 +71,7 @@ void GradBuckets::zero() {
   }
 }
 
-double GradBuckets::sumOfSquares() const {
+torch::Tensor GradBuckets::sumOfSquaresOnDevice() const {
   // Summed in float64: a float32 norm of a whole bucket (millions of
   // elements) comes out low by up to 1e-4 relative as its accumulator
   // rounds, and clipping would scale by that error. The squares are taken in
@@ -92,10 +92,16 @@ double GradBuckets::sumOfSquares() const {
       }
     }
   }
-  return total.defined() ? total.item<double>() : 0.0;
+  if (total.defined()) return total;
+  const auto device = buckets_.empty() ? torch::Device(torch::kCPU) : buckets_.front().flat.device();
+  return torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(device));
 }
 
 void GradBuckets::scale(double factor) {
+  for (auto& bucket : buckets_) bucket.flat.mul_(factor);
+}
+
+void GradBuckets::scale(const torch::Tensor& factor) {
   for (auto& bucket : buckets_) bucket.flat.mul_(factor);
 }
 

@@ -38,8 +38,12 @@ class GradBuckets {
   void finish(Communicator& comm);
 
   void zero();
-  double sumOfSquares() const;  // over the buckets counted in the norm
+  // Over the buckets counted in the norm: a float64 scalar on the gradients'
+  // device (no synchronisation), or read back.
+  torch::Tensor sumOfSquaresOnDevice() const;
+  double sumOfSquares() const { return sumOfSquaresOnDevice().item<double>(); }
   void scale(double factor);
+  void scale(const torch::Tensor& factor);  // a scalar tensor, e.g. on the device
 
  private:
   struct Bucket {

@@ -21,13 +21,18 @@ struct StepExchange {
   bool checkpointRequested = false;  // some rank got SIGUSR1 before the exchange
 
   // This rank's share as the tensor the all-reduce sums: float64 on the
-  // device of `lossSum`, which stays there (no synchronisation for it).
-  static torch::Tensor share(const torch::Tensor& lossSum, double sumOfSquares, bool checkpointRequested) {
+  // device of `lossSum`; the loss and the squared norm (scalar tensors) stay
+  // there (no synchronisation for them).
+  static torch::Tensor share(const torch::Tensor& lossSum, const torch::Tensor& sumOfSquares,
+                             bool checkpointRequested) {
     auto values = torch::zeros({3}, lossSum.options().dtype(torch::kDouble));
     values[0] = lossSum;
     values[1] = sumOfSquares;
     values[2] = checkpointRequested ? 1.0 : 0.0;
     return values;
+  }
+  static torch::Tensor share(const torch::Tensor& lossSum, double sumOfSquares, bool checkpointRequested) {
+    return share(lossSum, torch::tensor(sumOfSquares, torch::kDouble), checkpointRequested);
   }
   // The summed result.
   static StepExchange fromTensor(const torch::Tensor& summed) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <limits>
 #include <numeric>
 
 #include "autocast_scope.h"
@@ -131,6 +132,10 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   }
   validateModelSpec(opt_.model);
   if (!opt_.getBatch) throw ConfigError("VarunaOptions.getBatch is required: it provides sample inputs of a given size");
+  if (opt_.onNonFiniteGradients == NonFiniteGradients::kStopTraining && opt_.precision == Precision::kFp16) {
+    throw ConfigError("onNonFiniteGradients = kStopTraining (--nonfinite stop) needs fp32 or bf16: fp16 skips the "
+                      "steps that overflow to find its loss scale; use kSkipStep (--nonfinite skip) with fp16");
+  }
   if (opt_.chunkSize < 1) throw ConfigError(strCat("chunk size (micro-batch size) must be >= 1, got ", opt_.chunkSize));
   P_ = map_.numStages();
   D_ = map_.numReplicas();
@@ -550,9 +555,13 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
 
   // The one job-wide exchange of a step: loss, and the squared gradient norm
   // that yields clipping and the fp16 overflow verdict identically everywhere.
+  if (opt_.faults.poisonGradients &&
+      opt_.faults.poisonGradients({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
+    buckets_.scale(std::numeric_limits<double>::infinity());
+  }
   pendingUpdate_ = PendingUpdate{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
   stepPoint_ = StepPoint::kExchanging;
-  auto summed = StepExchange::share(lossSum, buckets_.sumOfSquares(), gCheckpointSignal.load());
+  auto summed = StepExchange::share(lossSum, buckets_.sumOfSquaresOnDevice(), gCheckpointSignal.load());
   if (map_.worldSize() > 1) {
     std::vector<at::Tensor> tensors{summed};
     comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the step's loss and gradient norm");
@@ -560,77 +569,14 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   if (opt_.faults.loseExchange && opt_.faults.loseExchange({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
     throw PeerLostError("fault injected: this rank's exchange 'failed'", -1);
   }
-  const StepExchange exchange = StepExchange::fromTensor(summed);
-  if (exchange.checkpointRequested) gCheckpointSignal.store(false);  // this step carries the request
-  StepResult result = applyStep(exchange, pendingUpdate_);
+  StepResult result = opt_.onNonFiniteGradients == NonFiniteGradients::kStopTraining
+                           ? queueUpdateThenRead(summed, pendingUpdate_)
+                           : applyStep(StepExchange::fromTensor(summed), pendingUpdate_);
+  // This step carries the request (a SIGUSR1 meanwhile asks for the same).
+  if (result.checkpointRequested) gCheckpointSignal.store(false);
   synchroniseReplicaBuffers();
   stepPoint_ = StepPoint::kBetweenSteps;
   return result;
-}
-
-// The rest of a step once its exchange result is known: from here on this
-// rank holds the new step (varuna_salvage.cpp), without talking to anyone.
-StepResult Varuna::Impl::applyStep(const StepExchange& exchange, const PendingUpdate& pending) {
-  using Clock = std::chrono::steady_clock;
-  const double scale = pending.scale;
-  const double sumOfSquares = exchange.sumOfSquares / D_;  // every replica holds the reduced gradients
-  StepResult result;
-  result.checkpointRequested = exchange.checkpointRequested;
-  ++stepsDone_;
-  lastExchange_ = exchange;
-  lastExchangeStep_ = stepsDone_;
-  stepPoint_ = StepPoint::kSyncingBuffers;
-  result.microbatches = pending.microbatches;
-  result.computeSecondsPerMicrobatch = pending.computeSeconds / pending.microbatches;
-  result.loss = exchange.lossSum / static_cast<double>(opt_.batchSize);
-  result.lossScale = scale;
-  result.overflow = !std::isfinite(sumOfSquares);
-  result.gradNorm = std::sqrt(sumOfSquares) / scale;
-  if (!result.overflow) {
-    double factor = 1.0 / scale;
-    if (pending.clip) {
-      const double coefficient = *pending.clip / (result.gradNorm + 1e-6);
-      if (coefficient < 1.0) factor *= coefficient;
-    }
-    if (factor != 1.0) buckets_.scale(factor);
-    const auto optimizerStart = Clock::now();
-    if (writer_) writer_->waitUntilCaptured();  // a background checkpoint still reads the tensors
-    optimizer_->step();
-    result.optimizerSeconds = std::chrono::duration<double>(Clock::now() - optimizerStart).count();
-  } else if (opt_.precision != Precision::kFp16) {
-    log::warn("non-finite gradients in ", toString(opt_.precision), " training: step skipped");
-  }
-  scaler_.update(result.overflow);
-  return result;
-}
-
-// DDP's rule: replica 0's buffers win. Only buffers a forward changes can
-// differ (the rest are built identically), so only they travel, one flat
-// tensor per dtype, once per step.
-void Varuna::Impl::synchroniseReplicaBuffers() {
-  const auto& names = model_->changingBuffers();
-  if (D_ == 1 || names.empty()) return;
-  const auto ranks = map_.ranksOfStage(stage_);
-  c10d::BroadcastOptions options;
-  options.rootRank = std::find(ranks.begin(), ranks.end(), map_.rankOf(stage_, 0)) - ranks.begin();
-  const auto& group = comm_->group(strCat("dp", stage_), ranks);
-  std::map<at::ScalarType, std::vector<torch::Tensor>> byType;
-  for (const auto& name : names) {
-    const auto& t = model_->namedBuffers().at(name);
-    byType[t.scalar_type()].push_back(t);
-  }
-  torch::NoGradGuard noGrad;
-  for (auto& [type, buffers] : byType) {
-    std::vector<torch::Tensor> flat;
-    for (const auto& b : buffers) flat.push_back(b.detach().reshape({-1}));
-    std::vector<at::Tensor> tensors{torch::cat(flat)};
-    comm_->waitFor(group->broadcast(tensors, options), "broadcasting replica 0's buffers");
-    int64_t offset = 0;
-    for (auto& b : buffers) {
-      b.variable_data().copy_(tensors[0].slice(0, offset, offset + b.numel()).view_as(b));
-      offset += b.numel();
-    }
-  }
 }
 
 double Varuna::Impl::evaluate(const Batch& inputs) {

@@ -161,6 +161,11 @@ class Varuna::Impl {
     double computeSeconds = 0.0;
   };
   StepResult applyStep(const StepExchange& exchange, const PendingUpdate& pending);
+  // varuna_update.cpp: the update queued first, the exchange read after
+  // (NonFiniteGradients::kStopTraining); the step's bookkeeping; the optimizer.
+  StepResult queueUpdateThenRead(const torch::Tensor& summed, const PendingUpdate& pending);
+  StepResult recordStep(const StepExchange& exchange, const PendingUpdate& pending);
+  double runOptimizer();  // seconds the host spent in it
 
   // Tied pairs whose two parameters live on different stages, and this
   // rank's role: the stage holding the first name counts it in the norm.

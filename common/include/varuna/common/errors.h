@@ -15,6 +15,7 @@ namespace varuna {
 // Documented worker exit codes (docs/worker-api.md). The launcher and the
 // manager read them to tell a bad configuration from a lost peer.
 inline constexpr int kExitOk = 0;
+inline constexpr int kExitTrainingFailed = 1;    // the training itself failed (e.g. non-finite gradients)
 inline constexpr int kExitConfigError = 2;       // bad arguments or model spec
 inline constexpr int kExitPeerLost = 3;          // another rank died or hung
 // Checkpoint storage failed (full disk, I/O error, a checkpoint that fails its

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "varuna/common/errors.h"
 #include "varuna/common/partition.h"
 #include "varuna/common/schedule.h"
 #include "varuna/common/stage_map.h"
@@ -84,6 +85,35 @@ struct FaultInjector {
   // it completed everywhere else (a PeerLostError; salvage takes it from
   // there): the split a peer dying during the exchange can leave.
   std::function<bool(const ExchangePoint&)> loseExchange;
+  // True: this rank's gradients of the step become non-finite (times
+  // infinity) just before the exchange, as an overflow or a divergence would
+  // make them. The point's step is the one the exchange would complete.
+  std::function<bool(const ExchangePoint&)> poisonGradients;
+};
+
+// What a step whose gradients are not all finite does in fp32 and bf16 (in
+// fp16 such a step is always skipped on every rank and the loss scale halved).
+enum class NonFiniteGradients {
+  // Skipped on every rank, with a warning. The host reads the step's
+  // job-wide exchange before the optimizer runs: on a GPU the optimizer's
+  // kernels are launched only once the backward pass has finished.
+  kSkipStep,
+  // The update (clipping included, computed on the device with the same
+  // result) is queued right after the exchange and the result read after it,
+  // so the host launches the optimizer's kernels while the GPU still runs the
+  // backward pass, as a plain PyTorch loop does: worth it where the optimizer
+  // is many small kernels (torch::optim's AdamW, one parameter at a time). A
+  // non-finite gradient has then been applied: step() throws
+  // NonFiniteGradientsError (exit 1) and a relaunch resumes from the latest
+  // checkpoint. Not with fp16, which must skip to find its loss scale.
+  kStopTraining,
+};
+
+// A step's gradients were not finite and, with NonFiniteGradients::
+// kStopTraining, already applied: the parameters are no longer finite.
+class NonFiniteGradientsError : public Error {
+ public:
+  explicit NonFiniteGradientsError(const std::string& what) : Error(what, kExitTrainingFailed) {}
 };
 
 struct VarunaOptions {
@@ -100,6 +130,7 @@ struct VarunaOptions {
   // on the CPU; Gloo on CUDA lets several ranks share one GPU.
   CommBackend commBackend = CommBackend::kAuto;
   ScheduleKind schedule = ScheduleKind::kVaruna;
+  NonFiniteGradients onNonFiniteGradients = NonFiniteGradients::kSkipStep;
   RendezvousOptions rendezvous;
   // A peer silent for this long (or whose connection breaks) fails the job
   // with PeerLostError naming it.
