@@ -30,5 +30,5 @@ configure_package_config_file("${CMAKE_CURRENT_LIST_DIR}/varunaConfig.cmake.in"
 write_basic_package_version_file("${CMAKE_BINARY_DIR}/cmake/varunaConfigVersion.cmake"
   VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 install(FILES "${CMAKE_BINARY_DIR}/cmake/varunaConfig.cmake" "${CMAKE_BINARY_DIR}/cmake/varunaConfigVersion.cmake"
-  "${CMAKE_CURRENT_LIST_DIR}/varunaTorchTarget.cmake"
+  "${CMAKE_CURRENT_LIST_DIR}/varunaTorchTarget.cmake" "${CMAKE_CURRENT_LIST_DIR}/varunaStdcxxFirst.cmake"
   DESTINATION "${_varuna_cmake_dir}")

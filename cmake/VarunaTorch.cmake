@@ -11,10 +11,12 @@ if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
   set(TORCH_CUDA_ARCH_LIST "8.0;9.0")
 endif()
 find_package(Torch REQUIRED)
+include(${CMAKE_CURRENT_LIST_DIR}/varunaStdcxxFirst.cmake)
 
 add_library(varuna_torch INTERFACE)
 add_library(varuna::torch ALIAS varuna_torch)
-target_link_libraries(varuna_torch INTERFACE ${TORCH_LIBRARIES})
+# libstdc++ before libtorch (cmake/varunaTorchTarget.cmake says why).
+target_link_libraries(varuna_torch INTERFACE ${VARUNA_STDCXX_BEFORE_TORCH} ${TORCH_LIBRARIES})
 # Torch's own flags (e.g. -D_GLIBCXX_USE_CXX11_ABI) as usage requirements.
 target_compile_options(varuna_torch INTERFACE ${TORCH_CXX_FLAGS})
 
@@ -24,18 +26,6 @@ foreach(_dir IN LISTS _varuna_nvidia_lib_dirs)
   get_filename_component(_dir "${_dir}" REALPATH)
   target_link_options(varuna_torch INTERFACE "LINKER:-rpath-link,${_dir}" "LINKER:-rpath,${_dir}")
 endforeach()
-
-# Some torch wheels (2.11.0+cu130's) build libtorch.so with a static copy of
-# parts of libstdc++ (std::filesystem, std::chrono's time zones, ...) and
-# export it. A program whose libraries list libtorch.so before libstdc++.so.6
-# binds its own std::filesystem calls to that copy, which crashes: on an H100
-# node std::filesystem::remove_all called through a null pointer. Naming
-# libstdc++ first among the libraries (no-as-needed, so it stays first) makes
-# the dynamic linker find the real one first, in programs and in the Python
-# extension alike.
-if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-  target_link_options(varuna_torch INTERFACE "SHELL:-Wl,--push-state,--no-as-needed -lstdc++ -Wl,--pop-state")
-endif()
 
 # Gloo's headers are not in the wheel; libtorch has Gloo compiled in, so only the
 # declarations are needed (Debian's libgloo-dev). Nothing links Debian's libgloo.

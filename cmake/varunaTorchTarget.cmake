@@ -12,7 +12,8 @@
 # the program (rpath).
 if(NOT TARGET varuna::libtorch)
   add_library(varuna::libtorch INTERFACE IMPORTED)
-  set_property(TARGET varuna::libtorch PROPERTY INTERFACE_LINK_LIBRARIES ${TORCH_LIBRARIES})
+  include(${CMAKE_CURRENT_LIST_DIR}/varunaStdcxxFirst.cmake)
+  set_property(TARGET varuna::libtorch PROPERTY INTERFACE_LINK_LIBRARIES ${VARUNA_STDCXX_BEFORE_TORCH} ${TORCH_LIBRARIES})
   # Torch's own flags (e.g. -D_GLIBCXX_USE_CXX11_ABI) as usage requirements.
   set_property(TARGET varuna::libtorch PROPERTY INTERFACE_COMPILE_OPTIONS ${TORCH_CXX_FLAGS})
   get_filename_component(_varuna_torch_lib_dir "${TORCH_LIBRARY}" DIRECTORY)

@@ -180,6 +180,8 @@ run() {
     else
       status=1
       tail -20 "$out/bench.log" >&2
+      # The rows it finished before failing, if it printed them.
+      [[ -s "$work/bench.json" ]] && bench=$(tail -1 "$work/bench.json")
     fi
     say "benchmarks: checkpoints from GPU memory against dd"
     if "$BUILD_DIR/bench/bench_checkpoint" --device cuda "${TMPDIR:-/tmp}/varuna-gpu-ckpt" \

@@ -149,13 +149,18 @@ def main():
     peak = next((v for k, v in BF16_PEAKS.items() if k in info["name"]), None)
     result["bf16_peak_flops"] = peak
     result["mfu"] = (flops_per_token(plain["params"], size) * cpp["tokens_per_s"] / peak) if peak else None
+    result["python_step_over_cpp"] = None
     if os.path.isdir(os.path.join(build, "python", "varuna")):
-        py = run_ours(build, "python", args.python, size, device, steps, warmup, out_dir, "train_gpt_py")
+        try:
+            py = run_ours(build, "python", args.python, size, device, steps, warmup, out_dir, "train_gpt_py")
+        except RuntimeError as error:  # the C++ rows above still count: printed, then the failure
+            result["python_error"] = str(error)
+            print(json.dumps(result), flush=True)
+            raise
         log("train_gpt.py:", py)
         result["python_tokens_per_s"] = py["tokens_per_s"]
         result["python_step_over_cpp"] = py["step_s_median"] / cpp["step_s_median"]
     else:
-        result["python_step_over_cpp"] = None
         log("no Python package in this build: python row skipped")
     print(json.dumps(result), flush=True)
 
