@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <stdexcept>
 
 #include "test_env.h"
 #include "varuna/common/errors.h"
@@ -50,6 +51,16 @@ std::string SalvageManager::failure() const {
 }
 
 void SalvageManager::serve() {
+  try {
+    serveUntilQuit();
+  } catch (const std::exception& e) {  // e.g. a malformed frame: the test reads it, the thread ends cleanly
+    std::lock_guard<std::mutex> lock(mutex_);
+    failure_ = std::string("the fake manager failed: ") + e.what();
+    decided_.notify_all();
+  }
+}
+
+void SalvageManager::serveUntilQuit() {
   while (!quit_) {
     if (static_cast<int>(workers_.size()) < worldSize_) {
       if (auto peer = listener_.accept(5ms)) workers_.push_back(Worker{std::move(*peer)});

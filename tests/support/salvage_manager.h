@@ -48,7 +48,8 @@ class SalvageManager {
     int rank = -1;  // -1 until its hello
     bool lost = false;
   };
-  void serve();
+  void serve();  // the thread: serveUntilQuit, its failure kept for the test
+  void serveUntilQuit();
   void serveOne(Worker& worker);
   void handle(Worker& worker, const proto::Message& message);
   void stopSurvivors(const std::string& reason);
