@@ -7,14 +7,15 @@
 using namespace varuna;
 
 TEST_CASE("step exchange: the summed shares name the loss, the norm and the checkpoint request") {
-  const auto lossSum = torch::tensor(2.5, torch::kDouble);
-  auto summed = StepExchange::share(lossSum, 4.0, false);
-  summed += StepExchange::share(torch::tensor(1.5, torch::kDouble), 5.0, true);  // another rank's share
+  const auto scalar = [](double v) { return torch::tensor(v, torch::kDouble); };
+  const auto lossSum = scalar(2.5);
+  auto summed = StepExchange::share(lossSum, scalar(4.0), false);
+  summed += StepExchange::share(scalar(1.5), scalar(5.0), true);  // another rank's share
   const StepExchange exchange = StepExchange::fromTensor(summed);
   CHECK(exchange.lossSum == 4.0);
   CHECK(exchange.sumOfSquares == 9.0);
   CHECK(exchange.checkpointRequested);
-  CHECK_FALSE(StepExchange::fromTensor(StepExchange::share(lossSum, 1.0, false)).checkpointRequested);
+  CHECK_FALSE(StepExchange::fromTensor(StepExchange::share(lossSum, scalar(1.0), false)).checkpointRequested);
 }
 
 TEST_CASE("step exchange: the wire form round-trips and any other length is refused") {

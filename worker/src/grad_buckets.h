@@ -39,9 +39,8 @@ class GradBuckets {
 
   void zero();
   // Over the buckets counted in the norm: a float64 scalar on the gradients'
-  // device (no synchronisation), or read back.
+  // device (no synchronisation).
   torch::Tensor sumOfSquaresOnDevice() const;
-  double sumOfSquares() const { return sumOfSquaresOnDevice().item<double>(); }
   void scale(double factor);
   void scale(const torch::Tensor& factor);  // a scalar tensor, e.g. on the device
 

@@ -31,9 +31,6 @@ struct StepExchange {
     values[2] = checkpointRequested ? 1.0 : 0.0;
     return values;
   }
-  static torch::Tensor share(const torch::Tensor& lossSum, double sumOfSquares, bool checkpointRequested) {
-    return share(lossSum, torch::tensor(sumOfSquares, torch::kDouble), checkpointRequested);
-  }
   // The summed result.
   static StepExchange fromTensor(const torch::Tensor& summed) {
     const auto values = summed.cpu();

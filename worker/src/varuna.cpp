@@ -553,12 +553,12 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   for (auto& [work, tensor] : sends) comm_->waitFor(work, "sending to a neighbour stage");
   buckets_.finish(*comm_);
 
-  // The one job-wide exchange of a step: loss, and the squared gradient norm
-  // that yields clipping and the fp16 overflow verdict identically everywhere.
   if (opt_.faults.poisonGradients &&
       opt_.faults.poisonGradients({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
     buckets_.scale(std::numeric_limits<double>::infinity());
   }
+  // The one job-wide exchange of a step: loss, and the squared gradient norm
+  // that yields clipping and the fp16 overflow verdict identically everywhere.
   pendingUpdate_ = PendingUpdate{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
   stepPoint_ = StepPoint::kExchanging;
   auto summed = StepExchange::share(lossSum, buckets_.sumOfSquaresOnDevice(), gCheckpointSignal.load());
