@@ -3,26 +3,25 @@
 from libstdc++, never from libtorch.so (cmake/varunaStdcxxFirst.cmake): some
 torch wheels (2.11.0+cu130's) export a static copy of parts of libstdc++ from
 libtorch.so, and a std::filesystem::remove_all bound to it crashed on GPU
-nodes. With a shared libstdc++, libstdc++.so.6 must come before every
-libtorch library among the binary's DT_NEEDED entries; with a static one
-(no libstdc++ entry), the binary must define std::filesystem itself.
+nodes. libstdc++.so.6 must come before every libtorch library among the
+binary's DT_NEEDED entries. A static libstdc++ is refused too: linked into
+the Python module it met torch's shared one in the same process and crashed
+in iostreams on an H200.
 
     link_order_test.py BINARY...
+    link_order_test.py --choice CMAKE_MODULE CXX
+        what the module picks with the compiler CXX (libstdc++ by name) and
+        with a compiler that has only a static libstdc++ (the shared
+        libstdc++.so.6, by its path)
 """
+import os
 import subprocess
 import sys
-
-REMOVE_ALL = "_ZNSt10filesystem10remove_allERKNS_7__cxx114pathE"
-
+import tempfile
 
 def needed(path):
     out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
     return [line.split("[", 1)[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
-
-
-def defines_filesystem(path):
-    out = subprocess.run(["nm", "--defined-only", path], capture_output=True, text=True).stdout
-    return REMOVE_ALL in out
 
 
 def problem(path):
@@ -35,14 +34,56 @@ def problem(path):
         if stdcxx[0] < torch[0]:
             return None
         return "libstdc++ comes after %s among its libraries: %s" % (libs[torch[0]], ", ".join(libs))
-    if defines_filesystem(path):
-        return None  # a static libstdc++, linked in before libtorch
-    return "no libstdc++ among its libraries and no std::filesystem of its own: %s" % ", ".join(libs)
+    return "no shared libstdc++ among its libraries (a static copy beside torch's): %s" % ", ".join(libs)
+
+
+STATIC_ONLY_CXX = """#!/bin/sh
+# A compiler with only a static libstdc++: it cannot name a libstdc++.so.
+case "$*" in *-print-file-name=libstdc++.so*) echo libstdc++.so; exit 0;; esac
+exec "%s" "$@"
+"""
+
+
+def choice(module, cxx, scratch):
+    """VARUNA_STDCXX_BEFORE_TORCH as the module sets it in a project built with cxx."""
+    src = os.path.join(scratch, "src-" + os.path.basename(cxx))
+    os.makedirs(src)
+    with open(os.path.join(src, "CMakeLists.txt"), "w") as f:
+        f.write("cmake_minimum_required(VERSION 3.20)\nproject(probe CXX)\ninclude(%s)\n"
+                "message(STATUS \"CHOICE=${VARUNA_STDCXX_BEFORE_TORCH}\")\n" % module)
+    out = subprocess.run(["cmake", "-S", src, "-B", os.path.join(src, "build"), "-DCMAKE_CXX_COMPILER=" + cxx],
+                         capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        if "CHOICE=" in line:
+            return line.split("CHOICE=", 1)[1]
+    raise AssertionError("cmake printed no choice (exit %d): %s %s" % (out.returncode, out.stdout, out.stderr))
+
+
+def check_choice(module, cxx):
+    failures = []
+    with tempfile.TemporaryDirectory() as scratch:
+        real = choice(module, cxx, scratch)
+        if real != "stdc++":
+            failures.append("with %s: %r, not stdc++" % (cxx, real))
+        fake = os.path.join(scratch, "static-only-c++")
+        with open(fake, "w") as f:
+            f.write(STATIC_ONLY_CXX % cxx)
+        os.chmod(fake, 0o755)
+        static = choice(module, fake, scratch)
+        if not (os.path.isabs(static) and os.path.basename(static) == "libstdc++.so.6" and os.path.exists(static)):
+            failures.append("with a static-only libstdc++: %r, not the path of a libstdc++.so.6" % static)
+        print("choice: %s with %s; %s with a static-only libstdc++" % (real, cxx, static))
+    return failures
 
 
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
+    if sys.argv[1] == "--choice":
+        failures = check_choice(sys.argv[2], sys.argv[3])
+        for why in failures:
+            print("FAIL " + why)
+        sys.exit(1 if failures else 0)
     failures = [(path, why) for path in sys.argv[1:] for why in [problem(path)] if why]
     for path, why in failures:
         print("FAIL %s: %s" % (path, why))
