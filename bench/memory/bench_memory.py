@@ -11,6 +11,12 @@ optimizer's state (momentum: one tensor per parameter) + the activations it
 keeps (micro-batches x the cut's tensor, here small). The figure the target
 is about: peak growth from the start over the floor (target <= 1.2).
 
+Both host-memory modes run (Varuna(host_memory=...)): "fast", glibc's
+allocator as it is (the default), and "compact", where blocks of 4 MiB and
+more get their own mappings and go back to the system when freed; the peer
+runs under the same two settings (compact through glibc's
+MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_, what the runtime sets).
+
 The peer, in the same run: plain PyTorch training one stage's worth of the
 same model (blocks / stages blocks, built on meta and materialised, the
 same micro-batches accumulated, the same SGD) in one process: what any
@@ -20,7 +26,8 @@ beside which the runtime's own share shows.
     .venv/bin/python bench/memory/bench_memory.py [--build build] [--stages 4] [--width 1024] [--blocks 8]
     .venv/bin/python bench/memory/bench_memory.py --smoke     # a small model, seconds
 
-Last line: one JSON object (per rank and the worst ratio).
+Last line: one JSON object: for each mode, every rank's figures, the worst
+ratio and the peer's.
 """
 import argparse
 import json
@@ -54,6 +61,29 @@ def _import_what_training_imports():
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
+def large_blocks_mapped():
+    """Whether a 6 MiB host tensor, allocated after one of its size was freed,
+    lives in a mapping of its own (glibc's mallinfo2): True where
+    host_memory="compact" took effect, False with glibc's defaults."""
+    import ctypes
+    import torch
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    elements = max(6 << 20, libc.mallinfo2().fordblks + (1 << 20)) // 4  # more than the heap has free
+    first = torch.ones(elements)
+    del first
+    before = libc.mallinfo2().hblkhd
+    block = torch.ones(elements)
+    mapped = libc.mallinfo2().hblkhd >= before + block.numel() * 4
+    del block
+    return mapped
+
+
 def worker(args):
     import torch
     sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
@@ -74,7 +104,8 @@ def worker(args):
     # kernels then, ~150 MB, whatever runs next); growth from here is Varuna's.
     marks = {"start": (rss_now(), rss_peak())}
     runtime = varuna.Varuna(model, launch.stage_to_rank_map, cm.get_batch, args.batch, launch.chunk_size,
-                            launch_args=launch, init_fn=cm.init_fn, seed=cm.INIT_SEED, peer_timeout_s=120)
+                            launch_args=launch, init_fn=cm.init_fn, seed=cm.INIT_SEED, peer_timeout_s=120,
+                            host_memory=args.host_memory)
     del model
     marks["built"] = (rss_now(), rss_peak())
     runtime.set_optimizer(torch.optim.SGD(runtime.parameters(), lr=0.01, momentum=0.9))
@@ -87,6 +118,7 @@ def worker(args):
     activation = micro * cm.SEQ * args.width * 4 * (args.batch // micro)  # one cut tensor per micro-batch kept
     floor = 3 * owned + activation  # parameters, gradients, momentum; activations
     out = {"rank": launch.rank, "owned_mb": owned / 2**20, "floor_mb": floor / 2**20,
+           "large_blocks_mapped": large_blocks_mapped(),
            "export_imports_mb": export_imports / 2**20,
            "marks_mb": {k: [v[0] / 2**20, v[1] / 2**20] for k, v in marks.items()}}
     with open(os.path.join(args.out, "rank_%d.json" % launch.rank), "w") as f:
@@ -138,6 +170,7 @@ def main():
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--host_memory", default="fast", choices=["fast", "compact"])
     p.add_argument("--smoke", action="store_true")
     args, _ = p.parse_known_args()
     if args.worker:
@@ -146,39 +179,55 @@ def main():
         return peer(args)
     if args.smoke:
         args.stages, args.width, args.blocks = 2, 256, 2
+    result = {"stages": args.stages, "width": args.width, "blocks": args.blocks}
+    for mode in ("fast", "compact"):
+        ranks, plain = measure(args, mode)
+        report(mode, ranks, plain)
+        result[mode] = {"ranks": ranks, "worst_peak_growth_over_floor": max(r["ratio"] for r in ranks),
+                        "peer": plain, "peer_peak_growth_over_floor": plain["ratio"]}
+    print("before the start, once per process: torch.export's imports for the split, %.0f MB"
+          % max(r["export_imports_mb"] for r in result["fast"]["ranks"]), file=sys.stderr)
+    print(json.dumps(result))
+
+
+# What the runtime's HostMemory::kCompact sets (worker/src/host_memory.cpp),
+# for the peer.
+COMPACT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(32 << 20)}
+
+
+def measure(args, mode):
+    """Every rank's and the peer's figures, with host memory `mode`."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, os.path.join(ROOT, "scripts", "varuna_launch.py"), "--nstages", str(args.stages),
                "--chunk_size", "2", "--batch_size", str(args.batch), "--", sys.executable, os.path.abspath(__file__),
                "--worker", "--out", out, "--width", str(args.width), "--blocks", str(args.blocks),
-               "--batch", str(args.batch)]
+               "--batch", str(args.batch), "--host_memory", mode]
         env = dict(os.environ, PYTHONPATH=os.path.join(args.build, "python") + os.pathsep +
                    os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            sys.exit("the job failed (%d): %s" % (proc.returncode, proc.stderr[-3000:]))
+            sys.exit("the job (host memory %s) failed (%d): %s" % (mode, proc.returncode, proc.stderr[-3000:]))
         ranks = [json.load(open(os.path.join(out, "rank_%d.json" % r))) for r in range(args.stages)]
+        peer_env = dict(os.environ, **(COMPACT_ENV if mode == "compact" else {}))
         subprocess.run([sys.executable, os.path.abspath(__file__), "--peer", "--out", out, "--width", str(args.width),
                         "--blocks", str(args.blocks), "--stages", str(args.stages), "--batch", str(args.batch)],
-                       check=True, timeout=600)
+                       check=True, timeout=600, env=peer_env)
         plain = json.load(open(os.path.join(out, "peer.json")))
-    print("rank  owned MB  floor MB | growth from start (current / peak), MB: built, optimizer, step 1, step 2 "
-          "| peak growth / floor", file=sys.stderr)
-    worst = 0.0
     for r in ranks + [plain]:
         start = r["marks_mb"]["start"]
-        growth = {k: (v[0] - start[0], v[1] - start[0]) for k, v in r["marks_mb"].items() if k != "start"}
-        r["peak_growth_mb"] = growth["step2"][1]
+        r["growth_mb"] = {k: (v[0] - start[0], v[1] - start[0]) for k, v in r["marks_mb"].items() if k != "start"}
+        r["peak_growth_mb"] = r["growth_mb"]["step2"][1]
         r["ratio"] = r["peak_growth_mb"] / r["floor_mb"]
-        if r is not plain:
-            worst = max(worst, r["ratio"])
+    return ranks, plain
+
+
+def report(mode, ranks, plain):
+    print("host memory %s: rank  owned MB  floor MB | growth from start (current / peak), MB: built, optimizer, "
+          "step 1, step 2 | peak growth / floor" % mode, file=sys.stderr)
+    for r in ranks + [plain]:
+        growth = r["growth_mb"]
         print("%4s  %8.0f  %8.0f | %s | %.2f" % (r["rank"], r["owned_mb"], r["floor_mb"], ", ".join(
             "%.0f/%.0f" % growth[k] for k in ("built", "optimizer", "step1", "step2")), r["ratio"]), file=sys.stderr)
-    print("before the start, once per process: torch.export's imports for the split, %.0f MB"
-          % max(r["export_imports_mb"] for r in ranks), file=sys.stderr)
-    print(json.dumps({"stages": args.stages, "width": args.width, "blocks": args.blocks, "ranks": ranks,
-                      "worst_peak_growth_over_floor": worst, "peer": plain,
-                      "peer_peak_growth_over_floor": plain["ratio"]}))
-
 
 if __name__ == "__main__":
     main()

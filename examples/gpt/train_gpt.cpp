@@ -37,6 +37,7 @@ struct TrainOptions {
   std::string precision = "fp32";
   std::string schedule = "varuna";
   std::string nonFinite = "skip";
+  std::string hostMemory = "fast";
   double initLossScale = 65536;
   int64_t growthInterval = 1000;
   uint64_t dataSeed = 7;
@@ -106,6 +107,10 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
                  "fp32/bf16 step with non-finite gradients: skip (read the step's exchange before the optimizer) "
                  "or stop (queue the optimizer first, faster on GPUs; exit 1 on a non-finite step)")
       ->check(CLI::IsMember({"skip", "stop"}));
+  app.add_option("--host_memory", o.hostMemory,
+                 "fast (the C library's allocator as it is) or compact (host blocks of 4 MiB and more returned "
+                 "when freed: lower peak memory on the CPU, slower CPU steps)")
+      ->check(CLI::IsMember({"fast", "compact"}));
   app.add_option("--init_loss_scale", o.initLossScale, "fp16 initial loss scale");
   app.add_option("--loss_scale_growth_interval", o.growthInterval, "fp16 clean steps before the scale grows");
   app.add_option("--data_seed", o.dataSeed, "seed of the data order");
@@ -227,6 +232,7 @@ int run(int argc, char** argv) {
   options.schedule = varuna::parseScheduleKind(o.schedule);
   options.onNonFiniteGradients =
       o.nonFinite == "stop" ? varuna::NonFiniteGradients::kStopTraining : varuna::NonFiniteGradients::kSkipStep;
+  options.hostMemory = o.hostMemory == "compact" ? varuna::HostMemory::kCompact : varuna::HostMemory::kFast;
   options.commBackend = varuna::parseCommBackend(o.commBackend);
   options.device = o.device == "cuda" ? varuna::cudaDeviceForLocalRank(launch.localRank, options.commBackend)
                                       : torch::Device(torch::kCPU);

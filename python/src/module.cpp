@@ -109,6 +109,15 @@ void bindOptions(py::module_& m) {
             o.onNonFiniteGradients = mode == "stop" ? NonFiniteGradients::kStopTraining : NonFiniteGradients::kSkipStep;
           })
       .def_property(
+          "host_memory",
+          [](const VarunaOptions& o) { return o.hostMemory == HostMemory::kCompact ? "compact" : "fast"; },
+          [](VarunaOptions& o, const std::string& mode) {
+            if (mode != "fast" && mode != "compact") {
+              throw ConfigError("host_memory must be 'fast' or 'compact', got '" + mode + "'");
+            }
+            o.hostMemory = mode == "compact" ? HostMemory::kCompact : HostMemory::kFast;
+          })
+      .def_property(
           "schedule", [](const VarunaOptions& o) { return toString(o.schedule); },
           [](VarunaOptions& o, const std::string& s) { o.schedule = parseScheduleKind(s); })
       .def_property(

@@ -191,6 +191,10 @@ class Varuna:
       runs) or "stop" (the optimizer is queued first, faster on GPUs where
       it is many small kernels; such a step then raises varuna.Error, exit
       code 1). fp16 always skips.
+    host_memory: "fast" (default: the C library's allocator as it is) or
+      "compact" (host blocks of 4 MiB and more are returned to the system
+      when freed: a CPU rank's peak memory is what is live, at some CPU step
+      time; process-wide; docs/python.md "Memory per rank").
     shared_weights: [(name, name)] of parameters that hold one weight.
     init_fn(name, module): for a CutPoint model built on the meta device (the
       way for big models: no rank ever holds all of it), how each submodule
@@ -204,7 +208,7 @@ class Varuna:
                  fp16=False, local_rank=None, device=None, shared_weights=None, *, precision=None,
                  schedule="varuna", seed=0, piece_costs=None, bucket_bytes=None, peer_timeout_s=None,
                  launch_args=None, global_store=None, keep_checkpoints=None, init_fn=None, comm_backend="auto",
-                 on_nonfinite="skip"):
+                 on_nonfinite="skip", host_memory="fast"):
         if get_batch_fn is None:
             raise ValueError("Varuna: get_batch_fn is required (sample inputs teach the runtime the shapes "
                              "that cross each cut)")
@@ -224,6 +228,7 @@ class Varuna:
         options.device = _device_of(device, options.local_rank, comm_backend)
         options.schedule = schedule
         options.on_nonfinite = on_nonfinite
+        options.host_memory = host_memory
         if bucket_bytes is not None:
             options.bucket_bytes = int(bucket_bytes)
         if peer_timeout_s is not None:

@@ -2,9 +2,11 @@
 """A rank's memory stays near the floor of what it must hold (bench/memory,
 run at its full size): each rank of a 4-stage job of a 256 MB model built on
 meta, after two SGD-with-momentum steps, has grown from its start by at most
-2.5x its parameters + gradients + momentum + activations (a generous bound:
-the benchmark records the figures, about 1.3-1.6x here, and plain PyTorch's
-1.2x beside them, docs/python.md "Memory per rank")."""
+a generous bound of its parameters + gradients + momentum + activations:
+2.5x with host_memory="fast" (glibc as it is: 1.18-1.39x in the benchmark,
+depending on how the heap fragmented), 1.5x with "compact" (1.16-1.18x).
+The benchmark records the figures with plain PyTorch's beside them
+(docs/python.md "Memory per rank")."""
 import json
 import os
 import subprocess
@@ -25,10 +27,14 @@ def test_peak_growth_within_a_generous_bound_of_the_floor():
         raise AssertionError("bench_memory failed (%d): %s" % (proc.returncode, proc.stderr[-3000:]))
     print(proc.stderr, flush=True)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for rank in result["ranks"]:
-        if rank["ratio"] > 2.5:
-            failures.append("rank %d grew by %.0f MB, %.2fx its floor of %.0f MB (bound 2.5x)" % (
-                rank["rank"], rank["peak_growth_mb"], rank["ratio"], rank["floor_mb"]))
+    for mode, bound in (("fast", 2.5), ("compact", 1.5)):
+        for rank in result[mode]["ranks"]:
+            if rank["large_blocks_mapped"] != (mode == "compact"):
+                failures.append("host memory %s: rank %d's large host blocks are %s their own mappings" % (
+                    mode, rank["rank"], "in" if rank["large_blocks_mapped"] else "not in"))
+            if rank["ratio"] > bound:
+                failures.append("host memory %s: rank %d grew by %.0f MB, %.2fx its floor of %.0f MB (bound %.1fx)" % (
+                    mode, rank["rank"], rank["peak_growth_mb"], rank["ratio"], rank["floor_mb"], bound))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ TEST_CASE("the gradient norm is accurate for buckets of millions of elements", "
     DYNAMIC_SECTION("dtype " << c10::toString(dtype)) {
       GradBuckets buckets;
       std::vector<torch::Tensor> params;
-      // The last bucket is over the runtime's chunk of 4M elements.
+      // The last bucket spans several of the runtime's chunks (256K elements in host memory, 4M on a GPU).
       const double reference = fillAndReference(buckets, {233'000, 1'000'000, 6'600'000}, dtype, params);
       const double ours = buckets.sumOfSquaresOnDevice().item<double>();
       INFO("ours " << ours << " float64 " << reference);

@@ -76,16 +76,22 @@ torch::Tensor GradBuckets::sumOfSquaresOnDevice() const {
   // elements) comes out low by up to 1e-4 relative as its accumulator
   // rounds, and clipping would scale by that error. The squares are taken in
   // float32 (exact for bf16 and fp16 gradients, within 1e-7 each for fp32)
-  // over chunks of at most kNormChunk elements, so the only temporary is one
-  // chunk's squares (16 MB), however large a bucket. The sum stays on the
-  // gradients' device: one read back at the end, not one per bucket.
-  constexpr int64_t kNormChunk = int64_t{1} << 22;
+  // and widened to float64 for the sum, chunk by chunk, so the only
+  // temporaries are one chunk's squares and their float64 copy (12 bytes an
+  // element). In host memory they count in the rank's peak resident memory
+  // (4M-element chunks were 36 MB of a step's peak on a 64 MB stage: P12),
+  // so chunks there are small; on a GPU the caching allocator keeps them and
+  // large chunks save kernel launches. The sum stays on the gradients'
+  // device: one read back at the end, not one per bucket.
+  constexpr int64_t kDeviceNormChunk = int64_t{1} << 22;  // 48 MB of temporaries
+  constexpr int64_t kHostNormChunk = int64_t{1} << 18;    // 3 MB of temporaries
   torch::Tensor total;
   for (const auto& bucket : buckets_) {
     for (const auto& view : bucket.counted) {
       const auto flat = view.reshape({-1});
-      for (int64_t first = 0; first < flat.numel(); first += kNormChunk) {
-        auto part = flat.narrow(0, first, std::min(kNormChunk, flat.numel() - first));
+      const int64_t chunk = flat.is_cpu() ? kHostNormChunk : kDeviceNormChunk;
+      for (int64_t first = 0; first < flat.numel(); first += chunk) {
+        auto part = flat.narrow(0, first, std::min(chunk, flat.numel() - first));
         if (part.scalar_type() != torch::kDouble) part = part.to(torch::kFloat);
         const auto squares = at::sum(part.square(), torch::kDouble);
         total = total.defined() ? total.add_(squares) : squares;

@@ -16,6 +16,7 @@
 #include <numeric>
 
 #include "autocast_scope.h"
+#include "host_memory.h"
 #include "varuna_impl.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
@@ -147,6 +148,8 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
                              " data-parallel replicas of stage_to_rank_map '", map_.toString(), "'"));
   }
   log::setStage(stage_);
+  // Before the stage's tensors are allocated; process-wide.
+  if (opt_.hostMemory != HostMemory::kFast) log::info(applyHostMemory(opt_.hostMemory));
   partition_ = partitionPieces(pieceCosts(), P_);
   if (!opt_.manager.address.empty()) {
     managerLink_ = std::make_unique<ManagerLink>(opt_.manager, opt_.rank, ManagerLinkTimings{}, &waitingOnPeers_);
