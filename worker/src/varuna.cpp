@@ -177,6 +177,7 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
     error = e.what();
   }
   comm_->agreeOnStartup("model", error);
+  salvageState_.emplace(model_.get(), replica_ == 0, /*keepBuffers=*/managerLink_ != nullptr);
   if (opt_.rank == 0) {
     std::vector<std::string> names;
     for (const auto& p : opt_.model.pieces) names.push_back(p.name);
@@ -480,8 +481,7 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   const int m = static_cast<int>(micro.size());
   const StageSchedule& tasks = scheduleFor(m);
   const double scale = scaler_.scale();
-  snapshotChangingBuffers();
-  stepPoint_ = StepPoint::kComputing;
+  salvageState_->stepStarted();
   buckets_.zero();
 
   std::vector<MicrobatchState> states(m);
@@ -562,8 +562,8 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   }
   // The one job-wide exchange of a step: loss, and the squared gradient norm
   // that yields clipping and the fp16 overflow verdict identically everywhere.
-  pendingUpdate_ = PendingUpdate{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
-  stepPoint_ = StepPoint::kExchanging;
+  const PendingUpdate pending{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
+  salvageState_->exchangeStarted(pending);
   auto summed = StepExchange::share(lossSum, buckets_.sumOfSquaresOnDevice(), gCheckpointSignal.load());
   if (map_.worldSize() > 1) {
     std::vector<at::Tensor> tensors{summed};
@@ -573,12 +573,12 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
     throw PeerLostError("fault injected: this rank's exchange 'failed'", -1);
   }
   StepResult result = opt_.onNonFiniteGradients == NonFiniteGradients::kStopTraining
-                           ? queueUpdateThenRead(summed, pendingUpdate_)
-                           : applyStep(StepExchange::fromTensor(summed), pendingUpdate_);
+                           ? queueUpdateThenRead(summed, pending)
+                           : applyStep(StepExchange::fromTensor(summed), pending);
   // This step carries the request (a SIGUSR1 meanwhile asks for the same).
   if (result.checkpointRequested) gCheckpointSignal.store(false);
   synchroniseReplicaBuffers();
-  stepPoint_ = StepPoint::kBetweenSteps;
+  salvageState_->stepFinished();
   return result;
 }
 

@@ -275,7 +275,7 @@ void Varuna::Impl::applyCheckpoint(LoadedCheckpoint loaded, int64_t iteration) {
                        static_cast<uint64_t>(opt_.rank));
   }
   stepsDone_ = meta.at("step").get<int64_t>();
-  lastExchangeStep_ = -1;  // the exchange result kept for salvage was of another trajectory's step
+  salvageState_->trajectoryChanged();
   if (opt_.rank == 0) log::info("resumed from the checkpoint of step ", iteration);
 }
 

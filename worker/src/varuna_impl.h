@@ -1,12 +1,15 @@
 // Varuna::Impl: the state and steps behind the public Varuna class, shared by
-// the three files that implement it. Private to the worker library: include
-// it only from varuna.cpp, varuna_checkpoint.cpp and varuna_salvage.cpp.
+// the files that implement it. Private to the worker library: include it
+// only from varuna.cpp, varuna_update.cpp, varuna_checkpoint.cpp and
+// varuna_salvage.cpp.
 //
 // varuna.cpp builds the stage, wires gradients and ties, and runs step() and
-// evaluate(); varuna_checkpoint.cpp writes and loads checkpoints. Both work
-// on the same state (model, optimizer, loss scale, step count), but
-// checkpoints are a concern of their own (file contents, the writer, agreeing
-// on what to load) and one file holding both was too long to read.
+// evaluate(); varuna_update.cpp applies a step once its exchange is done;
+// varuna_checkpoint.cpp writes and loads checkpoints; varuna_salvage.cpp
+// takes part in a salvage, reading what SalvageState (salvage_state.h),
+// which step() notifies, says this rank holds. They work on the same state
+// (model, optimizer, loss scale, step count), but each is a concern of its
+// own and one file holding all was too long to read.
 //
 // Like Varuna, Impl runs on the training thread, with one exception: the
 // checkpoint writer's thread calls reportCheckpointFailure() (through
@@ -31,6 +34,7 @@
 #include "comm.h"
 #include "grad_buckets.h"
 #include "manager_link.h"
+#include "salvage_state.h"
 #include "stage_model.h"
 #include "step_exchange.h"
 #include "varuna/common/checkpoint_files.h"
@@ -129,10 +133,9 @@ class Varuna::Impl {
   std::unique_ptr<CheckpointWriter> writer_;
   std::string runTag_;  // names this run's partial checkpoint folders (ckpt::runTag)
   int64_t stepsDone_ = 0;
-  // Where step() is, for salvage: what the memory holds if a peer is lost now.
-  // kExchanging: everything of the step is done but its job-wide exchange.
-  enum class StepPoint { kBetweenSteps, kComputing, kExchanging, kSyncingBuffers };
-  StepPoint stepPoint_ = StepPoint::kBetweenSteps;
+  // What this rank holds if a peer is lost now; step() notifies it. Made
+  // once the stage is built.
+  std::optional<SalvageState> salvageState_;
 
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == P_ - 1; }
@@ -152,14 +155,6 @@ class Varuna::Impl {
   torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
   void checkOutgoing(const torch::Tensor& out, int64_t b) const;
   std::string checkAgainstProfile() const;
-  // What a step still has to do once its job-wide exchange is done: in
-  // step(), or in a salvage from the exchange result another rank relays.
-  struct PendingUpdate {
-    double scale = 1.0;
-    std::optional<double> clip;
-    int microbatches = 0;
-    double computeSeconds = 0.0;
-  };
   StepResult applyStep(const StepExchange& exchange, const PendingUpdate& pending);
   // varuna_update.cpp: the update queued first, the exchange read after
   // (NonFiniteGradients::kStopTraining); the step's bookkeeping; the optimizer.
@@ -181,24 +176,8 @@ class Varuna::Impl {
 
   // Salvage (varuna_salvage.cpp).
   void armSalvage();
-  void snapshotChangingBuffers();
-  struct HeldState {
-    int64_t step = -1;            // whole in memory (-1: none)
-    int64_t finishableStep = -1;  // can be applied given its exchange result (-1: no)
-    // The newest exchange result this rank finished, and its step: usually
-    // `step`; for a rank that applied a step but missed its buffer broadcast
-    // (its `step` is -1), the step it applied, whose result a finisher needs.
-    std::optional<StepExchange> exchange;
-    int64_t exchangeStep = -1;
-  };
-  HeldState stateHeld();  // puts the changing buffers back to that step's values
   void finishStep(const StepExchange& exchange);
   void writeSalvageShare(const proto::SalvageWrite& order);
-  std::vector<torch::Tensor> stepStartBuffers_;  // changing buffers as the step in progress found them
-  std::vector<torch::Tensor> exchangingBuffers_;  // as the forwards left them, for finishStep()
-  PendingUpdate pendingUpdate_;                   // of the step in kExchanging
-  StepExchange lastExchange_;                     // the exchange result of step lastExchangeStep_
-  int64_t lastExchangeStep_ = -1;
   std::atomic<bool> optimizerSet_{false};        // read by the link thread (salvage_stop)
 
   // Writing and loading checkpoints (varuna_checkpoint.cpp).

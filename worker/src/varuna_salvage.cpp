@@ -64,75 +64,16 @@ void Varuna::Impl::armSalvage() {
   });
 }
 
-void Varuna::Impl::snapshotChangingBuffers() {
-  stepStartBuffers_.clear();
-  // Whenever run_varuna may ask for a salvage (its welcome may still be on
-  // its way): a few small tensors.
-  if (!managerLink_) return;
-  torch::NoGradGuard noGrad;
-  for (const auto& name : model_->changingBuffers()) {
-    stepStartBuffers_.push_back(model_->namedBuffers().at(name).detach().clone());
-  }
-}
-
-Varuna::Impl::HeldState Varuna::Impl::stateHeld() {
-  torch::NoGradGuard noGrad;
-  const auto& names = model_->changingBuffers();
-  const auto restoreStepStart = [&] {
-    if (stepStartBuffers_.size() != names.size()) return false;  // no copy of the step's start: nothing whole
-    for (size_t i = 0; i < names.size(); ++i) {
-      model_->namedBuffers().at(names[i]).variable_data().copy_(stepStartBuffers_[i]);
-    }
-    return true;
-  };
-  HeldState held;
-  switch (stepPoint_) {
-    case StepPoint::kBetweenSteps:
-      held.step = stepsDone_;
-      break;
-    case StepPoint::kComputing:
-      held.step = restoreStepStart() ? stepsDone_ : -1;
-      break;
-    case StepPoint::kExchanging:
-      // All but the exchange is done. Replica 0's buffers (or none) are the
-      // step's as the forwards left them: kept aside for finishStep(). Other
-      // replicas would need replica 0's broadcast, which comes after.
-      if (replica_ == 0 || names.empty()) {
-        held.finishableStep = stepsDone_ + 1;
-        exchangingBuffers_.clear();
-        for (const auto& name : names) exchangingBuffers_.push_back(model_->namedBuffers().at(name).detach().clone());
-      }
-      held.step = restoreStepStart() ? stepsDone_ : -1;
-      break;
-    case StepPoint::kSyncingBuffers:
-      held.step = replica_ == 0 || names.empty() ? stepsDone_ : -1;
-      break;
-  }
-  // The last exchange this rank finished, whatever it holds: a rank of
-  // another replica that lost a peer during replica 0's broadcast holds no
-  // whole step, but the result of the exchange before it, which a rank that
-  // can finish that step needs.
-  if (lastExchangeStep_ >= 0 && lastExchangeStep_ >= held.step) {
-    held.exchange = lastExchange_;
-    held.exchangeStep = lastExchangeStep_;
-  }
-  return held;
-}
-
 void Varuna::Impl::finishStep(const StepExchange& exchange) {
-  torch::NoGradGuard noGrad;
-  const auto& names = model_->changingBuffers();
-  for (size_t i = 0; i < names.size() && i < exchangingBuffers_.size(); ++i) {
-    model_->namedBuffers().at(names[i]).variable_data().copy_(exchangingBuffers_[i]);
-  }
-  const auto result = applyStep(exchange, pendingUpdate_);
+  salvageState_->restoreExchangingBuffers();
+  const auto result = applyStep(exchange, salvageState_->pendingUpdate());
   log::info("finished step ", stepsDone_, " from the exchange result run_varuna relayed (loss ", result.loss,
             result.overflow ? ", overflow: update skipped" : "", ")");
 }
 
 void Varuna::Impl::salvage(const PeerLostError& lost) {
   comm_->interrupt("this rank is salvaging");  // no wait on a peer from here on
-  const HeldState held = stateHeld();
+  const SalvageState::Held held = salvageState_->held(stepsDone_);
   const int64_t step = held.step;
   const auto timeout = 2 * managerLink_->salvageTimeout();  // the manager's two rounds
   log::warn("rank ", opt_.rank, " lost a peer (", lost.what(), "); salvage: it holds ",

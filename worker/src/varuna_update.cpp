@@ -19,9 +19,7 @@ StepResult Varuna::Impl::recordStep(const StepExchange& exchange, const PendingU
   StepResult result;
   result.checkpointRequested = exchange.checkpointRequested;
   ++stepsDone_;
-  lastExchange_ = exchange;
-  lastExchangeStep_ = stepsDone_;
-  stepPoint_ = StepPoint::kSyncingBuffers;
+  salvageState_->exchangeFinished(stepsDone_, exchange);
   result.microbatches = pending.microbatches;
   result.computeSecondsPerMicrobatch = pending.computeSeconds / pending.microbatches;
   result.loss = exchange.lossSum / static_cast<double>(opt_.batchSize);
@@ -66,12 +64,13 @@ StepResult Varuna::Impl::queueUpdateThenRead(const torch::Tensor& summed, const 
     buckets_.scale(torch::where(coefficient < 1.0, coefficient, torch::ones_like(coefficient)));
   }
   const double optimizerSeconds = runOptimizer();  // launched; it runs on the device meanwhile
-  StepResult result = recordStep(StepExchange::fromTensor(summed), pending);
+  const StepExchange exchange = StepExchange::fromTensor(summed);
+  StepResult result = recordStep(exchange, pending);
   result.optimizerSeconds = optimizerSeconds;
   if (result.overflow) {
     throw NonFiniteGradientsError(strCat(
         "non-finite gradients at step ", stepsDone_ - 1, " in ", toString(opt_.precision), " training (loss ",
-        result.loss, ", squared gradient norm ", lastExchange_.sumOfSquares,
+        result.loss, ", squared gradient norm ", exchange.sumOfSquares,
         "); the update was already applied, so the parameters are no longer finite. Resume from the latest "
         "checkpoint (run_varuna does so on its own), lower the learning rate, or set onNonFiniteGradients to "
         "kSkipStep (train_gpt --nonfinite skip) to skip such steps instead"));
