@@ -66,10 +66,12 @@
 #include "sim_peer.h"
 #include "varuna/common/protocol.h"
 #include "varuna/common/stage_map.h"
+#include "varuna/manager/clock.h"
 
 namespace varuna::sim {
 
-using Clock = std::chrono::steady_clock;
+using TimePoint = std::chrono::steady_clock::time_point;
+using Duration = std::chrono::steady_clock::duration;
 
 enum class PeerKind { kAgent, kWorker, kNotifier };
 const char* toString(PeerKind kind);
@@ -81,7 +83,7 @@ struct Order {
   int rank = -1;        // workers
   int generation = -1;  // workers: theirs; agents: of their latest launch (-1 before one)
   std::string type;     // proto::typeName: "launch_workers", "exit_now", ...
-  Clock::time_point at;
+  TimePoint at;
   proto::Message message;
 };
 
@@ -92,7 +94,7 @@ struct ExitReport {
   int exitCode = 0;  // -1: by a signal
   int signal = 0;
   int generation = 0;
-  Clock::time_point at;
+  TimePoint at;
 };
 
 struct SimOptions {
@@ -134,10 +136,12 @@ class SimCluster {
     std::function<void(const std::string& who, const std::string& reason)> onConnectionLost;
     // After each tick's sends: a driver's own paced traffic (the bench's
     // pings) goes out in the same burst, so the manager wakes once for both.
-    std::function<void(Clock::time_point now)> onTick;
+    std::function<void(TimePoint now)> onTick;
   };
 
-  explicit SimCluster(boost::asio::io_context& io, SimOptions options = {});
+  // `clock` paces every simulated peer (the daemon's own, in-process, so a
+  // fake one moves both); it outlives the cluster.
+  explicit SimCluster(boost::asio::io_context& io, SimOptions options = {}, varuna::Clock& clock = varuna::realClock());
   ~SimCluster();  // shutdown()
   SimCluster(const SimCluster&) = delete;
   SimCluster& operator=(const SimCluster&) = delete;
@@ -235,7 +239,7 @@ class SimCluster {
     int connected = 0;  // ranks that have connected (once each)
     bool training = false;
     bool peerLost = false;  // a rank left otherwise than by a checkpoint: the rest block
-    Clock::time_point epoch;  // the launch: heartbeats are phased from it
+    TimePoint epoch;  // the launch: heartbeats are phased from it
     std::optional<StageToRankMap> map;
     std::set<int> frozenRanks;
     std::optional<int64_t> checkpointStep;  // of the on-demand checkpoint under way
@@ -244,17 +248,17 @@ class SimCluster {
 
   void scheduleTick();
   void onTick();
-  void tickAgent(Agent& agent, Clock::time_point now);
+  void tickAgent(Agent& agent, TimePoint now);
   // An agent's WorkerBeats, when beats are pending and its relay is due.
-  void relayBeats(Agent& agent, Clock::time_point now);
+  void relayBeats(Agent& agent, TimePoint now);
   // A worker's heartbeat: through its agent, or to the manager (see above).
   void beat(Worker& worker, bool waiting);
   // The agents' loop runs at the next tick at or after `at` (a beat or a grace due).
-  void wakeAgentsBy(Clock::time_point at) { agentsWakeAt_ = std::min(agentsWakeAt_, at); }
+  void wakeAgentsBy(TimePoint at) { agentsWakeAt_ = std::min(agentsWakeAt_, at); }
   // (Re)queues the worker's next wake-up: the earliest of its start, beat,
   // step and exit. Called whenever one of them changes.
   void schedule(const std::shared_ptr<Worker>& worker);
-  void tickWorker(const std::shared_ptr<Worker>& worker, Clock::time_point now);
+  void tickWorker(const std::shared_ptr<Worker>& worker, TimePoint now);
   void onAgentMessage(const std::shared_ptr<Agent>& agent, const proto::Message& message);
   void onAgentClosed(const std::shared_ptr<Agent>& agent, const std::string& reason);
   void launch(const std::shared_ptr<Agent>& agent, const proto::LaunchWorkers& launch);
@@ -278,20 +282,22 @@ class SimCluster {
   void setManager(const std::string& managerAddress, const std::string& token);
 
   boost::asio::io_context& io_;
+  varuna::Clock& clock_;
   SimOptions options_;
   Callbacks callbacks_;
-  boost::asio::steady_timer tickTimer_;
+  std::unique_ptr<varuna::Timer> tickTimer_;
+  TimePoint tickDue_{};  // the tick's cadence: a late one catches up
   boost::asio::ip::tcp::endpoint manager_;
   std::string token_;
   std::shared_ptr<LaunchGate> gate_;
   bool shutDown_ = false;
 
   std::map<std::string, std::shared_ptr<Agent>> agents_;  // the newest of each host
-  Clock::time_point agentsWakeAt_ = Clock::time_point::max();
+  TimePoint agentsWakeAt_ = TimePoint::max();
   std::map<std::pair<int, int>, std::shared_ptr<Worker>> workers_;  // live, by (generation, rank)
   std::vector<std::shared_ptr<Worker>> strays_;  // connectStaleWorker's, until they close
   struct Wake {
-    Clock::time_point at;
+    TimePoint at;
     std::shared_ptr<Worker> worker;  // stale once worker->wakeAt != at
     bool operator>(const Wake& other) const { return at > other.at; }
   };

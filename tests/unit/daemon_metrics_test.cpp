@@ -43,7 +43,7 @@ struct MetricsDaemon : test::DaemonHarness {
     config.maxFailures = 5;
     auto options = fastSim();
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    cluster = std::make_unique<sim::SimCluster>(io, options);
+    cluster = std::make_unique<sim::SimCluster>(io, options, useFakeClock());
     startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
   }
   ~MetricsDaemon() {

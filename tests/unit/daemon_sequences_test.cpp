@@ -3,8 +3,9 @@
 // every host of the machine list; the agents start simulated workers that
 // say hello, heartbeat and report steps. The daemon and the cluster share one
 // io_context, polled by the test thread (DaemonHarness::runUntil,
-// daemon_harness.h): every wait is on a condition with a deadline, never a
-// bare sleep. Timeouts are short (JobConfig) so each case takes a few seconds.
+// daemon_harness.h), and one FakeClock: every wait is on a condition with a
+// deadline of job time, never a bare sleep, and the seconds of job time a
+// case spans pass in milliseconds.
 #include <catch2/catch.hpp>
 
 #include <functional>
@@ -60,7 +61,7 @@ struct SimDaemon : test::DaemonHarness {
     config.maxFailures = 5;
     if (tweak) tweak(config);
     simOptions.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    cluster = std::make_unique<sim::SimCluster>(io, simOptions);
+    cluster = std::make_unique<sim::SimCluster>(io, simOptions, useFakeClock());
     startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
   }
   ~SimDaemon() {
@@ -217,9 +218,9 @@ TEST_CASE("sequences: a stopped worker is written off as hung and the job relaun
   SimDaemon f("seq_worker_stopped", Job{{"node-a", "node-b"}, 2, 2, 4});
   REQUIRE(f.waitTraining(1));
   f.cluster->freezeWorker(3);  // SIGSTOP: no heartbeat, no step; its peers wait on it
-  const auto stoppedAt = std::chrono::steady_clock::now();
+  const auto stoppedAt = f.now();
   REQUIRE(f.runUntil([&] { return !f.events("worker_hung").empty(); }));
-  const double detectedAfter = std::chrono::duration<double>(std::chrono::steady_clock::now() - stoppedAt).count();
+  const double detectedAfter = std::chrono::duration<double>(f.now() - stoppedAt).count();
   CHECK(detectedAfter >= 1.8);  // heartbeat_timeout_s 2
   CHECK(f.events("worker_hung")[0]["rank"] == 3);
   REQUIRE(f.waitTraining(2));
@@ -262,9 +263,9 @@ TEST_CASE("sequences: a frozen agent's workers are ordered out and the job relau
   REQUIRE(f.waitTraining(1));
   f.cluster->setHostReachable("node-b", false);
   f.cluster->freezeAgent("node-b");  // silent, socket open: only the heartbeat timeout finds it
-  const auto frozenAt = std::chrono::steady_clock::now();
+  const auto frozenAt = f.now();
   REQUIRE(f.runUntil([&] { return f.cluster->workerGot("exit_now", 2, 1) && f.cluster->workerGot("exit_now", 3, 1); }));
-  const double detectedAfter = std::chrono::duration<double>(std::chrono::steady_clock::now() - frozenAt).count();
+  const double detectedAfter = std::chrono::duration<double>(f.now() - frozenAt).count();
   CHECK(detectedAfter >= 2.5);  // the agent timeout is max(heartbeat_timeout_s, 3) s
   REQUIRE(f.waitTraining(2));
   const auto lost = f.events("host_lost");
@@ -335,9 +336,9 @@ TEST_CASE("sequences: a rank whose step stalls while its peers wait is declared 
   REQUIRE(f.waitTraining(1));
   // Rank 1 computes forever (heartbeats go on, its step stays); the others wait on it.
   f.cluster->freezeProgress(1);
-  const auto frozenAt = std::chrono::steady_clock::now();
+  const auto frozenAt = f.now();
   REQUIRE(f.runUntil([&] { return !f.events("hang").empty(); }));
-  const double detectedAfter = std::chrono::duration<double>(std::chrono::steady_clock::now() - frozenAt).count();
+  const double detectedAfter = std::chrono::duration<double>(f.now() - frozenAt).count();
   CHECK(detectedAfter >= 0.9);
   const auto hang = f.events("hang");
   REQUIRE(hang.size() == 1);
@@ -386,11 +387,11 @@ TEST_CASE("sequences: a frozen agent whose workers are heard only through it is 
   f.runFor(500ms);
   f.cluster->setHostReachable("node-b", false);
   f.cluster->freezeAgent("node-b");
-  const auto frozenAt = std::chrono::steady_clock::now();
+  const auto frozenAt = f.now();
   // Its workers fall silent after heartbeat_timeout_s (2 s), but so did their
   // agent: the agent's own timeout (3 s) decides, for the whole host.
   REQUIRE(f.runUntil([&] { return !f.events("host_lost").empty(); }));
-  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - frozenAt).count() >= 2.5);
+  CHECK(std::chrono::duration<double>(f.now() - frozenAt).count() >= 2.5);
   CHECK(f.events("host_lost")[0]["host"] == "node-b");
   CHECK(f.events("worker_hung").empty());
   // The survivors' orders leave with the host_lost event; wait for them to arrive.

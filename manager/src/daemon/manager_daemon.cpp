@@ -18,7 +18,6 @@ namespace {
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 constexpr auto kTickInterval = std::chrono::milliseconds(100);
 constexpr auto kListPollInterval = std::chrono::milliseconds(500);
@@ -69,11 +68,12 @@ AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string addre
 }  // namespace
 
 ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
-                             PendingLimits pendingLimits)
+                             DaemonOptions options)
     : io_(io),
+      clock_(*options.clock),
       config_(std::move(config)),
-      listener_(io, guard_, pendingLimits),
-      tickTimer_(io),
+      listener_(io, guard_, options.pendingLimits, clock_),
+      tickTimer_(clock_.makeTimer(io)),
       launcher_(std::move(launcher)),
       machineList_(config_.machineList, config_.gpusPerNode),
       liveness_({config_.heartbeatTimeoutS, config_.startupTimeoutS, config_.hangTimeoutS}),
@@ -87,7 +87,7 @@ ManagerDaemon::~ManagerDaemon() = default;
 // --- start-up -------------------------------------------------------------------
 
 void ManagerDaemon::start() {
-  startedAt_ = Clock::now();
+  startedAt_ = clock_.now();
   std::error_code ec;
   fs::create_directories(config_.stateDir, ec);
   if (ec) throw ConfigError(strCat("cannot create --state_dir ", config_.stateDir, ": ", ec.message()));
@@ -109,10 +109,10 @@ void ManagerDaemon::start() {
   advertisedAddress_ = advertisedAddress(config_, listed, listener_.port());
   AgentPool::Observer& observer = *this;  // a private base: converted here, where it is accessible
   pool_ = std::make_unique<AgentPool>(io_, guard_, *events_, std::move(launcher_),
-                                      agentPoolSettings(config_, advertisedAddress_, token_), observer);
+                                      agentPoolSettings(config_, advertisedAddress_, token_), observer, clock_);
   pool_->setAgentCommand([this](const std::string& host) { return agentCommand(host); });
   pool_->setListed(listed);
-  checkpoints_ = std::make_unique<CheckpointWatcher>(io_, guard_, *events_, config_.globalStore, storeScanner_);
+  checkpoints_ = std::make_unique<CheckpointWatcher>(io_, guard_, *events_, config_.globalStore, storeScanner_, clock_);
   createController(first);
   checkpoints_->scanNow();  // before the loop runs (nothing is waiting on it yet)
 
@@ -204,7 +204,7 @@ void ManagerDaemon::createPlanner(ControllerOptions& options) {
                                       {"planning_s", result.planningSeconds}});
       }),
       guard_->wrap("a plan's arrival", [this] {
-        if (controller_ && jobStarted_ && !finished_) apply(controller_->planReady(Clock::now()));
+        if (controller_ && jobStarted_ && !finished_) apply(controller_->planReady(clock_.now()));
       }));
   options.planner = planner_->planner();
 }
@@ -245,6 +245,11 @@ void ManagerDaemon::onHello(const std::shared_ptr<FramedConnection>& connection,
   }
 }
 
+size_t ManagerDaemon::backgroundJobs() const {
+  return (pool_ ? pool_->launchThreads() : 0) + (checkpoints_ ? checkpoints_->pendingJobs() : 0) +
+         (planWorker_ ? planWorker_->pending() : 0);
+}
+
 size_t ManagerDaemon::expectedHellos() const { return pool_->startingCount() + workers_.unconnected(); }
 
 void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
@@ -265,7 +270,7 @@ void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& conne
     return;
   }
   const int rank = hello.rank;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   const bool all = workers_.connect(rank, connection, now);
   connection->start([this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
                     [rank](const std::string& reason) {
@@ -309,7 +314,7 @@ void ManagerDaemon::onPreemptNotice(const std::shared_ptr<FramedConnection>& con
     connection->closeAfterSending("unknown host");
     return;
   }
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   std::optional<TimePoint> takenAt;
   if (notice.deadlineUnixMs > 0) {
     takenAt = now + std::chrono::milliseconds(std::max<int64_t>(0, notice.deadlineUnixMs - unixMillisNow()));
@@ -330,7 +335,7 @@ void ManagerDaemon::onPreemptNotice(const std::shared_ptr<FramedConnection>& con
 void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   WorkerState* worker = workers_.find(rank);
   if (!worker) return;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   worker->lastSeen = now;
   if (const auto* heartbeat = std::get_if<proto::Heartbeat>(&message)) {
     onWorkerBeat(*worker, heartbeat->step, heartbeat->waiting, now);
@@ -359,7 +364,7 @@ void ManagerDaemon::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting
 void ManagerDaemon::onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats) {
   if (!controller_ || beats.generation != controller_->generation()) return;  // a launch that is over
   const auto& placement = controller_->plan().placement;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   for (const auto& beat : beats.beats) {
     // Only the current launch's ranks on that agent's host whose own
     // connection is up: a rank that is gone, written off or cut off from us
@@ -398,15 +403,15 @@ void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerE
     if ((phase == Phase::kRunning || phase == Phase::kCheckpointing) && controller_->runningRanks().count(exited.rank)) {
       metrics_.failure(exitFailure(exit));
     }
-    morph_.begin(strCat("rank ", exited.rank, " failed"), JobMetrics::MorphCause::kWorkerFailed, Clock::now());
+    morph_.begin(strCat("rank ", exited.rank, " failed"), JobMetrics::MorphCause::kWorkerFailed, clock_.now());
   }
-  apply(controller_->workerExited(exited.rank, exited.exitCode, Clock::now()));
+  apply(controller_->workerExited(exited.rank, exited.exitCode, clock_.now()));
 }
 
 // --- hosts (AgentPool::Observer) ---------------------------------------------------------
 
 void ManagerDaemon::hostsChanged() {
-  updateHostMetrics(Clock::now());
+  updateHostMetrics(clock_.now());
   if (jobStarted_) {
     usableMachinesChanged();
   } else {
@@ -423,14 +428,14 @@ void ManagerDaemon::agentLost(const std::string& host, const std::string&) {
   // or partitioned agent, not a dead host) are told so.
   workers_.orderHostOut(host, controller_->plan(), controller_->generation(),
                         strCat("the agent of host ", host, " was lost"));
-  morph_.begin("loss of host " + host, JobMetrics::MorphCause::kHostLost, Clock::now());
-  updateHostMetrics(Clock::now());
+  morph_.begin("loss of host " + host, JobMetrics::MorphCause::kHostLost, clock_.now());
+  updateHostMetrics(clock_.now());
   if (!jobStarted_) {
     pool_->markFailed(host);  // its first start-up did not last until the job began
     return maybeStartJob();
   }
   metrics_.failure(JobMetrics::Failure::kHostLost);
-  apply(controller_->hostLost(host, Clock::now()));
+  apply(controller_->hostLost(host, clock_.now()));
   usableMachinesChanged();
 }
 
@@ -440,7 +445,7 @@ void ManagerDaemon::agentConfigError(const std::string&, const std::string& reas
 
 void ManagerDaemon::usableMachinesChanged() {
   if (!jobStarted_ || finished_) return;
-  apply(controller_->machinesChanged(pool_->usable(), Clock::now()));
+  apply(controller_->machinesChanged(pool_->usable(), clock_.now()));
 }
 
 void ManagerDaemon::maybeStartJob() {
@@ -453,7 +458,7 @@ void ManagerDaemon::maybeStartJob() {
     log::error(listed - usable.size(), " host(s) could not start an agent (see the errors above); they are ",
                config_.hostRetryS > 0 ? "retried with backoff and " : "", "retried when the machine list is written");
   }
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   apply(controller_->machinesChanged(usable, now));
   apply(controller_->start(now));
 }
@@ -468,13 +473,13 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
       doLaunch(*launch);
     } else if (std::holds_alternative<action::Checkpoint>(a)) {
       // The stop is no morph.
-      morph_.begin("the machines changed", JobMetrics::MorphCause::kMachinesChanged, Clock::now(), !stopping_);
-      metrics_.checkpointOrdered(Clock::now());
+      morph_.begin("the machines changed", JobMetrics::MorphCause::kMachinesChanged, clock_.now(), !stopping_);
+      metrics_.checkpointOrdered(clock_.now());
       log::info("ordering an on-demand checkpoint from every worker");
       events_->write("checkpoint_ordered", {{"generation", controller_->generation()}});
       pool_->send(controller_->plan().hosts, proto::CheckpointAndExit{});
     } else if (const auto* kill = std::get_if<action::KillAll>(&a)) {
-      morph_.begin(kill->reason, JobMetrics::MorphCause::kOther, Clock::now(), !stopping_);
+      morph_.begin(kill->reason, JobMetrics::MorphCause::kOther, clock_.now(), !stopping_);
       log::warn("stopping every worker: ", kill->reason);
       events_->write("kill_all", {{"reason", kill->reason}});
       pool_->send(controller_->plan().hosts, proto::KillWorkers{kill->reason});
@@ -515,7 +520,7 @@ void ManagerDaemon::abandonLaunch(const action::Launch& launch) {
   const std::set<int> ranks = controller_->runningRanks();  // a copy: workerExited changes the controller's
   for (const int rank : ranks) {
     if (finished_) return;
-    apply(controller_->workerExited(rank, code, Clock::now()));
+    apply(controller_->workerExited(rank, code, clock_.now()));
   }
 }
 
@@ -528,7 +533,7 @@ void ManagerDaemon::failLaunch(const action::Launch& launch, const std::string& 
   events_->write("launch_failed", {{"generation", launch.generation}, {"reason", reason}});
   metrics_.failure(JobMetrics::Failure::kLaunchFailed);
   workers_.clear();
-  apply(controller_->launchFailed(reason, Clock::now()));
+  apply(controller_->launchFailed(reason, clock_.now()));
 }
 
 void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher::LaunchPrep& prep) {
@@ -546,7 +551,7 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   }
   // The freshest checkpoint (the controller's is the last periodic scan's);
   // if the store could not be read, the last one seen.
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   const auto latest = checkpoints_->read(prep.scan);
   checkpoints_->note(latest, now, prep.scan.latestAgeSeconds);
   metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
@@ -602,22 +607,18 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
   listener_.stopAccepting();  // no new peer has anything to do with a job that stopped
   writeState();
   // Let the shutdowns go out, then leave the event loop.
-  auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(300));
-  timer->async_wait(
-      guard_->wrap("shutting down", [this, timer](const boost::system::error_code&) { finishShutdown(); }));
+  clock_.runAfter(io_, std::chrono::milliseconds(300), guard_->wrap("shutting down", [this] { finishShutdown(); }));
 }
 
 void ManagerDaemon::finishShutdown() {
   // The final store scan first (state.json and the summary name the last
   // checkpoint), for a bounded time: a stalled store must not keep the
   // manager from exiting.
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   if (!checkpoints_->finalScanDone()) {
     if (shutdownWaitSince_ == TimePoint{}) shutdownWaitSince_ = now;
     if (now - shutdownWaitSince_ < kFinalScanWait) {
-      auto timer = std::make_shared<asio::steady_timer>(io_, kTickInterval);
-      timer->async_wait(
-          guard_->wrap("shutting down", [this, timer](const boost::system::error_code&) { finishShutdown(); }));
+      clock_.runAfter(io_, kTickInterval, guard_->wrap("shutting down", [this] { finishShutdown(); }));
       return;
     }
     log::warn("the checkpoint store did not answer within ", std::chrono::duration<double>(kFinalScanWait).count(),
@@ -625,7 +626,7 @@ void ManagerDaemon::finishShutdown() {
   }
   printSummary();
   listener_.close();
-  tickTimer_.cancel();
+  tickTimer_->cancel();
   pool_->closeAll("manager exiting");
   workers_.closeAll("manager exiting");
   io_.stop();  // pending timers and the signal set would keep the loop alive
@@ -640,22 +641,21 @@ void ManagerDaemon::requestStop(const std::string& reason) {
   if (stopping_) log::warn("second stop request: killing the workers now");
   stopping_ = true;
   events_->write("stop_requested", {{"reason", reason}});
-  apply(controller_->stop(reason, Clock::now()));
+  apply(controller_->stop(reason, clock_.now()));
 }
 
 // --- periodic work ------------------------------------------------------------------------
 
 void ManagerDaemon::scheduleTick() {
-  tickTimer_.expires_after(kTickInterval);
-  tickTimer_.async_wait([this](const boost::system::error_code& ec) {
-    if (ec || finished_) return;
+  tickTimer_->expireAfter(kTickInterval, [this] {
+    if (finished_) return;
     guard_->run("the manager's tick", [this] { onTick(); });
     if (!finished_) scheduleTick();
   });
 }
 
 void ManagerDaemon::onTick() {
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   listener_.tick(now);
   // Agents before workers: when a host is cut off, its agent's and its
   // workers' silences end in the same tick, and the host's loss (not
@@ -733,7 +733,7 @@ void ManagerDaemon::checkProgress(TimePoint now) {
 
 void ManagerDaemon::watchMachineList() {
   const auto change = machineList_.poll();
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   if (!change.edited) {
     // Written again with the same text (or touched): the operator says the
     // hosts it lists are there; those out get another chance now.

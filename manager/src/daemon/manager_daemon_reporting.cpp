@@ -14,7 +14,6 @@ namespace varuna {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
@@ -26,7 +25,7 @@ void ManagerDaemon::onStepReport(const proto::StepReport& report) {
   const Plan& plan = controller_->plan();
   const auto step = progress_.add(report, plan.worldSize());
   if (!step) return;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   metrics_.stepCompleted(step->step, step->loss, step->maxStepSeconds, now);
   stepLog_->add(controller_->generation(), step->step, step->loss, step->maxStepSeconds, now, unixMillisNow());
   if (step->firstOfGeneration) morph_.firstStep(controller_->generation(), plan, step->step, now);
@@ -71,11 +70,11 @@ void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
     list.push_back({{"host", s.host}, {"rank", s.rank}, {"stage", s.stage}, {"ratio", s.ratio()}});
     if (config_.excludeSlow) {
       controller_->excludeHost(s.host);
-      pool_->slow(s.host, Clock::now());  // until the machine list is written
+      pool_->slow(s.host, clock_.now());  // until the machine list is written
     }
   }
   events_->write("slow_machines", {{"machines", list}});
-  updateHostMetrics(Clock::now());
+  updateHostMetrics(clock_.now());
 }
 
 void ManagerDaemon::updateHostMetrics(TimePoint now) {
@@ -93,11 +92,11 @@ const json& ManagerDaemon::cachedPlanJson() {
 
 void ManagerDaemon::writeState() {
   if (!controller_ || !events_) return;
-  stateFile_.write([this] { return stateJson(); }, Clock::now());
+  stateFile_.write([this] { return stateJson(); }, clock_.now());
 }
 
 json ManagerDaemon::stateJson() {
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   const auto latest = checkpoints_->latest();
   json connections = listener_.stats();
   connections["handler_failures"] = guard_->failures();
@@ -131,7 +130,7 @@ void ManagerDaemon::printSummary() {
   const auto latest = checkpoints_->latest();
   log::info("summary: job '", config_.job, "', last step ", progress_.lastStep(), ", loss ", progress_.lastLoss(), ", ",
             morph_.completed(), " morph(s), last checkpoint ", latest ? std::to_string(*latest) : "none", ", ran ",
-            static_cast<int>(secondsBetween(startedAt_, Clock::now())), " s; events in ", events_->path());
+            static_cast<int>(secondsBetween(startedAt_, clock_.now())), " s; events in ", events_->path());
 }
 
 }  // namespace varuna

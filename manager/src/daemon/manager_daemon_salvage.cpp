@@ -10,7 +10,6 @@ namespace varuna {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
@@ -29,11 +28,11 @@ void ManagerDaemon::onSalvageReady(int rank, const proto::SalvageReady& ready) {
   events_->write("salvage_report", fields);
   apply(controller_->salvageReady(
       SalvageReport{rank, ready.stage, ready.step, {}, ready.finishableStep, ready.exchange, ready.exchangeStep},
-      Clock::now()));
+      clock_.now()));
 }
 
 void ManagerDaemon::doSalvageStop(const action::SalvageStop& stop) {
-  morph_.begin(stop.reason, JobMetrics::MorphCause::kOther, Clock::now(), !stopping_);
+  morph_.begin(stop.reason, JobMetrics::MorphCause::kOther, clock_.now(), !stopping_);
   const int generation = controller_->generation();
   log::warn("salvaging generation ", generation, ": ", stop.reason, "; asking the survivors which step they hold");
   events_->write("salvage_started", {{"generation", generation}, {"reason", stop.reason},

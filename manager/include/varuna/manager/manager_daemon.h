@@ -34,6 +34,7 @@
 #include "varuna/manager/autoconfig.h"
 #include "varuna/manager/background_worker.h"
 #include "varuna/manager/checkpoint_scan.h"
+#include "varuna/manager/clock.h"
 #include "varuna/manager/daemon/agent_pool.h"
 #include "varuna/manager/daemon/checkpoint_watcher.h"
 #include "varuna/manager/daemon/control_listener.h"
@@ -56,10 +57,18 @@
 
 namespace varuna {
 
+// What a ManagerDaemon takes besides its job and its launcher.
+struct DaemonOptions {
+  PendingLimits pendingLimits;  // connections before their hello
+  // Every part's time and timers (the tick, deadlines, backoffs, the
+  // shutdown's waits); must outlive the daemon. Tests hand in a fake one.
+  Clock* clock = &realClock();
+};
+
 class ManagerDaemon : private AgentPool::Observer {
  public:
   ManagerDaemon(boost::asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
-                PendingLimits pendingLimits = {});
+                DaemonOptions options = {});
   ~ManagerDaemon() override;
 
   // Binds the control port, starts the agents; the job starts when they are up.
@@ -83,6 +92,10 @@ class ManagerDaemon : private AgentPool::Observer {
   uint64_t acceptFailures() const { return listener_.acceptFailures(); }
   uint64_t handlerFailures() const { return guard_->failures(); }
   bool stateWriteFailing() const { return stateFile_.failing(); }
+  // Work on other threads whose result the loop has not had yet: agent
+  // start-ups and store or planning jobs (a test on a fake clock holds its
+  // time still while there is any, as the real clock would barely move).
+  size_t backgroundJobs() const;
 
  private:
   // Start-up (start()).
@@ -166,12 +179,13 @@ class ManagerDaemon : private AgentPool::Observer {
   void printSummary();
 
   boost::asio::io_context& io_;
+  Clock& clock_;
   JobConfig config_;
   // Every handler and connection callback runs under it (shared with the
   // connections, which may outlive a handler).
   std::shared_ptr<HandlerGuard> guard_ = std::make_shared<HandlerGuard>();
   ControlListener listener_;
-  boost::asio::steady_timer tickTimer_;
+  std::unique_ptr<Timer> tickTimer_;
   std::unique_ptr<HostLauncher> launcher_;  // until start() hands it to the pool
   std::string advertisedAddress_;           // host:port agents and workers dial
   std::string token_;
