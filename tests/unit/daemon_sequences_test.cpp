@@ -398,3 +398,101 @@ TEST_CASE("sequences: a frozen agent whose workers are heard only through it is 
   CHECK(f.runUntil([&] { return f.cluster->workerGot("exit_now", 2, 1) && f.cluster->workerGot("exit_now", 3, 1); }));
   CHECK(f.daemon->handlerFailures() == 0);
 }
+
+// --- the daemon's lifecycle: starting agents, running, stopping, finished ------------------
+
+TEST_CASE("lifecycle: a stop before the job started ends it at once; no launch, no checkpoint", "[lifecycle]") {
+  SimDaemon f("life_stop_before_start", Job{{"node-a", "node-b"}, 2, 2, 4});
+  // start() only queued the agents' start-ups: none is up yet, so no job runs.
+  f.daemon->requestStop("stopped before the start");
+  REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  f.runFor(2000ms);  // time for anything that would still start
+  const auto stop = f.events("stop");
+  REQUIRE(stop.size() == 1);
+  CHECK(stop[0]["reason"] == "stopped before the start");
+  CHECK(stop[0]["exit_code"] == 0);
+  CHECK(f.events("stop_requested").empty());  // nothing for the controller to stop
+  CHECK(f.events("checkpoint_ordered").empty());
+  CHECK(f.events("launch").empty());
+  CHECK(f.cluster->launches() == 0);
+  CHECK(f.daemon->exitCode() == 0);
+  CHECK(f.state()["phase"] == "finished");
+  // A second request after the end changes nothing.
+  f.daemon->requestStop("again");
+  f.runFor(500ms);
+  CHECK(f.events("stop").size() == 1);
+  CHECK(f.events("stop_requested").empty());
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+TEST_CASE("lifecycle: a stop while running checkpoints once, then ends; late peers change nothing",
+          "[lifecycle]") {
+  SimDaemon f("life_stop_running", Job{{"node-a", "node-b"}, 2, 2, 4});
+  REQUIRE(f.waitTraining(1));
+  f.daemon->requestStop("the test is over");
+  REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  CHECK(f.events("stop_requested").size() == 1);
+  CHECK(f.events("checkpoint_ordered").size() == 1);
+  CHECK(f.events("kill_all").empty());
+  for (int rank = 0; rank < 4; ++rank) {
+    const auto exits = exitsOf(*f.cluster, rank, 1);
+    REQUIRE(exits.size() == 1);
+    CHECK(exits[0].exitCode == 75);
+  }
+  CHECK(f.events("stop")[0]["exit_code"] == 0);
+  CHECK(f.cluster->count(PeerKind::kAgent, "shutdown") == 2);
+  f.runFor(1000ms);
+  CHECK(f.state()["phase"] == "finished");
+  CHECK(f.state()["morphs"] == 0);
+  // After the end, an agent that goes is no lost host and starts nothing.
+  f.cluster->dropAgent("node-a", /*withWorkers=*/true);
+  f.runFor(2000ms);
+  CHECK(f.events("host_lost").empty());
+  CHECK(f.cluster->agentStarts("node-a") == 1);
+  CHECK(f.cluster->launches() == 1);
+  CHECK(f.daemon->exitCode() == 0);
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+TEST_CASE("lifecycle: a second stop during the stop's checkpoint kills at once and is no morph", "[lifecycle]") {
+  auto sim = fastSim();
+  sim.checkpointDelay = 3000ms;  // the stop's checkpoint lasts
+  SimDaemon f("life_stop_twice", Job{{"node-a", "node-b"}, 2, 2, 4}, {}, sim);
+  REQUIRE(f.waitTraining(1));
+  f.daemon->requestStop("first");
+  REQUIRE(f.runUntil([&] { return f.cluster->count(PeerKind::kAgent, "checkpoint_and_exit") == 2; }));
+  CHECK(f.cluster->exitReports().empty());
+  f.daemon->requestStop("second");
+  REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  CHECK(f.events("stop_requested").size() == 2);
+  const auto kill = f.events("kill_all");
+  REQUIRE(kill.size() == 1);
+  CHECK(kill[0]["reason"] == "second");
+  for (int rank = 0; rank < 4; ++rank) {
+    const auto exits = exitsOf(*f.cluster, rank, 1);
+    REQUIRE(exits.size() == 1);
+    CHECK(exits[0].exitCode == -1);  // killed before the checkpoint's delay was over
+  }
+  CHECK(f.events("stop")[0]["exit_code"] == 0);
+  CHECK(f.daemon->exitCode() == 0);
+  CHECK(f.cluster->launches() == 1);
+  CHECK(f.state()["morphs"] == 0);
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+TEST_CASE("lifecycle: too many failures end a running job; a stop request after that is ignored", "[lifecycle]") {
+  SimDaemon f("life_failures", Job{{"node-a", "node-b"}, 2, 2, 4}, [](JobConfig& config) { config.maxFailures = 0; });
+  REQUIRE(f.waitTraining(1));
+  f.cluster->exitWorker(1, 1);  // a crash: the first failure is already one too many
+  REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  f.runFor(1000ms);
+  CHECK(f.events("stop")[0]["exit_code"] != 0);
+  CHECK(f.daemon->exitCode() != 0);
+  CHECK(f.state()["phase"] == "failed");
+  CHECK(f.cluster->launches() == 1);
+  f.daemon->requestStop("too late");
+  f.runFor(500ms);
+  CHECK(f.events("stop_requested").empty());
+  CHECK(f.events("stop").size() == 1);
+  CHECK(f.daemon->handlerFailures() == 0);
+}
