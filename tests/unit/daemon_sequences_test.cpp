@@ -404,7 +404,9 @@ TEST_CASE("sequences: a frozen agent whose workers are heard only through it is 
 TEST_CASE("lifecycle: a stop before the job started ends it at once; no launch, no checkpoint", "[lifecycle]") {
   SimDaemon f("life_stop_before_start", Job{{"node-a", "node-b"}, 2, 2, 4});
   // start() only queued the agents' start-ups: none is up yet, so no job runs.
+  CHECK(f.daemon->phase() == DaemonPhase::kStartingAgents);
   f.daemon->requestStop("stopped before the start");
+  CHECK(f.daemon->phase() == DaemonPhase::kFinished);
   REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
   f.runFor(2000ms);  // time for anything that would still start
   const auto stop = f.events("stop");
@@ -429,8 +431,11 @@ TEST_CASE("lifecycle: a stop while running checkpoints once, then ends; late pee
           "[lifecycle]") {
   SimDaemon f("life_stop_running", Job{{"node-a", "node-b"}, 2, 2, 4});
   REQUIRE(f.waitTraining(1));
+  CHECK(f.daemon->phase() == DaemonPhase::kRunning);
   f.daemon->requestStop("the test is over");
+  CHECK(f.daemon->phase() == DaemonPhase::kStopping);
   REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  CHECK(f.daemon->phase() == DaemonPhase::kFinished);
   CHECK(f.events("stop_requested").size() == 1);
   CHECK(f.events("checkpoint_ordered").size() == 1);
   CHECK(f.events("kill_all").empty());
@@ -462,8 +467,10 @@ TEST_CASE("lifecycle: a second stop during the stop's checkpoint kills at once a
   f.daemon->requestStop("first");
   REQUIRE(f.runUntil([&] { return f.cluster->count(PeerKind::kAgent, "checkpoint_and_exit") == 2; }));
   CHECK(f.cluster->exitReports().empty());
+  CHECK(f.daemon->phase() == DaemonPhase::kStopping);
   f.daemon->requestStop("second");
   REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  CHECK(f.daemon->phase() == DaemonPhase::kFinished);
   CHECK(f.events("stop_requested").size() == 2);
   const auto kill = f.events("kill_all");
   REQUIRE(kill.size() == 1);
@@ -489,6 +496,7 @@ TEST_CASE("lifecycle: too many failures end a running job; a stop request after 
   CHECK(f.events("stop")[0]["exit_code"] != 0);
   CHECK(f.daemon->exitCode() != 0);
   CHECK(f.state()["phase"] == "failed");
+  CHECK(f.daemon->phase() == DaemonPhase::kFinished);  // from kRunning, no kStopping
   CHECK(f.cluster->launches() == 1);
   f.daemon->requestStop("too late");
   f.runFor(500ms);

@@ -204,7 +204,7 @@ void ManagerDaemon::createPlanner(ControllerOptions& options) {
                                       {"planning_s", result.planningSeconds}});
       }),
       guard_->wrap("a plan's arrival", [this] {
-        if (controller_ && jobStarted_ && !finished_) apply(controller_->planReady(clock_.now()));
+        if (controller_ && jobRunning()) apply(controller_->planReady(clock_.now()));
       }));
   options.planner = planner_->planner();
 }
@@ -412,10 +412,11 @@ void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerE
 
 void ManagerDaemon::hostsChanged() {
   updateHostMetrics(clock_.now());
-  if (jobStarted_) {
-    usableMachinesChanged();
-  } else {
-    maybeStartJob();
+  switch (phase_) {
+    case DaemonPhase::kStartingAgents: return maybeStartJob();
+    case DaemonPhase::kRunning:
+    case DaemonPhase::kStopping: return usableMachinesChanged();
+    case DaemonPhase::kFinished: return;
   }
 }
 
@@ -430,10 +431,13 @@ void ManagerDaemon::agentLost(const std::string& host, const std::string&) {
                         strCat("the agent of host ", host, " was lost"));
   morph_.begin("loss of host " + host, JobMetrics::MorphCause::kHostLost, clock_.now());
   updateHostMetrics(clock_.now());
-  if (!jobStarted_) {
+  if (phase_ == DaemonPhase::kStartingAgents) {
     pool_->markFailed(host);  // its first start-up did not last until the job began
     return maybeStartJob();
   }
+  // Finished, the pool is shut down and reports no loss (shutdownAll); the
+  // controller has nothing more to hear.
+  if (finished()) return;
   metrics_.failure(JobMetrics::Failure::kHostLost);
   apply(controller_->hostLost(host, clock_.now()));
   usableMachinesChanged();
@@ -444,13 +448,13 @@ void ManagerDaemon::agentConfigError(const std::string&, const std::string& reas
 }
 
 void ManagerDaemon::usableMachinesChanged() {
-  if (!jobStarted_ || finished_) return;
+  if (!jobRunning()) return;
   apply(controller_->machinesChanged(pool_->usable(), clock_.now()));
 }
 
 void ManagerDaemon::maybeStartJob() {
-  if (jobStarted_ || finished_ || pool_->anyStarting()) return;  // still waiting for some
-  jobStarted_ = true;
+  if (phase_ != DaemonPhase::kStartingAgents || pool_->anyStarting()) return;  // still waiting for some
+  phase_ = DaemonPhase::kRunning;
   const auto usable = pool_->usable();
   const size_t listed = pool_->listed().size();
   log::info(usable.size(), " of ", listed, " host(s) ready");
@@ -468,18 +472,18 @@ void ManagerDaemon::maybeStartJob() {
 void ManagerDaemon::apply(const std::vector<Action>& actions) {
   if (actions.empty()) return;  // the tick writes the state once a second anyway
   for (const auto& a : actions) {
-    if (finished_) return;
+    if (finished()) return;
     if (const auto* launch = std::get_if<action::Launch>(&a)) {
       doLaunch(*launch);
     } else if (std::holds_alternative<action::Checkpoint>(a)) {
       // The stop is no morph.
-      morph_.begin("the machines changed", JobMetrics::MorphCause::kMachinesChanged, clock_.now(), !stopping_);
+      morph_.begin("the machines changed", JobMetrics::MorphCause::kMachinesChanged, clock_.now(), phase_ != DaemonPhase::kStopping);
       metrics_.checkpointOrdered(clock_.now());
       log::info("ordering an on-demand checkpoint from every worker");
       events_->write("checkpoint_ordered", {{"generation", controller_->generation()}});
       pool_->send(controller_->plan().hosts, proto::CheckpointAndExit{});
     } else if (const auto* kill = std::get_if<action::KillAll>(&a)) {
-      morph_.begin(kill->reason, JobMetrics::MorphCause::kOther, clock_.now(), !stopping_);
+      morph_.begin(kill->reason, JobMetrics::MorphCause::kOther, clock_.now(), phase_ != DaemonPhase::kStopping);
       log::warn("stopping every worker: ", kill->reason);
       events_->write("kill_all", {{"reason", kill->reason}});
       pool_->send(controller_->plan().hosts, proto::KillWorkers{kill->reason});
@@ -504,7 +508,7 @@ void ManagerDaemon::orderWorkersOut(const std::string& reason) {
 
 void ManagerDaemon::doLaunch(const action::Launch& launch) {
   workers_.clear();  // the last generation's, if any: no hello of theirs counts
-  launchPreparing_ = true;
+  preparingLaunch_ = launch.generation;
   checkpoints_->prepareLaunch(launch.generation, [this, launch](const CheckpointWatcher::LaunchPrep& prep) {
     finishLaunch(launch, prep);
   });
@@ -519,7 +523,7 @@ void ManagerDaemon::abandonLaunch(const action::Launch& launch) {
   const int code = phase == Phase::kCheckpointing ? kExitCheckpointed : -1;
   const std::set<int> ranks = controller_->runningRanks();  // a copy: workerExited changes the controller's
   for (const int rank : ranks) {
-    if (finished_) return;
+    if (finished()) return;
     apply(controller_->workerExited(rank, code, clock_.now()));
   }
 }
@@ -537,8 +541,8 @@ void ManagerDaemon::failLaunch(const action::Launch& launch, const std::string& 
 }
 
 void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher::LaunchPrep& prep) {
-  if (finished_ || launch.generation != controller_->generation()) return;  // a later launch supersedes it
-  launchPreparing_ = false;
+  if (finished() || launch.generation != controller_->generation()) return;  // a later launch supersedes it
+  preparingLaunch_.reset();
   if (controller_->phase() != Phase::kRunning) return abandonLaunch(launch);
   const Plan& plan = launch.plan;
   if (!prep.recordError.empty()) {
@@ -585,8 +589,8 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
 }
 
 void ManagerDaemon::doStop(const action::Stop& stop) {
-  if (finished_) return;
-  finished_ = true;
+  if (finished()) return;
+  phase_ = DaemonPhase::kFinished;
   exitCode_ = stop.exitCode;
   stopReason_ = stop.reason;
   if (stop.exitCode == 0) {
@@ -633,13 +637,12 @@ void ManagerDaemon::finishShutdown() {
 }
 
 void ManagerDaemon::requestStop(const std::string& reason) {
-  if (finished_) return;
-  if (!jobStarted_) {
-    doStop(action::Stop{reason, 0});
-    return;
+  switch (phase_) {
+    case DaemonPhase::kFinished: return;
+    case DaemonPhase::kStartingAgents: return doStop(action::Stop{reason, 0});  // no job to checkpoint
+    case DaemonPhase::kStopping: log::warn("second stop request: killing the workers now"); break;
+    case DaemonPhase::kRunning: phase_ = DaemonPhase::kStopping; break;
   }
-  if (stopping_) log::warn("second stop request: killing the workers now");
-  stopping_ = true;
   events_->write("stop_requested", {{"reason", reason}});
   apply(controller_->stop(reason, clock_.now()));
 }
@@ -648,9 +651,9 @@ void ManagerDaemon::requestStop(const std::string& reason) {
 
 void ManagerDaemon::scheduleTick() {
   tickTimer_->expireAfter(kTickInterval, [this] {
-    if (finished_) return;
+    if (finished()) return;
     guard_->run("the manager's tick", [this] { onTick(); });
-    if (!finished_) scheduleTick();
+    if (!finished()) scheduleTick();
   });
 }
 
@@ -662,26 +665,26 @@ void ManagerDaemon::onTick() {
   // counted towards --max_failures) must be what the controller hears first,
   // not its workers' hangs (counted).
   pool_->closeSilentAgents(now);
-  if (finished_) return;
+  if (finished()) return;
   checkSilentRanks(now);
-  if (finished_) return;
+  if (finished()) return;
   checkProgress(now);
-  if (finished_) return;
-  if (jobStarted_) {
+  if (finished()) return;
+  if (jobRunning()) {
     // A tick's action while checkpointing is the checkpoint's timeout.
     const bool checkpointing = controller_->phase() == Phase::kCheckpointing;
     auto actions = controller_->tick(now);
     if (checkpointing && !actions.empty()) metrics_.failure(JobMetrics::Failure::kCheckpointTimeout);
     apply(actions);
   }
-  if (finished_) return;
+  if (finished()) return;
   if (now - lastListPoll_ >= kListPollInterval) {
     lastListPoll_ = now;
     watchMachineList();
   }
   // Stopping, no host is needed again.
-  pool_->tick(now, /*retry=*/jobStarted_ && !finished_ && !stopping_);
-  if (finished_) return;
+  pool_->tick(now, /*retry=*/phase_ == DaemonPhase::kRunning);
+  if (finished()) return;
   if (now - lastCheckpointPoll_ >= kCheckpointPollInterval) {
     lastCheckpointPoll_ = now;
     checkpoints_->poll();
@@ -708,12 +711,12 @@ void ManagerDaemon::checkSilentRanks(TimePoint now) {
     metrics_.failure(JobMetrics::Failure::kWorkerHung);
     morph_.begin(strCat("rank ", silent.rank, " hung"), JobMetrics::MorphCause::kWorkerHung, now);
     apply(controller_->workerHung(silent.rank, now));
-    if (finished_) return;
+    if (finished()) return;
   }
 }
 
 void ManagerDaemon::checkProgress(TimePoint now) {
-  if (!controller_ || launchPreparing_ || controller_->phase() != Phase::kRunning) return;
+  if (!controller_ || preparingLaunch_ || controller_->phase() != Phase::kRunning) return;
   const auto hang = liveness_.findHang(controller_->runningRanks(), workers_, controller_->plan(), now);
   if (!hang) return;
   log::error(hang->reason);

@@ -105,7 +105,7 @@ json ManagerDaemon::stateJson() {
   return {{"job", config_.job},
           {"pid", ::getpid()},
           {"address", advertisedAddress_},
-          {"phase", finished_ ? (exitCode_ == 0 ? "finished" : "failed") : toString(controller_->phase())},
+          {"phase", finished() ? (exitCode_ == 0 ? "finished" : "failed") : toString(controller_->phase())},
           {"generation", controller_->generation()},
           {"plan", cachedPlanJson()},
           {"hosts", std::move(hosts)},

@@ -32,7 +32,7 @@ void ManagerDaemon::onSalvageReady(int rank, const proto::SalvageReady& ready) {
 }
 
 void ManagerDaemon::doSalvageStop(const action::SalvageStop& stop) {
-  morph_.begin(stop.reason, JobMetrics::MorphCause::kOther, clock_.now(), !stopping_);
+  morph_.begin(stop.reason, JobMetrics::MorphCause::kOther, clock_.now(), phase_ != DaemonPhase::kStopping);
   const int generation = controller_->generation();
   log::warn("salvaging generation ", generation, ": ", stop.reason, "; asking the survivors which step they hold");
   events_->write("salvage_started", {{"generation", generation}, {"reason", stop.reason},

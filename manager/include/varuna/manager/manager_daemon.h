@@ -57,6 +57,19 @@
 
 namespace varuna {
 
+// The daemon's lifecycle, one way through (the controller's Phase is the
+// job's, within kRunning and kStopping):
+//   kStartingAgents -> kRunning -> kStopping -> kFinished,
+// and kFinished from any of them (a stop before the job started, a
+// configuration error, the controller's Stop). In kFinished the parts are
+// shut down: the pool reports no lost agent and starts none, the tick ends.
+enum class DaemonPhase {
+  kStartingAgents,  // start(): the listed agents' first start-ups; no job yet
+  kRunning,         // every first start-up is over: the controller runs the job
+  kStopping,        // requestStop while running: the controller checkpoints, then stops
+  kFinished,        // doStop: the last store scan, the summary, then the loop ends
+};
+
 // What a ManagerDaemon takes besides its job and its launcher.
 struct DaemonOptions {
   PendingLimits pendingLimits;  // connections before their hello
@@ -77,6 +90,7 @@ class ManagerDaemon : private AgentPool::Observer {
   // SIGTERM/SIGINT: checkpoint and stop (a second request kills at once).
   void requestStop(const std::string& reason);
   int exitCode() const { return exitCode_; }
+  DaemonPhase phase() const { return phase_; }
   uint16_t port() const { return listener_.port(); }
   // --metrics_port's, once started (0: no metrics).
   uint16_t metricsPort() const { return metricsServer_ ? metricsServer_->port() : 0; }
@@ -136,6 +150,9 @@ class ManagerDaemon : private AgentPool::Observer {
 
   // The job: started once the first start-up of every listed agent is over.
   void maybeStartJob();
+  // The controller runs the job (kRunning or kStopping).
+  bool jobRunning() const { return phase_ == DaemonPhase::kRunning || phase_ == DaemonPhase::kStopping; }
+  bool finished() const { return phase_ == DaemonPhase::kFinished; }
   void usableMachinesChanged();
 
   // The controller's actions.
@@ -221,10 +238,10 @@ class ManagerDaemon : private AgentPool::Observer {
   TimePoint lastListPoll_{};
   TimePoint lastCheckpointPoll_{};
   TimePoint shutdownWaitSince_{};  // finishShutdown waits for the final scan from then (bounded)
-  bool jobStarted_ = false;
-  bool launchPreparing_ = false;  // a launch's store work is under way: no worker runs yet
-  bool stopping_ = false;
-  bool finished_ = false;
+  DaemonPhase phase_ = DaemonPhase::kStartingAgents;
+  // The generation whose launch's store work is under way (no worker of it
+  // runs yet); none once finishLaunch has it.
+  std::optional<int> preparingLaunch_;
   int exitCode_ = 0;
   std::string stopReason_;
   StoreScanner storeScanner_ = scanCheckpointStore;
