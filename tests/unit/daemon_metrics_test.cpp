@@ -6,6 +6,7 @@
 // morph. Every wait is on a condition with a deadline.
 #include <catch2/catch.hpp>
 
+#include "daemon/job_metrics.h"
 #include "daemon_harness.h"
 #include "sim_cluster.h"
 #include "sim_host_launcher.h"

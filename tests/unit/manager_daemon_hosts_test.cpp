@@ -12,6 +12,7 @@
 
 #include "daemon_harness.h"
 #include "manager_daemon_fakes.h"
+#include "loop/event_log.h"  // unixMillisNow
 
 using namespace varuna;
 using namespace std::chrono_literals;

@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/agent_pool.h"
+#include "daemon/agent_pool.h"
 
 #include <algorithm>
 

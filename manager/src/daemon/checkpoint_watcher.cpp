@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/checkpoint_watcher.h"
+#include "daemon/checkpoint_watcher.h"
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"

@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/control_listener.h"
+#include "daemon/control_listener.h"
 
 #include <fcntl.h>
 

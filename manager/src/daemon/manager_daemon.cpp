@@ -1,4 +1,4 @@
-#include "varuna/manager/manager_daemon.h"
+#include "daemon/manager_daemon_impl.h"
 
 #include <unistd.h>
 
@@ -7,8 +7,8 @@
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 #include "varuna/common/machine_list.h"
-#include "varuna/manager/daemon/job_setup.h"
-#include "varuna/manager/daemon/launch_message.h"
+#include "daemon/job_setup.h"
+#include "daemon/launch_message.h"
 #include "varuna/common/time_util.h"
 #include "varuna/common/worker_exit.h"
 
@@ -67,7 +67,7 @@ AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string addre
 
 }  // namespace
 
-ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
+ManagerDaemon::Impl::Impl(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
                              DaemonOptions options)
     : io_(io),
       clock_(*options.clock),
@@ -82,11 +82,11 @@ ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique
       stateFile_(config_.stateDir),
       metrics_(config_.batchSize) {}
 
-ManagerDaemon::~ManagerDaemon() = default;
+ManagerDaemon::Impl::~Impl() = default;
 
 // --- start-up -------------------------------------------------------------------
 
-void ManagerDaemon::start() {
+void ManagerDaemon::Impl::start() {
   startedAt_ = clock_.now();
   std::error_code ec;
   fs::create_directories(config_.stateDir, ec);
@@ -130,7 +130,7 @@ void ManagerDaemon::start() {
   writeState();
 }
 
-void ManagerDaemon::listen() {
+void ManagerDaemon::Impl::listen() {
   const std::string ip = bindIp(config_);
   asio::ip::tcp::endpoint endpoint;
   try {
@@ -144,13 +144,13 @@ void ManagerDaemon::listen() {
   }
 }
 
-void ManagerDaemon::serveMetrics() {
+void ManagerDaemon::Impl::serveMetrics() {
   if (config_.metricsPort < 0) return;
   metricsServer_ = std::make_unique<MetricsServer>(bindIp(config_), config_.metricsPort, metrics_.registry());
   log::info("Prometheus metrics at ", metricsServer_->url());
 }
 
-void ManagerDaemon::createController(int firstGeneration) {
+void ManagerDaemon::Impl::createController(int firstGeneration) {
   ControllerOptions options;
   options.stages = config_.nstages;
   options.globalBatch = config_.batchSize;
@@ -173,7 +173,7 @@ void ManagerDaemon::createController(int firstGeneration) {
                                                   [this] { return checkpoints_->latest(); });
 }
 
-void ManagerDaemon::createPlanner(ControllerOptions& options) {
+void ManagerDaemon::Impl::createPlanner(ControllerOptions& options) {
   // AutoConfig plans every launch: P and/or the micro-batch as given, the rest chosen.
   auto profile = profile::readProfile(config_.profile);
   // What the profile describes, for every worker to check against the model
@@ -209,7 +209,7 @@ void ManagerDaemon::createPlanner(ControllerOptions& options) {
   options.planner = planner_->planner();
 }
 
-std::string ManagerDaemon::agentCommand(const std::string& host) const {
+std::string ManagerDaemon::Impl::agentCommand(const std::string& host) const {
   // The token travels on the command's stdin (AgentPool), never in the
   // command. The env_file's variables reach the agent as well as (through
   // LaunchWorkers) every worker.
@@ -225,7 +225,7 @@ std::string ManagerDaemon::agentCommand(const std::string& host) const {
                 " --log_level ", shellQuote(config_.logLevel));
 }
 
-std::chrono::milliseconds ManagerDaemon::lostManagerAfter() const {
+std::chrono::milliseconds ManagerDaemon::Impl::lostManagerAfter() const {
   // As long as the manager waits for a silent agent (at least 3 s: its
   // heartbeats go out once a second on a 100 ms tick), plus the grace.
   return millis(std::max(config_.heartbeatTimeoutS, 3.0) + config_.agentGraceS);
@@ -233,7 +233,7 @@ std::chrono::milliseconds ManagerDaemon::lostManagerAfter() const {
 
 // --- hellos and what peers send -----------------------------------------------------
 
-void ManagerDaemon::onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+void ManagerDaemon::Impl::onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
   if (hello.role == "agent") {
     pool_->admit(connection, hello);
   } else if (hello.role == "worker") {
@@ -245,14 +245,14 @@ void ManagerDaemon::onHello(const std::shared_ptr<FramedConnection>& connection,
   }
 }
 
-size_t ManagerDaemon::backgroundJobs() const {
+size_t ManagerDaemon::Impl::backgroundJobs() const {
   return (pool_ ? pool_->launchThreads() : 0) + (checkpoints_ ? checkpoints_->pendingJobs() : 0) +
          (planWorker_ ? planWorker_->pending() : 0);
 }
 
-size_t ManagerDaemon::expectedHellos() const { return pool_->startingCount() + workers_.unconnected(); }
+size_t ManagerDaemon::Impl::expectedHellos() const { return pool_->startingCount() + workers_.unconnected(); }
 
-void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+void ManagerDaemon::Impl::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
   if (hello.generation != controller_->generation() || !workers_.expects(hello.rank)) {
     // A worker of a generation that is over or that this manager never
     // launched (one an earlier manager left, or one written off as hung or
@@ -294,7 +294,7 @@ void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& conne
             secondsBetween(liveness_.launchedAt(), now), " s after launch)");
 }
 
-void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& connection) {
+void ManagerDaemon::Impl::onNotifierHello(const std::shared_ptr<FramedConnection>& connection) {
   std::weak_ptr<FramedConnection> weak = connection;
   connection->start(
       [this, weak](const proto::Message& m) {
@@ -307,7 +307,7 @@ void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& con
       [](const std::string&) {});
 }
 
-void ManagerDaemon::onPreemptNotice(const std::shared_ptr<FramedConnection>& connection,
+void ManagerDaemon::Impl::onPreemptNotice(const std::shared_ptr<FramedConnection>& connection,
                                     const proto::PreemptNotice& notice) {
   if (!pool_->known(notice.host)) {
     connection->send(proto::Ack{false, strCat("host '", notice.host, "' is not in the machine list")});
@@ -332,7 +332,7 @@ void ManagerDaemon::onPreemptNotice(const std::shared_ptr<FramedConnection>& con
   apply(controller_->preemptNotice(notice.host, now, takenAt));
 }
 
-void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
+void ManagerDaemon::Impl::onWorkerMessage(int rank, const proto::Message& message) {
   WorkerState* worker = workers_.find(rank);
   if (!worker) return;
   const auto now = clock_.now();
@@ -353,7 +353,7 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   }
 }
 
-void ManagerDaemon::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now) {
+void ManagerDaemon::Impl::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now) {
   worker.lastSeen = now;
   worker.waiting = waiting;
   liveness_.noteStep(worker, step, /*report=*/false, now);
@@ -361,7 +361,7 @@ void ManagerDaemon::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting
   generationReached_ = std::max(generationReached_, step);
 }
 
-void ManagerDaemon::onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats) {
+void ManagerDaemon::Impl::onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats) {
   if (!controller_ || beats.generation != controller_->generation()) return;  // a launch that is over
   const auto& placement = controller_->plan().placement;
   const auto now = clock_.now();
@@ -376,12 +376,12 @@ void ManagerDaemon::onWorkerBeats(const std::string& host, const proto::WorkerBe
   }
 }
 
-void ManagerDaemon::agentMessage(const std::string& host, const proto::Message& message) {
+void ManagerDaemon::Impl::agentMessage(const std::string& host, const proto::Message& message) {
   if (const auto* exited = std::get_if<proto::WorkerExited>(&message)) onWorkerExited(host, *exited);
   if (const auto* beats = std::get_if<proto::WorkerBeats>(&message)) onWorkerBeats(host, *beats);
 }
 
-void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {
+void ManagerDaemon::Impl::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {
   if (exited.generation != controller_->generation()) return;  // a straggler of an earlier launch
   const WorkerExit exit{exited.exitCode, exited.signal};
   const std::string how = exit.describe();
@@ -410,7 +410,7 @@ void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerE
 
 // --- hosts (AgentPool::Observer) ---------------------------------------------------------
 
-void ManagerDaemon::hostsChanged() {
+void ManagerDaemon::Impl::hostsChanged() {
   updateHostMetrics(clock_.now());
   switch (phase_) {
     case DaemonPhase::kStartingAgents: return maybeStartJob();
@@ -420,11 +420,11 @@ void ManagerDaemon::hostsChanged() {
   }
 }
 
-void ManagerDaemon::hostBack(const std::string& host) {
+void ManagerDaemon::Impl::hostBack(const std::string& host) {
   if (controller_) controller_->readmitHost(host);
 }
 
-void ManagerDaemon::agentLost(const std::string& host, const std::string&) {
+void ManagerDaemon::Impl::agentLost(const std::string& host, const std::string&) {
   // Its workers count as gone from here on; those still connected (a frozen
   // or partitioned agent, not a dead host) are told so.
   workers_.orderHostOut(host, controller_->plan(), controller_->generation(),
@@ -443,16 +443,16 @@ void ManagerDaemon::agentLost(const std::string& host, const std::string&) {
   usableMachinesChanged();
 }
 
-void ManagerDaemon::agentConfigError(const std::string&, const std::string& reason) {
+void ManagerDaemon::Impl::agentConfigError(const std::string&, const std::string& reason) {
   doStop(action::Stop{reason, kExitConfigError});
 }
 
-void ManagerDaemon::usableMachinesChanged() {
+void ManagerDaemon::Impl::usableMachinesChanged() {
   if (!jobRunning()) return;
   apply(controller_->machinesChanged(pool_->usable(), clock_.now()));
 }
 
-void ManagerDaemon::maybeStartJob() {
+void ManagerDaemon::Impl::maybeStartJob() {
   if (phase_ != DaemonPhase::kStartingAgents || pool_->anyStarting()) return;  // still waiting for some
   phase_ = DaemonPhase::kRunning;
   const auto usable = pool_->usable();
@@ -469,7 +469,7 @@ void ManagerDaemon::maybeStartJob() {
 
 // --- the controller's actions ---------------------------------------------------------
 
-void ManagerDaemon::apply(const std::vector<Action>& actions) {
+void ManagerDaemon::Impl::apply(const std::vector<Action>& actions) {
   if (actions.empty()) return;  // the tick writes the state once a second anyway
   for (const auto& a : actions) {
     if (finished()) return;
@@ -501,12 +501,12 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
   writeState();
 }
 
-void ManagerDaemon::orderWorkersOut(const std::string& reason) {
+void ManagerDaemon::Impl::orderWorkersOut(const std::string& reason) {
   const size_t ordered = workers_.orderAllOut(controller_->generation(), reason);
   if (ordered > 0) log::info("ordered ", ordered, " worker(s) of generation ", controller_->generation(), " to exit");
 }
 
-void ManagerDaemon::doLaunch(const action::Launch& launch) {
+void ManagerDaemon::Impl::doLaunch(const action::Launch& launch) {
   workers_.clear();  // the last generation's, if any: no hello of theirs counts
   preparingLaunch_ = launch.generation;
   checkpoints_->prepareLaunch(launch.generation, [this, launch](const CheckpointWatcher::LaunchPrep& prep) {
@@ -514,7 +514,7 @@ void ManagerDaemon::doLaunch(const action::Launch& launch) {
   });
 }
 
-void ManagerDaemon::abandonLaunch(const action::Launch& launch) {
+void ManagerDaemon::Impl::abandonLaunch(const action::Launch& launch) {
   // No worker of it was started; the controller counts its ranks as running
   // and ended the generation meanwhile (KillAll or Checkpoint): they are
   // gone, as if they had exited the way the controller asked them to.
@@ -528,7 +528,7 @@ void ManagerDaemon::abandonLaunch(const action::Launch& launch) {
   }
 }
 
-void ManagerDaemon::failLaunch(const action::Launch& launch, const std::string& why) {
+void ManagerDaemon::Impl::failLaunch(const action::Launch& launch, const std::string& why) {
   // Without the record the launch does not happen (a full or failing store):
   // it is a failure, retried after the backoff like any other. Valid UTF-8
   // (a path may not be): the reason goes into the event log's JSON.
@@ -540,7 +540,7 @@ void ManagerDaemon::failLaunch(const action::Launch& launch, const std::string& 
   apply(controller_->launchFailed(reason, clock_.now()));
 }
 
-void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher::LaunchPrep& prep) {
+void ManagerDaemon::Impl::finishLaunch(action::Launch launch, const CheckpointWatcher::LaunchPrep& prep) {
   if (finished() || launch.generation != controller_->generation()) return;  // a later launch supersedes it
   preparingLaunch_.reset();
   if (controller_->phase() != Phase::kRunning) return abandonLaunch(launch);
@@ -588,7 +588,7 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   pool_->releaseDeparted();  // hosts that left the job (preempted or removed from the list)
 }
 
-void ManagerDaemon::doStop(const action::Stop& stop) {
+void ManagerDaemon::Impl::doStop(const action::Stop& stop) {
   if (finished()) return;
   phase_ = DaemonPhase::kFinished;
   exitCode_ = stop.exitCode;
@@ -614,7 +614,7 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
   clock_.runAfter(io_, std::chrono::milliseconds(300), guard_->wrap("shutting down", [this] { finishShutdown(); }));
 }
 
-void ManagerDaemon::finishShutdown() {
+void ManagerDaemon::Impl::finishShutdown() {
   // The final store scan first (state.json and the summary name the last
   // checkpoint), for a bounded time: a stalled store must not keep the
   // manager from exiting.
@@ -636,7 +636,7 @@ void ManagerDaemon::finishShutdown() {
   io_.stop();  // pending timers and the signal set would keep the loop alive
 }
 
-void ManagerDaemon::requestStop(const std::string& reason) {
+void ManagerDaemon::Impl::requestStop(const std::string& reason) {
   switch (phase_) {
     case DaemonPhase::kFinished: return;
     case DaemonPhase::kStartingAgents: return doStop(action::Stop{reason, 0});  // no job to checkpoint
@@ -649,7 +649,7 @@ void ManagerDaemon::requestStop(const std::string& reason) {
 
 // --- periodic work ------------------------------------------------------------------------
 
-void ManagerDaemon::scheduleTick() {
+void ManagerDaemon::Impl::scheduleTick() {
   tickTimer_->expireAfter(kTickInterval, [this] {
     if (finished()) return;
     guard_->run("the manager's tick", [this] { onTick(); });
@@ -657,7 +657,7 @@ void ManagerDaemon::scheduleTick() {
   });
 }
 
-void ManagerDaemon::onTick() {
+void ManagerDaemon::Impl::onTick() {
   const auto now = clock_.now();
   listener_.tick(now);
   // Agents before workers: when a host is cut off, its agent's and its
@@ -694,7 +694,7 @@ void ManagerDaemon::onTick() {
   if (stateFile_.due(now)) writeState();
 }
 
-void ManagerDaemon::checkSilentRanks(TimePoint now) {
+void ManagerDaemon::Impl::checkSilentRanks(TimePoint now) {
   const Phase phase = controller_ ? controller_->phase() : Phase::kIdle;
   // Salvaging too: a rank that stops then is not waited for.
   if (phase != Phase::kRunning && phase != Phase::kCheckpointing && phase != Phase::kSalvaging) return;
@@ -715,7 +715,7 @@ void ManagerDaemon::checkSilentRanks(TimePoint now) {
   }
 }
 
-void ManagerDaemon::checkProgress(TimePoint now) {
+void ManagerDaemon::Impl::checkProgress(TimePoint now) {
   if (!controller_ || preparingLaunch_ || controller_->phase() != Phase::kRunning) return;
   const auto hang = liveness_.findHang(controller_->runningRanks(), workers_, controller_->plan(), now);
   if (!hang) return;
@@ -734,7 +734,7 @@ void ManagerDaemon::checkProgress(TimePoint now) {
   }
 }
 
-void ManagerDaemon::watchMachineList() {
+void ManagerDaemon::Impl::watchMachineList() {
   const auto change = machineList_.poll();
   const auto now = clock_.now();
   if (!change.edited) {
@@ -755,7 +755,7 @@ void ManagerDaemon::watchMachineList() {
   usableMachinesChanged();
 }
 
-bool ManagerDaemon::readmitListedHosts(TimePoint now) {
+bool ManagerDaemon::Impl::readmitListedHosts(TimePoint now) {
   bool back = false;
   for (const auto& readmitted : pool_->readmitListed(now, &back)) {
     // Flagged slow again later, it is excluded again (a verdict equal to the

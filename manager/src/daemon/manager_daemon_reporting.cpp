@@ -6,8 +6,8 @@
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
-#include "varuna/manager/daemon/launch_message.h"
-#include "varuna/manager/manager_daemon.h"
+#include "daemon/launch_message.h"
+#include "daemon/manager_daemon_impl.h"
 #include "varuna/common/time_util.h"
 
 namespace varuna {
@@ -19,7 +19,7 @@ using nlohmann::json;
 
 // --- reporting ------------------------------------------------------------------------------
 
-void ManagerDaemon::onStepReport(const proto::StepReport& report) {
+void ManagerDaemon::Impl::onStepReport(const proto::StepReport& report) {
   if (auto verdict = slowDetector_.add(report)) onSlowVerdict(*verdict);
   metrics_.stepReport(report);
   const Plan& plan = controller_->plan();
@@ -32,7 +32,7 @@ void ManagerDaemon::onStepReport(const proto::StepReport& report) {
   progress_.print(*step, plan, checkpointText(now), now);
 }
 
-std::string ManagerDaemon::checkpointText(TimePoint now) const {
+std::string ManagerDaemon::Impl::checkpointText(TimePoint now) const {
   const auto latest = checkpoints_->latest();
   if (!latest) return "no checkpoint yet";
   const TimePoint seen = checkpoints_->latestSeenAt();
@@ -40,7 +40,7 @@ std::string ManagerDaemon::checkpointText(TimePoint now) const {
                 seen != TimePoint{} ? strCat(" (", static_cast<int>(secondsBetween(seen, now)), " s ago)") : std::string());
 }
 
-void ManagerDaemon::onCheckpointFailed(int rank, const proto::CheckpointFailed& failure) {
+void ManagerDaemon::Impl::onCheckpointFailed(int rank, const proto::CheckpointFailed& failure) {
   const auto& placement = controller_->plan().placement;
   const std::string host = rank >= 0 && rank < static_cast<int>(placement.size()) ? placement[rank].host : "?";
   const std::string error = proto::boundedText(failure.error);
@@ -52,7 +52,7 @@ void ManagerDaemon::onCheckpointFailed(int rank, const proto::CheckpointFailed& 
   events_->write("checkpoint_failed", lastCheckpointFailure_);
 }
 
-void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
+void ManagerDaemon::Impl::onSlowVerdict(const std::vector<SlowMachine>& slow) {
   std::vector<std::string> hosts;
   for (const auto& s : slow) hosts.push_back(s.host);
   if (hosts == slowHosts_) return;
@@ -77,11 +77,11 @@ void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
   updateHostMetrics(clock_.now());
 }
 
-void ManagerDaemon::updateHostMetrics(TimePoint now) {
+void ManagerDaemon::Impl::updateHostMetrics(TimePoint now) {
   if (pool_) metrics_.hosts(countHosts(pool_->describe(now), pool_->absences(), slowHosts_));
 }
 
-const json& ManagerDaemon::cachedPlanJson() {
+const json& ManagerDaemon::Impl::cachedPlanJson() {
   // 1000 ranks make a large object: build it once per generation.
   if (planJsonGeneration_ != controller_->generation()) {
     planJson_ = controller_->phase() == Phase::kIdle ? json() : planJson(controller_->plan());
@@ -90,12 +90,12 @@ const json& ManagerDaemon::cachedPlanJson() {
   return planJson_;
 }
 
-void ManagerDaemon::writeState() {
+void ManagerDaemon::Impl::writeState() {
   if (!controller_ || !events_) return;
   stateFile_.write([this] { return stateJson(); }, clock_.now());
 }
 
-json ManagerDaemon::stateJson() {
+json ManagerDaemon::Impl::stateJson() {
   const auto now = clock_.now();
   const auto latest = checkpoints_->latest();
   json connections = listener_.stats();
@@ -126,7 +126,7 @@ json ManagerDaemon::stateJson() {
           {"steps", stepLog_->path()}};
 }
 
-void ManagerDaemon::printSummary() {
+void ManagerDaemon::Impl::printSummary() {
   const auto latest = checkpoints_->latest();
   log::info("summary: job '", config_.job, "', last step ", progress_.lastStep(), ", loss ", progress_.lastLoss(), ", ",
             morph_.completed(), " morph(s), last checkpoint ", latest ? std::to_string(*latest) : "none", ", ran ",

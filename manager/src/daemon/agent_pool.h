@@ -22,11 +22,11 @@
 
 #include "varuna/common/machine_list.h"
 #include "varuna/common/protocol.h"
-#include "varuna/manager/daemon/host_absences.h"
+#include "daemon/host_absences.h"
 #include "varuna/manager/clock.h"
-#include "varuna/manager/event_log.h"
-#include "varuna/manager/framed_connection.h"
-#include "varuna/manager/handler_guard.h"
+#include "loop/event_log.h"
+#include "loop/framed_connection.h"
+#include "loop/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
 
 namespace varuna {

@@ -19,11 +19,11 @@
 #include <set>
 #include <string>
 
-#include "varuna/manager/background_worker.h"
+#include "loop/background_worker.h"
 #include "varuna/manager/checkpoint_scan.h"
-#include "varuna/manager/event_log.h"
+#include "loop/event_log.h"
 #include "varuna/manager/clock.h"
-#include "varuna/manager/handler_guard.h"
+#include "loop/handler_guard.h"
 
 namespace varuna {
 

@@ -20,11 +20,11 @@
 #include "varuna/common/protocol.h"
 #include "varuna/common/time_util.h"
 #include "varuna/manager/clock.h"
-#include "varuna/manager/event_log.h"
-#include "varuna/manager/framed_connection.h"
-#include "varuna/manager/handler_guard.h"
-#include "varuna/manager/pending_connections.h"
-#include "varuna/manager/rate_limiter.h"
+#include "loop/event_log.h"
+#include "loop/framed_connection.h"
+#include "loop/handler_guard.h"
+#include "loop/pending_connections.h"
+#include "loop/rate_limiter.h"
 
 namespace varuna {
 
