@@ -124,7 +124,7 @@ void SimCluster::setManager(const std::string& managerAddress, const std::string
 
 void SimCluster::startAgent(const std::string& host, const std::string& managerAddress, const std::string& token,
                             std::function<void(bool, const std::string&)> onResult) {
-  ++startAttempts_[host];
+  countStartAttempt(host);
   auto result = std::make_shared<std::function<void(bool, const std::string&)>>(std::move(onResult));
   auto answer = [result](bool ok, const std::string& error) {
     if (!*result) return;
@@ -685,9 +685,18 @@ bool SimCluster::agentUp(const std::string& host) const {
   return agent && agent->state == Agent::State::kUp;
 }
 
-int SimCluster::agentStarts(const std::string& host) const {
+bool SimCluster::takeStartFailure(const std::string& host) {
+  auto it = failNext_.find(host);
+  if (it == failNext_.end() || it->second == 0) return false;
+  --it->second;
+  return true;
+}
+
+int SimCluster::agentStarts(const std::string& host) const { return static_cast<int>(agentStartTimes(host).size()); }
+
+std::vector<TimePoint> SimCluster::agentStartTimes(const std::string& host) const {
   auto it = startAttempts_.find(host);
-  return it == startAttempts_.end() ? 0 : it->second;
+  return it == startAttempts_.end() ? std::vector<TimePoint>{} : it->second;
 }
 
 int SimCluster::worldSize(int generation) const {

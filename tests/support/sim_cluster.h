@@ -40,8 +40,9 @@
 // waiting=true, no steps), freezeWorker (a stopped worker process),
 // exitWorker (any exit code), connectStaleWorker (a hello of any
 // generation), sendPreemptNotice (role notifier + PreemptNotice), and for
-// SimHostLauncher setHostReachable (the agent command fails as an
-// unreachable host's would).
+// SimHostLauncher setHostReachable and failNextStarts (the agent command
+// fails as an unreachable host's would; agentStartTimes says when each
+// start-up was asked for).
 // Every frame the manager sends to a simulated peer is recorded as an Order
 // (who, type, time, the message) and every WorkerExited sent as an
 // ExitReport, for tests to assert on.
@@ -189,6 +190,10 @@ class SimCluster {
   // For SimHostLauncher: an unreachable host's agent command fails (no agent starts).
   void setHostReachable(const std::string& host, bool reachable);
   bool hostReachable(const std::string& host) const { return !unreachable_.count(host); }
+  // The next `times` start-ups of `host` fail as an unreachable host's do.
+  void failNextStarts(const std::string& host, int times) { failNext_[host] = times; }
+  // For SimHostLauncher: true (and one fewer left) if this start-up is to fail.
+  bool takeStartFailure(const std::string& host);
 
   // --- what happened ------------------------------------------------------------------------
   const std::vector<Order>& orders() const { return orders_; }
@@ -205,7 +210,9 @@ class SimCluster {
   bool agentUp(const std::string& host) const;
   // Agent start-ups asked for (SimHostLauncher counts unreachable ones too).
   int agentStarts(const std::string& host) const;
-  void countStartAttempt(const std::string& host) { ++startAttempts_[host]; }
+  // When each of them was asked for (on the cluster's clock), oldest first.
+  std::vector<TimePoint> agentStartTimes(const std::string& host) const;
+  void countStartAttempt(const std::string& host) { startAttempts_[host].push_back(clock_.now()); }
   // The newest generation launched (-1: none) and how many were.
   int generation() const { return newestGeneration_; }
   int launches() const { return static_cast<int>(generations_.size()); }
@@ -307,7 +314,8 @@ class SimCluster {
   std::map<int, Generation> generations_;
   int newestGeneration_ = -1;
   std::set<std::string> unreachable_;
-  std::map<std::string, int> startAttempts_;
+  std::map<std::string, std::vector<TimePoint>> startAttempts_;
+  std::map<std::string, int> failNext_;
   uint64_t agentsConnected_ = 0;
 
   std::vector<Order> orders_;
