@@ -730,6 +730,11 @@ int64_t SimCluster::minStep(int generation) const {
   return lowest.value_or(-2);
 }
 
+int64_t SimCluster::step(int rank) const {
+  auto w = find(rank, newestGeneration_);
+  return w ? w->step : -2;
+}
+
 std::vector<int> SimCluster::liveRanks(int generation) const {
   std::vector<int> ranks;
   for (const auto& [key, w] : workers_) {

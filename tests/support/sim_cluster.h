@@ -224,6 +224,8 @@ class SimCluster {
   // The newest step every live rank of `generation` has finished (-2: none live).
   int64_t minStep(int generation) const;
   std::vector<int> liveRanks(int generation) const;
+  // The newest step `rank` of the newest generation has finished (-2: not live).
+  int64_t step(int rank) const;
   // Frames every simulated peer sent; connections lost (Callbacks::onConnectionLost).
   uint64_t framesSent() const { return framesSent_; }
   // Heartbeats: sent to the manager by workers, handed to their agents, and
