@@ -68,7 +68,7 @@ AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string addre
 }  // namespace
 
 ManagerDaemon::Impl::Impl(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
-                             DaemonOptions options)
+                          DaemonOptions options)
     : io_(io),
       clock_(*options.clock),
       config_(std::move(config)),
@@ -308,7 +308,7 @@ void ManagerDaemon::Impl::onNotifierHello(const std::shared_ptr<FramedConnection
 }
 
 void ManagerDaemon::Impl::onPreemptNotice(const std::shared_ptr<FramedConnection>& connection,
-                                    const proto::PreemptNotice& notice) {
+                                          const proto::PreemptNotice& notice) {
   if (!pool_->known(notice.host)) {
     connection->send(proto::Ack{false, strCat("host '", notice.host, "' is not in the machine list")});
     connection->closeAfterSending("unknown host");

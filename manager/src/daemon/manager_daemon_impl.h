@@ -32,38 +32,40 @@
 #include <string>
 #include <vector>
 
-#include "daemon/async_planner.h"
 #include "varuna/manager/autoconfig.h"
-#include "loop/background_worker.h"
 #include "varuna/manager/checkpoint_scan.h"
 #include "varuna/manager/clock.h"
+#include "varuna/manager/host_launcher.h"
+#include "varuna/manager/job_config.h"
 #include "varuna/manager/manager_daemon.h"
+#include "varuna/manager/morph_controller.h"
+#include "varuna/manager/slow_machine_detector.h"
+
+// The runtime's own parts (manager/src/).
 #include "daemon/agent_pool.h"
+#include "daemon/async_planner.h"
 #include "daemon/checkpoint_watcher.h"
 #include "daemon/control_listener.h"
 #include "daemon/job_metrics.h"
 #include "daemon/liveness_watchdog.h"
 #include "daemon/machine_list_watcher.h"
 #include "daemon/metrics_server.h"
+#include "daemon/morph_tracker.h"
 #include "daemon/state_file.h"
 #include "daemon/step_log.h"
 #include "daemon/step_progress.h"
 #include "daemon/worker_registry.h"
+#include "loop/background_worker.h"
 #include "loop/event_log.h"
 #include "loop/handler_guard.h"
-#include "varuna/manager/host_launcher.h"
-#include "varuna/manager/job_config.h"
-#include "varuna/manager/morph_controller.h"
-#include "daemon/morph_tracker.h"
 #include "loop/pending_connections.h"
-#include "varuna/manager/slow_machine_detector.h"
 
 namespace varuna {
 
 class ManagerDaemon::Impl : private AgentPool::Observer {
  public:
   Impl(boost::asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
-                DaemonOptions options = {});
+       DaemonOptions options = {});
   ~Impl() override;
 
   // Binds the control port, starts the agents; the job starts when they are up.
