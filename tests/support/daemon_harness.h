@@ -1,9 +1,14 @@
-// DaemonHarness: the real ManagerDaemon in-process, for the unit tests that
-// drive it (manager_daemon_*_test.cpp with fake launchers,
-// daemon_sequences_test.cpp with a simulated cluster). The daemon and whatever
-// plays its agents and workers share one io_context, which the test thread
-// polls (runUntil): every wait is on a condition with a deadline, never a bare
-// sleep. Also the job such a test starts from (daemonTestConfig and a machine
+// DaemonHarness: the real ManagerDaemon in-process, for the tests that drive
+// it (manager_daemon_*_test.cpp with fake launchers on the real clock,
+// daemon_sequences_test.cpp and daemon_metrics_test.cpp with a simulated
+// cluster on a FakeClock). The daemon and whatever plays its agents and
+// workers share one io_context, which the test thread polls (runUntil): every
+// wait is on a condition with a deadline, never a bare sleep.
+// On a FakeClock, runUntil first lets the loop settle (runs every handler
+// that is ready, socket reads included, and waits in real time while the
+// daemon has work on other threads: agent start-ups, store scans), then moves
+// the clock to the next timer's deadline; so seconds of job time pass in
+// milliseconds, in the order they would have. Also the job such a test starts from (daemonTestConfig and a machine
 // list in the test's scratch folder) and readers of what the daemon writes
 // there (state.json, events.jsonl, the job token).
 // Single-threaded: members are called on the test thread only (preemptNotice
@@ -24,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "fake_clock.h"
 #include "test_env.h"
 #include "varuna/common/control_client.h"
 #include "varuna/manager/manager_daemon.h"
@@ -75,12 +81,22 @@ inline std::vector<nlohmann::json> readEvents(const std::filesystem::path& state
 
 struct DaemonHarness {
   boost::asio::io_context io;  // first: destroyed last (the daemon and the test's peers use it)
+  // Set (useFakeClock) before startDaemon: the daemon's and the peers' time.
+  std::unique_ptr<FakeClock> fakeClock;
   std::filesystem::path dir;   // the test's scratch folder: machines.txt, store/, state/
   std::unique_ptr<ManagerDaemon> daemon;
-  std::chrono::milliseconds defaultLimit;  // how long runUntil waits when not told
+  std::chrono::milliseconds defaultLimit;  // how long runUntil waits when not told (on the daemon's clock)
 
   explicit DaemonHarness(const std::string& name, std::chrono::milliseconds defaultLimit = std::chrono::seconds(10))
       : dir(scratchDir(name)), defaultLimit(defaultLimit) {}
+
+  FakeClock& useFakeClock() {
+    fakeClock = std::make_unique<FakeClock>();
+    return *fakeClock;
+  }
+  // The daemon's clock: the fake one if set, else the real one.
+  Clock& clock() { return fakeClock ? static_cast<Clock&>(*fakeClock) : realClock(); }
+  Clock::TimePoint now() { return clock().now(); }
   DaemonHarness(const DaemonHarness&) = delete;
   DaemonHarness& operator=(const DaemonHarness&) = delete;
   ~DaemonHarness() { daemon.reset(); }  // before the io_context: it joins its launch threads
@@ -89,7 +105,10 @@ struct DaemonHarness {
   // checkpoint store scan (e.g. a slow one).
   void startDaemon(const JobConfig& config, std::unique_ptr<HostLauncher> launcher, PendingLimits limits = {},
                    StoreScanner scanner = {}) {
-    daemon = std::make_unique<ManagerDaemon>(io, config, std::move(launcher), limits);
+    DaemonOptions options;
+    options.pendingLimits = limits;
+    options.clock = &clock();
+    daemon = std::make_unique<ManagerDaemon>(io, config, std::move(launcher), options);
     if (scanner) daemon->setStoreScanner(std::move(scanner));
     daemon->start();
   }
@@ -97,6 +116,7 @@ struct DaemonHarness {
   // Runs the loop until done() or `limit` has passed; done()'s last value.
   template <typename Pred>
   bool runUntil(Pred done, std::chrono::milliseconds limit) {
+    if (fakeClock) return runUntilOnFakeClock(done, limit);
     const auto deadline = std::chrono::steady_clock::now() + limit;
     while (!done() && std::chrono::steady_clock::now() < deadline) {
       io.run_for(std::chrono::milliseconds(10));
@@ -111,6 +131,39 @@ struct DaemonHarness {
   void runFor(std::chrono::milliseconds duration) {
     runUntil([] { return false; }, duration);
   }
+
+  // Runs what is ready until nothing is: a few empty polls in a row, with no
+  // work of the daemon's on another thread (for that it waits, in real time).
+  void settle() {
+    constexpr int kQuietPolls = 3;
+    for (int quiet = 0; quiet < kQuietPolls;) {
+      io.restart();
+      if (io.poll() > 0) {
+        quiet = 0;
+      } else if (daemon && daemon->backgroundJobs() > 0) {
+        io.run_for(std::chrono::milliseconds(1));
+        quiet = 0;
+      } else {
+        ++quiet;
+        std::this_thread::yield();  // a loopback write lands in the peer's socket meanwhile
+      }
+    }
+    io.restart();
+  }
+
+ private:
+  template <typename Pred>
+  bool runUntilOnFakeClock(Pred& done, std::chrono::milliseconds limit) {
+    const auto deadline = fakeClock->now() + limit;
+    for (;;) {
+      settle();
+      if (done()) return true;
+      if (fakeClock->now() >= deadline) return false;
+      fakeClock->advanceTo(std::min(fakeClock->nextDeadline().value_or(deadline), deadline));
+    }
+  }
+
+ public:
 
   std::vector<nlohmann::json> events(const std::string& type) const { return readEvents(dir / "state", type); }
   nlohmann::json state() const {

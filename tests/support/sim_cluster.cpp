@@ -33,10 +33,10 @@ struct SimCluster::Agent {
   int generation = -1;  // of its latest launch
   std::vector<std::shared_ptr<Worker>> workers;  // alive
   std::vector<proto::WorkerExited> held;         // reports of a frozen agent
-  Clock::time_point nextHeartbeat;
+  TimePoint nextHeartbeat;
   std::map<int, proto::WorkerBeat> pendingBeats;  // the newest beat of each worker since the last relay
-  Clock::time_point nextBeatForward;
-  std::optional<Clock::time_point> killWorkersAt;  // lost the manager: its grace
+  TimePoint nextBeatForward;
+  std::optional<TimePoint> killWorkersAt;  // lost the manager: its grace
   bool expectClose = false;  // the manager's close follows an order (Shutdown, a refusal)
 };
 
@@ -54,11 +54,11 @@ struct SimCluster::Worker {
   bool checkpointing = false;
   int64_t step = -1;  // the last finished step
   double computeSeconds = 0.05;  // per micro-batch: this "machine's" speed
-  Clock::time_point startAt;
+  TimePoint startAt;
   // Never, until set: a heartbeat from the hello on, steps from the rendezvous.
-  Clock::time_point nextHeartbeat = Clock::time_point::max(), nextStep = Clock::time_point::max();
-  std::optional<Clock::time_point> exitAt;  // a checkpoint, the lost-manager grace
-  Clock::time_point wakeAt = Clock::time_point::max();  // its entry in wakes_ (max: none)
+  TimePoint nextHeartbeat = TimePoint::max(), nextStep = TimePoint::max();
+  std::optional<TimePoint> exitAt;  // a checkpoint, the lost-manager grace
+  TimePoint wakeAt = TimePoint::max();  // its entry in wakes_ (max: none)
   int exitCode = 0;
   std::chrono::milliseconds lostManagerGrace{15000};  // until the Welcome says otherwise
   std::string heartbeatFrame;  // encoded Heartbeat{rank, frameStep, frameWaiting}
@@ -71,19 +71,19 @@ namespace {
 
 // The first time >= now of epoch + interval x (fraction + k): beats of N
 // peers spread evenly over the period.
-Clock::time_point phased(Clock::time_point epoch, std::chrono::milliseconds interval, double fraction,
-                         Clock::time_point now) {
-  const auto offset = std::chrono::duration_cast<Clock::duration>(interval * fraction);
+TimePoint phased(TimePoint epoch, std::chrono::milliseconds interval, double fraction,
+                         TimePoint now) {
+  const auto offset = std::chrono::duration_cast<Duration>(interval * fraction);
   auto t = epoch + offset;
   if (t >= now) return t;
   const auto periods = (now - t) / interval + 1;
-  return t + periods * std::chrono::duration_cast<Clock::duration>(interval);
+  return t + periods * std::chrono::duration_cast<Duration>(interval);
 }
 
 }  // namespace
 
-SimCluster::SimCluster(asio::io_context& io, SimOptions options)
-    : io_(io), options_(options), tickTimer_(io), gate_(std::make_shared<LaunchGate>()) {
+SimCluster::SimCluster(asio::io_context& io, SimOptions options, varuna::Clock& clock)
+    : io_(io), clock_(clock), options_(options), tickTimer_(clock.makeTimer(io)), gate_(std::make_shared<LaunchGate>()) {
   gate_->cluster = this;
   scheduleTick();
 }
@@ -95,7 +95,7 @@ void SimCluster::shutdown() {
   shutDown_ = true;
   gate_->cluster = nullptr;
   gate_->closed = true;
-  tickTimer_.cancel();
+  tickTimer_->cancel();
   for (auto& [host, agent] : agents_) {
     if (agent->peer) agent->peer->close();
     agent->state = Agent::State::kGone;
@@ -124,7 +124,7 @@ void SimCluster::setManager(const std::string& managerAddress, const std::string
 
 void SimCluster::startAgent(const std::string& host, const std::string& managerAddress, const std::string& token,
                             std::function<void(bool, const std::string&)> onResult) {
-  ++startAttempts_[host];
+  countStartAttempt(host);
   auto result = std::make_shared<std::function<void(bool, const std::string&)>>(std::move(onResult));
   auto answer = [result](bool ok, const std::string& error) {
     if (!*result) return;
@@ -167,7 +167,7 @@ void SimCluster::startAgent(const std::string& host, const std::string& managerA
         a->state = Agent::State::kUp;
         // Agents' beats spread over the period whatever their number (golden-ratio phases).
         const double phase = std::fmod(0.6180339887 * static_cast<double>(agentsConnected_++), 1.0);
-        a->nextHeartbeat = Clock::now() + std::chrono::duration_cast<Clock::duration>(options_.agentHeartbeat * phase);
+        a->nextHeartbeat = clock_.now() + std::chrono::duration_cast<Duration>(options_.agentHeartbeat * phase);
         wakeAgentsBy(a->nextHeartbeat);
         answer(true, "");
         if (callbacks_.onAgentUp) callbacks_.onAgentUp(a->host);
@@ -181,7 +181,7 @@ void SimCluster::onAgentMessage(const std::shared_ptr<Agent>& agent, const proto
   if (launchOrder) {
     launch(agent, *launchOrder);
   } else if (std::holds_alternative<proto::CheckpointAndExit>(message)) {
-    const auto now = Clock::now();
+    const auto now = clock_.now();
     for (const auto& w : std::vector<std::shared_ptr<Worker>>(agent->workers)) {
       Generation* gen = generationOf(w->generation);
       if (gen && gen->stalled()) continue;  // blocked on a peer: no step finishes, no checkpoint
@@ -215,7 +215,7 @@ void SimCluster::onAgentClosed(const std::shared_ptr<Agent>& agent, const std::s
   const bool expected = agent->expectClose || agent->state == Agent::State::kGone;
   agent->state = Agent::State::kGone;
   if (!agent->workers.empty()) {
-    agent->killWorkersAt = Clock::now() + options_.agentGrace;
+    agent->killWorkersAt = clock_.now() + options_.agentGrace;
     wakeAgentsBy(*agent->killWorkersAt);
   }
   if (!expected) lost("agent of " + agent->host, reason);
@@ -226,7 +226,7 @@ void SimCluster::launch(const std::shared_ptr<Agent>& agent, const proto::Launch
   killAgentWorkers(*agent, /*report=*/true);
   agent->generation = launch.generation;
   agent->pendingBeats.clear();  // the old workers' (varuna_agent: a new beat socket per launch)
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   auto [it, fresh] = generations_.try_emplace(launch.generation);
   Generation& gen = it->second;
   if (fresh) {
@@ -278,7 +278,7 @@ void SimCluster::report(Agent& agent, const proto::WorkerExited& exited) {
     case Agent::State::kUp:
       if (send(*agent.peer, proto::encode(exited))) {
         exitReports_.push_back(ExitReport{exited.host, exited.rank, exited.exitCode, exited.signal,
-                                          exited.generation, Clock::now()});
+                                          exited.generation, clock_.now()});
       }
       break;
     case Agent::State::kFrozen:
@@ -308,7 +308,7 @@ void SimCluster::connectWorker(const std::shared_ptr<Worker>& worker) {
         if (!w || w->state != Worker::State::kConnecting) return;
         ++framesSent_;  // the hello
         w->state = Worker::State::kUp;
-        const auto now = Clock::now();
+        const auto now = clock_.now();
         Generation* gen = w->stray ? nullptr : generationOf(w->generation);
         const double fraction = static_cast<double>(w->rank % w->worldSize) / w->worldSize;
         if (options_.workerHeartbeat.count() > 0) {
@@ -321,8 +321,8 @@ void SimCluster::connectWorker(const std::shared_ptr<Worker>& worker) {
         for (auto& [key, other] : workers_) {
           if (key.first != w->generation || options_.step.count() == 0) continue;
           const double f = static_cast<double>(other->rank) / gen->worldSize;
-          other->nextStep = now + std::chrono::duration_cast<Clock::duration>(options_.step * f);
-          if (options_.workerHeartbeat.count() > 0) other->nextHeartbeat = now + std::chrono::duration_cast<Clock::duration>(options_.workerHeartbeat * f);
+          other->nextStep = now + std::chrono::duration_cast<Duration>(options_.step * f);
+          if (options_.workerHeartbeat.count() > 0) other->nextHeartbeat = now + std::chrono::duration_cast<Duration>(options_.workerHeartbeat * f);
           schedule(other);
         }
         if (callbacks_.onAllWorkersConnected) callbacks_.onAllWorkersConnected(w->generation, gen->worldSize);
@@ -345,7 +345,7 @@ void SimCluster::onWorkerMessage(const std::shared_ptr<Worker>& worker, const pr
     worker->ordered = true;
     if (!worker->exitAt) {
       worker->exitCode = kExitSuperseded;
-      worker->exitAt = Clock::now() + worker->lostManagerGrace;
+      worker->exitAt = clock_.now() + worker->lostManagerGrace;
       schedule(worker);
     }
   }
@@ -358,7 +358,7 @@ void SimCluster::onWorkerClosed(const std::shared_ptr<Worker>& worker, const std
   // No manager: the link ends the process after the grace.
   if (!worker->exitAt) {
     worker->exitCode = kExitSuperseded;
-    worker->exitAt = Clock::now() + worker->lostManagerGrace;
+    worker->exitAt = clock_.now() + worker->lostManagerGrace;
     schedule(worker);
   }
 }
@@ -413,19 +413,19 @@ int SimCluster::writeCheckpoint(const Worker& worker) {
 void SimCluster::scheduleTick() {
   // A fixed cadence; a late tick catches up on what it missed (the load is
   // defined by event counts over time, not by ticks).
-  const auto at = std::max(tickTimer_.expiry() + options_.tick, Clock::now());
-  tickTimer_.expires_at(at);
-  tickTimer_.async_wait([this](const boost::system::error_code& ec) {
-    if (ec || shutDown_) return;
+  const auto now = clock_.now();
+  tickDue_ = std::max(tickDue_ + options_.tick, now);
+  tickTimer_->expireAfter(tickDue_ - now, [this] {
+    if (shutDown_) return;
     onTick();
     scheduleTick();
   });
 }
 
 void SimCluster::onTick() {
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   if (now >= agentsWakeAt_) {  // most ticks: no agent has anything due
-    agentsWakeAt_ = Clock::time_point::max();
+    agentsWakeAt_ = TimePoint::max();
     for (auto& [host, agent] : agents_) tickAgent(*agent, now);
   }
   // The workers due (a heap: a tick costs what is due, not what runs; a
@@ -437,7 +437,7 @@ void SimCluster::onTick() {
     Wake wake = wakes_.top();
     wakes_.pop();
     if (wake.worker->wakeAt != wake.at) continue;  // rescheduled since
-    wake.worker->wakeAt = Clock::time_point::max();
+    wake.worker->wakeAt = TimePoint::max();
     due_.push_back(std::move(wake.worker));
   }
   for (const auto& w : due_) {
@@ -448,7 +448,7 @@ void SimCluster::onTick() {
   if (callbacks_.onTick) callbacks_.onTick(now);
 }
 
-void SimCluster::tickAgent(Agent& agent, Clock::time_point now) {
+void SimCluster::tickAgent(Agent& agent, TimePoint now) {
   if (agent.killWorkersAt && now >= *agent.killWorkersAt) {
     agent.killWorkersAt.reset();
     killAgentWorkers(agent, /*report=*/false);
@@ -466,7 +466,7 @@ void SimCluster::tickAgent(Agent& agent, Clock::time_point now) {
   if (agent.killWorkersAt) wakeAgentsBy(*agent.killWorkersAt);
 }
 
-void SimCluster::relayBeats(Agent& agent, Clock::time_point now) {
+void SimCluster::relayBeats(Agent& agent, TimePoint now) {
   if (agent.pendingBeats.empty()) return;
   if (now >= agent.nextBeatForward) {
     proto::WorkerBeats relay{agent.generation, {}};
@@ -486,7 +486,7 @@ void SimCluster::beat(Worker& w, bool waiting) {
   if (options_.beatsThroughAgent && agentThere && w.directBeatSent) {
     if (agent->state != Agent::State::kUp) return;  // a stopped agent's queue: dropped as stale once it runs
     agent->pendingBeats[w.rank] = proto::WorkerBeat{w.rank, w.step, waiting};
-    wakeAgentsBy(std::max(agent->nextBeatForward, Clock::now()));
+    wakeAgentsBy(std::max(agent->nextBeatForward, clock_.now()));
     ++relaysBeats_;
     return;
   }
@@ -501,18 +501,18 @@ void SimCluster::beat(Worker& w, bool waiting) {
 }
 
 void SimCluster::schedule(const std::shared_ptr<Worker>& w) {
-  auto at = Clock::time_point::max();
+  auto at = TimePoint::max();
   if (w->state == Worker::State::kStarting) {
     at = w->startAt;
   } else if (w->state != Worker::State::kExited && !w->processFrozen) {  // a stopped process does nothing
-    at = std::min({w->nextHeartbeat, w->nextStep, w->exitAt.value_or(Clock::time_point::max())});
+    at = std::min({w->nextHeartbeat, w->nextStep, w->exitAt.value_or(TimePoint::max())});
   }
   if (at == w->wakeAt) return;  // its entry is queued already (or it has none and needs none)
   w->wakeAt = at;
-  if (at != Clock::time_point::max()) wakes_.push(Wake{at, w});
+  if (at != TimePoint::max()) wakes_.push(Wake{at, w});
 }
 
-void SimCluster::tickWorker(const std::shared_ptr<Worker>& w, Clock::time_point now) {
+void SimCluster::tickWorker(const std::shared_ptr<Worker>& w, TimePoint now) {
   if (w->state == Worker::State::kExited) return;  // exited earlier in this tick
   if (w->state == Worker::State::kStarting) {
     if (now >= w->startAt) connectWorker(w);
@@ -567,7 +567,7 @@ void SimCluster::thawAgent(const std::string& host) {
   auto agent = findAgent(host);
   if (!agent || agent->state != Agent::State::kFrozen) return;
   agent->state = Agent::State::kUp;
-  agent->nextHeartbeat = Clock::now();
+  agent->nextHeartbeat = clock_.now();
   wakeAgentsBy(agent->nextHeartbeat);
   agent->peer->resume();  // first: a close that came meanwhile is found before anything is sent
   const auto held = std::move(agent->held);
@@ -603,7 +603,7 @@ void SimCluster::thawWorker(int rank) {
   if (!w || !w->processFrozen) return;
   w->processFrozen = false;
   if (Generation* gen = generationOf(w->generation); gen && !w->progressFrozen) gen->frozenRanks.erase(rank);
-  if (options_.workerHeartbeat.count() > 0) w->nextHeartbeat = Clock::now();
+  if (options_.workerHeartbeat.count() > 0) w->nextHeartbeat = clock_.now();
   schedule(w);
   if (w->peer) w->peer->resume();
 }
@@ -685,9 +685,18 @@ bool SimCluster::agentUp(const std::string& host) const {
   return agent && agent->state == Agent::State::kUp;
 }
 
-int SimCluster::agentStarts(const std::string& host) const {
+bool SimCluster::takeStartFailure(const std::string& host) {
+  auto it = failNext_.find(host);
+  if (it == failNext_.end() || it->second == 0) return false;
+  --it->second;
+  return true;
+}
+
+int SimCluster::agentStarts(const std::string& host) const { return static_cast<int>(agentStartTimes(host).size()); }
+
+std::vector<TimePoint> SimCluster::agentStartTimes(const std::string& host) const {
   auto it = startAttempts_.find(host);
-  return it == startAttempts_.end() ? 0 : it->second;
+  return it == startAttempts_.end() ? std::vector<TimePoint>{} : it->second;
 }
 
 int SimCluster::worldSize(int generation) const {
@@ -721,6 +730,11 @@ int64_t SimCluster::minStep(int generation) const {
   return lowest.value_or(-2);
 }
 
+int64_t SimCluster::step(int rank) const {
+  auto w = find(rank, newestGeneration_);
+  return w ? w->step : -2;
+}
+
 std::vector<int> SimCluster::liveRanks(int generation) const {
   std::vector<int> ranks;
   for (const auto& [key, w] : workers_) {
@@ -738,7 +752,7 @@ bool SimCluster::sendFromWorker(int rank, std::string_view frame) {
 // --- helpers --------------------------------------------------------------------------------
 
 void SimCluster::record(PeerKind to, const std::string& host, int rank, int generation, const proto::Message& message) {
-  orders_.push_back(Order{to, host, rank, generation, proto::typeName(message), Clock::now(), message});
+  orders_.push_back(Order{to, host, rank, generation, proto::typeName(message), clock_.now(), message});
 }
 
 void SimCluster::lost(const std::string& who, const std::string& reason) {

@@ -40,8 +40,9 @@
 // waiting=true, no steps), freezeWorker (a stopped worker process),
 // exitWorker (any exit code), connectStaleWorker (a hello of any
 // generation), sendPreemptNotice (role notifier + PreemptNotice), and for
-// SimHostLauncher setHostReachable (the agent command fails as an
-// unreachable host's would).
+// SimHostLauncher setHostReachable and failNextStarts (the agent command
+// fails as an unreachable host's would; agentStartTimes says when each
+// start-up was asked for).
 // Every frame the manager sends to a simulated peer is recorded as an Order
 // (who, type, time, the message) and every WorkerExited sent as an
 // ExitReport, for tests to assert on.
@@ -66,10 +67,12 @@
 #include "sim_peer.h"
 #include "varuna/common/protocol.h"
 #include "varuna/common/stage_map.h"
+#include "varuna/manager/clock.h"
 
 namespace varuna::sim {
 
-using Clock = std::chrono::steady_clock;
+using TimePoint = std::chrono::steady_clock::time_point;
+using Duration = std::chrono::steady_clock::duration;
 
 enum class PeerKind { kAgent, kWorker, kNotifier };
 const char* toString(PeerKind kind);
@@ -81,7 +84,7 @@ struct Order {
   int rank = -1;        // workers
   int generation = -1;  // workers: theirs; agents: of their latest launch (-1 before one)
   std::string type;     // proto::typeName: "launch_workers", "exit_now", ...
-  Clock::time_point at;
+  TimePoint at;
   proto::Message message;
 };
 
@@ -92,7 +95,7 @@ struct ExitReport {
   int exitCode = 0;  // -1: by a signal
   int signal = 0;
   int generation = 0;
-  Clock::time_point at;
+  TimePoint at;
 };
 
 struct SimOptions {
@@ -134,10 +137,12 @@ class SimCluster {
     std::function<void(const std::string& who, const std::string& reason)> onConnectionLost;
     // After each tick's sends: a driver's own paced traffic (the bench's
     // pings) goes out in the same burst, so the manager wakes once for both.
-    std::function<void(Clock::time_point now)> onTick;
+    std::function<void(TimePoint now)> onTick;
   };
 
-  explicit SimCluster(boost::asio::io_context& io, SimOptions options = {});
+  // `clock` paces every simulated peer (the daemon's own, in-process, so a
+  // fake one moves both); it outlives the cluster.
+  explicit SimCluster(boost::asio::io_context& io, SimOptions options = {}, varuna::Clock& clock = varuna::realClock());
   ~SimCluster();  // shutdown()
   SimCluster(const SimCluster&) = delete;
   SimCluster& operator=(const SimCluster&) = delete;
@@ -185,6 +190,10 @@ class SimCluster {
   // For SimHostLauncher: an unreachable host's agent command fails (no agent starts).
   void setHostReachable(const std::string& host, bool reachable);
   bool hostReachable(const std::string& host) const { return !unreachable_.count(host); }
+  // The next `times` start-ups of `host` fail as an unreachable host's do.
+  void failNextStarts(const std::string& host, int times) { failNext_[host] = times; }
+  // For SimHostLauncher: true (and one fewer left) if this start-up is to fail.
+  bool takeStartFailure(const std::string& host);
 
   // --- what happened ------------------------------------------------------------------------
   const std::vector<Order>& orders() const { return orders_; }
@@ -201,7 +210,9 @@ class SimCluster {
   bool agentUp(const std::string& host) const;
   // Agent start-ups asked for (SimHostLauncher counts unreachable ones too).
   int agentStarts(const std::string& host) const;
-  void countStartAttempt(const std::string& host) { ++startAttempts_[host]; }
+  // When each of them was asked for (on the cluster's clock), oldest first.
+  std::vector<TimePoint> agentStartTimes(const std::string& host) const;
+  void countStartAttempt(const std::string& host) { startAttempts_[host].push_back(clock_.now()); }
   // The newest generation launched (-1: none) and how many were.
   int generation() const { return newestGeneration_; }
   int launches() const { return static_cast<int>(generations_.size()); }
@@ -213,6 +224,8 @@ class SimCluster {
   // The newest step every live rank of `generation` has finished (-2: none live).
   int64_t minStep(int generation) const;
   std::vector<int> liveRanks(int generation) const;
+  // The newest step `rank` of the newest generation has finished (-2: not live).
+  int64_t step(int rank) const;
   // Frames every simulated peer sent; connections lost (Callbacks::onConnectionLost).
   uint64_t framesSent() const { return framesSent_; }
   // Heartbeats: sent to the manager by workers, handed to their agents, and
@@ -235,7 +248,7 @@ class SimCluster {
     int connected = 0;  // ranks that have connected (once each)
     bool training = false;
     bool peerLost = false;  // a rank left otherwise than by a checkpoint: the rest block
-    Clock::time_point epoch;  // the launch: heartbeats are phased from it
+    TimePoint epoch;  // the launch: heartbeats are phased from it
     std::optional<StageToRankMap> map;
     std::set<int> frozenRanks;
     std::optional<int64_t> checkpointStep;  // of the on-demand checkpoint under way
@@ -244,17 +257,17 @@ class SimCluster {
 
   void scheduleTick();
   void onTick();
-  void tickAgent(Agent& agent, Clock::time_point now);
+  void tickAgent(Agent& agent, TimePoint now);
   // An agent's WorkerBeats, when beats are pending and its relay is due.
-  void relayBeats(Agent& agent, Clock::time_point now);
+  void relayBeats(Agent& agent, TimePoint now);
   // A worker's heartbeat: through its agent, or to the manager (see above).
   void beat(Worker& worker, bool waiting);
   // The agents' loop runs at the next tick at or after `at` (a beat or a grace due).
-  void wakeAgentsBy(Clock::time_point at) { agentsWakeAt_ = std::min(agentsWakeAt_, at); }
+  void wakeAgentsBy(TimePoint at) { agentsWakeAt_ = std::min(agentsWakeAt_, at); }
   // (Re)queues the worker's next wake-up: the earliest of its start, beat,
   // step and exit. Called whenever one of them changes.
   void schedule(const std::shared_ptr<Worker>& worker);
-  void tickWorker(const std::shared_ptr<Worker>& worker, Clock::time_point now);
+  void tickWorker(const std::shared_ptr<Worker>& worker, TimePoint now);
   void onAgentMessage(const std::shared_ptr<Agent>& agent, const proto::Message& message);
   void onAgentClosed(const std::shared_ptr<Agent>& agent, const std::string& reason);
   void launch(const std::shared_ptr<Agent>& agent, const proto::LaunchWorkers& launch);
@@ -278,20 +291,22 @@ class SimCluster {
   void setManager(const std::string& managerAddress, const std::string& token);
 
   boost::asio::io_context& io_;
+  varuna::Clock& clock_;
   SimOptions options_;
   Callbacks callbacks_;
-  boost::asio::steady_timer tickTimer_;
+  std::unique_ptr<varuna::Timer> tickTimer_;
+  TimePoint tickDue_{};  // the tick's cadence: a late one catches up
   boost::asio::ip::tcp::endpoint manager_;
   std::string token_;
   std::shared_ptr<LaunchGate> gate_;
   bool shutDown_ = false;
 
   std::map<std::string, std::shared_ptr<Agent>> agents_;  // the newest of each host
-  Clock::time_point agentsWakeAt_ = Clock::time_point::max();
+  TimePoint agentsWakeAt_ = TimePoint::max();
   std::map<std::pair<int, int>, std::shared_ptr<Worker>> workers_;  // live, by (generation, rank)
   std::vector<std::shared_ptr<Worker>> strays_;  // connectStaleWorker's, until they close
   struct Wake {
-    Clock::time_point at;
+    TimePoint at;
     std::shared_ptr<Worker> worker;  // stale once worker->wakeAt != at
     bool operator>(const Wake& other) const { return at > other.at; }
   };
@@ -301,7 +316,8 @@ class SimCluster {
   std::map<int, Generation> generations_;
   int newestGeneration_ = -1;
   std::set<std::string> unreachable_;
-  std::map<std::string, int> startAttempts_;
+  std::map<std::string, std::vector<TimePoint>> startAttempts_;
+  std::map<std::string, int> failNext_;
   uint64_t agentsConnected_ = 0;
 
   std::vector<Order> orders_;

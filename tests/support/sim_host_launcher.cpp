@@ -30,6 +30,10 @@ HostCommandResult SimHostLauncher::run(const std::string& host, const std::strin
     return result;
   }
   const std::string address = match[1].str();
+  {
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    commands_.push_back(command);
+  }
   // The token as varuna_agent takes it (agent_main.cpp, readJobToken): the
   // first line of stdin with --token_stdin.
   const std::string token = input.substr(0, input.find('\n'));
@@ -55,7 +59,7 @@ HostCommandResult SimHostLauncher::run(const std::string& host, const std::strin
       r.message = "the simulated cluster is shut down";
       return finish(r);
     }
-    if (!cluster->hostReachable(host)) {
+    if (!cluster->hostReachable(host) || cluster->takeStartFailure(host)) {
       cluster->countStartAttempt(host);
       r.exitStatus = -1;
       r.message = strCat("cannot reach ", host, ":22 (simulated: the host is unreachable); check that it is up");

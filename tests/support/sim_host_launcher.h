@@ -15,7 +15,9 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "sim_cluster.h"
 #include "varuna/manager/host_launcher.h"
@@ -27,11 +29,18 @@ class SimHostLauncher : public HostLauncher {
   explicit SimHostLauncher(SimCluster& cluster, std::chrono::milliseconds timeout = std::chrono::seconds(10))
       : io_(cluster.io()), gate_(cluster.launchGate()), timeout_(timeout) {}
   HostCommandResult run(const std::string& host, const std::string& command, const std::string& input) override;
+  // The agent commands it was given (with a manager address), oldest first.
+  std::vector<std::string> commands() const {
+    std::lock_guard<std::mutex> lock(commandsMutex_);
+    return commands_;
+  }
 
  private:
   boost::asio::io_context& io_;
   std::shared_ptr<LaunchGate> gate_;
   std::chrono::milliseconds timeout_;
+  mutable std::mutex commandsMutex_;  // run() is called on several launch threads
+  std::vector<std::string> commands_;
 };
 
 }  // namespace varuna::sim

@@ -6,6 +6,7 @@
 // morph. Every wait is on a condition with a deadline.
 #include <catch2/catch.hpp>
 
+#include "daemon/job_metrics.h"
 #include "daemon_harness.h"
 #include "sim_cluster.h"
 #include "sim_host_launcher.h"
@@ -43,7 +44,7 @@ struct MetricsDaemon : test::DaemonHarness {
     config.maxFailures = 5;
     auto options = fastSim();
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    cluster = std::make_unique<sim::SimCluster>(io, options);
+    cluster = std::make_unique<sim::SimCluster>(io, options, useFakeClock());
     startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
   }
   ~MetricsDaemon() {

@@ -8,12 +8,12 @@
 #include <fstream>
 
 #include "test_env.h"
-#include "varuna/manager/daemon/host_absences.h"
-#include "varuna/manager/daemon/liveness_watchdog.h"
-#include "varuna/manager/daemon/machine_list_watcher.h"
-#include "varuna/manager/daemon/step_progress.h"
-#include "varuna/manager/daemon/worker_registry.h"
-#include "varuna/manager/framed_connection.h"
+#include "daemon/host_absences.h"
+#include "daemon/liveness_watchdog.h"
+#include "daemon/machine_list_watcher.h"
+#include "daemon/step_progress.h"
+#include "daemon/worker_registry.h"
+#include "loop/framed_connection.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;

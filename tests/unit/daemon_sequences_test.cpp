@@ -3,8 +3,9 @@
 // every host of the machine list; the agents start simulated workers that
 // say hello, heartbeat and report steps. The daemon and the cluster share one
 // io_context, polled by the test thread (DaemonHarness::runUntil,
-// daemon_harness.h): every wait is on a condition with a deadline, never a
-// bare sleep. Timeouts are short (JobConfig) so each case takes a few seconds.
+// daemon_harness.h), and one FakeClock: every wait is on a condition with a
+// deadline of job time, never a bare sleep, and the seconds of job time a
+// case spans pass in milliseconds.
 #include <catch2/catch.hpp>
 
 #include <functional>
@@ -60,7 +61,7 @@ struct SimDaemon : test::DaemonHarness {
     config.maxFailures = 5;
     if (tweak) tweak(config);
     simOptions.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    cluster = std::make_unique<sim::SimCluster>(io, simOptions);
+    cluster = std::make_unique<sim::SimCluster>(io, simOptions, useFakeClock());
     startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
   }
   ~SimDaemon() {
@@ -217,9 +218,9 @@ TEST_CASE("sequences: a stopped worker is written off as hung and the job relaun
   SimDaemon f("seq_worker_stopped", Job{{"node-a", "node-b"}, 2, 2, 4});
   REQUIRE(f.waitTraining(1));
   f.cluster->freezeWorker(3);  // SIGSTOP: no heartbeat, no step; its peers wait on it
-  const auto stoppedAt = std::chrono::steady_clock::now();
+  const auto stoppedAt = f.now();
   REQUIRE(f.runUntil([&] { return !f.events("worker_hung").empty(); }));
-  const double detectedAfter = std::chrono::duration<double>(std::chrono::steady_clock::now() - stoppedAt).count();
+  const double detectedAfter = std::chrono::duration<double>(f.now() - stoppedAt).count();
   CHECK(detectedAfter >= 1.8);  // heartbeat_timeout_s 2
   CHECK(f.events("worker_hung")[0]["rank"] == 3);
   REQUIRE(f.waitTraining(2));
@@ -262,9 +263,9 @@ TEST_CASE("sequences: a frozen agent's workers are ordered out and the job relau
   REQUIRE(f.waitTraining(1));
   f.cluster->setHostReachable("node-b", false);
   f.cluster->freezeAgent("node-b");  // silent, socket open: only the heartbeat timeout finds it
-  const auto frozenAt = std::chrono::steady_clock::now();
+  const auto frozenAt = f.now();
   REQUIRE(f.runUntil([&] { return f.cluster->workerGot("exit_now", 2, 1) && f.cluster->workerGot("exit_now", 3, 1); }));
-  const double detectedAfter = std::chrono::duration<double>(std::chrono::steady_clock::now() - frozenAt).count();
+  const double detectedAfter = std::chrono::duration<double>(f.now() - frozenAt).count();
   CHECK(detectedAfter >= 2.5);  // the agent timeout is max(heartbeat_timeout_s, 3) s
   REQUIRE(f.waitTraining(2));
   const auto lost = f.events("host_lost");
@@ -335,9 +336,9 @@ TEST_CASE("sequences: a rank whose step stalls while its peers wait is declared 
   REQUIRE(f.waitTraining(1));
   // Rank 1 computes forever (heartbeats go on, its step stays); the others wait on it.
   f.cluster->freezeProgress(1);
-  const auto frozenAt = std::chrono::steady_clock::now();
+  const auto frozenAt = f.now();
   REQUIRE(f.runUntil([&] { return !f.events("hang").empty(); }));
-  const double detectedAfter = std::chrono::duration<double>(std::chrono::steady_clock::now() - frozenAt).count();
+  const double detectedAfter = std::chrono::duration<double>(f.now() - frozenAt).count();
   CHECK(detectedAfter >= 0.9);
   const auto hang = f.events("hang");
   REQUIRE(hang.size() == 1);
@@ -386,14 +387,120 @@ TEST_CASE("sequences: a frozen agent whose workers are heard only through it is 
   f.runFor(500ms);
   f.cluster->setHostReachable("node-b", false);
   f.cluster->freezeAgent("node-b");
-  const auto frozenAt = std::chrono::steady_clock::now();
+  const auto frozenAt = f.now();
   // Its workers fall silent after heartbeat_timeout_s (2 s), but so did their
   // agent: the agent's own timeout (3 s) decides, for the whole host.
   REQUIRE(f.runUntil([&] { return !f.events("host_lost").empty(); }));
-  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - frozenAt).count() >= 2.5);
+  CHECK(std::chrono::duration<double>(f.now() - frozenAt).count() >= 2.5);
   CHECK(f.events("host_lost")[0]["host"] == "node-b");
   CHECK(f.events("worker_hung").empty());
   // The survivors' orders leave with the host_lost event; wait for them to arrive.
   CHECK(f.runUntil([&] { return f.cluster->workerGot("exit_now", 2, 1) && f.cluster->workerGot("exit_now", 3, 1); }));
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+// --- the daemon's lifecycle: starting agents, running, stopping, finished ------------------
+
+TEST_CASE("lifecycle: a stop before the job started ends it at once; no launch, no checkpoint", "[lifecycle]") {
+  SimDaemon f("life_stop_before_start", Job{{"node-a", "node-b"}, 2, 2, 4});
+  // start() only queued the agents' start-ups: none is up yet, so no job runs.
+  CHECK(f.daemon->phase() == DaemonPhase::kStartingAgents);
+  f.daemon->requestStop("stopped before the start");
+  CHECK(f.daemon->phase() == DaemonPhase::kFinished);
+  REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  f.runFor(2000ms);  // time for anything that would still start
+  const auto stop = f.events("stop");
+  REQUIRE(stop.size() == 1);
+  CHECK(stop[0]["reason"] == "stopped before the start");
+  CHECK(stop[0]["exit_code"] == 0);
+  CHECK(f.events("stop_requested").empty());  // nothing for the controller to stop
+  CHECK(f.events("checkpoint_ordered").empty());
+  CHECK(f.events("launch").empty());
+  CHECK(f.cluster->launches() == 0);
+  CHECK(f.daemon->exitCode() == 0);
+  CHECK(f.state()["phase"] == "finished");
+  // A second request after the end changes nothing.
+  f.daemon->requestStop("again");
+  f.runFor(500ms);
+  CHECK(f.events("stop").size() == 1);
+  CHECK(f.events("stop_requested").empty());
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+TEST_CASE("lifecycle: a stop while running checkpoints once, then ends; late peers change nothing",
+          "[lifecycle]") {
+  SimDaemon f("life_stop_running", Job{{"node-a", "node-b"}, 2, 2, 4});
+  REQUIRE(f.waitTraining(1));
+  CHECK(f.daemon->phase() == DaemonPhase::kRunning);
+  f.daemon->requestStop("the test is over");
+  CHECK(f.daemon->phase() == DaemonPhase::kStopping);
+  REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  CHECK(f.daemon->phase() == DaemonPhase::kFinished);
+  CHECK(f.events("stop_requested").size() == 1);
+  CHECK(f.events("checkpoint_ordered").size() == 1);
+  CHECK(f.events("kill_all").empty());
+  for (int rank = 0; rank < 4; ++rank) {
+    const auto exits = exitsOf(*f.cluster, rank, 1);
+    REQUIRE(exits.size() == 1);
+    CHECK(exits[0].exitCode == 75);
+  }
+  CHECK(f.events("stop")[0]["exit_code"] == 0);
+  CHECK(f.cluster->count(PeerKind::kAgent, "shutdown") == 2);
+  f.runFor(1000ms);
+  CHECK(f.state()["phase"] == "finished");
+  CHECK(f.state()["morphs"] == 0);
+  // After the end, an agent that goes is no lost host and starts nothing.
+  f.cluster->dropAgent("node-a", /*withWorkers=*/true);
+  f.runFor(2000ms);
+  CHECK(f.events("host_lost").empty());
+  CHECK(f.cluster->agentStarts("node-a") == 1);
+  CHECK(f.cluster->launches() == 1);
+  CHECK(f.daemon->exitCode() == 0);
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+TEST_CASE("lifecycle: a second stop during the stop's checkpoint kills at once and is no morph", "[lifecycle]") {
+  auto sim = fastSim();
+  sim.checkpointDelay = 3000ms;  // the stop's checkpoint lasts
+  SimDaemon f("life_stop_twice", Job{{"node-a", "node-b"}, 2, 2, 4}, {}, sim);
+  REQUIRE(f.waitTraining(1));
+  f.daemon->requestStop("first");
+  REQUIRE(f.runUntil([&] { return f.cluster->count(PeerKind::kAgent, "checkpoint_and_exit") == 2; }));
+  CHECK(f.cluster->exitReports().empty());
+  CHECK(f.daemon->phase() == DaemonPhase::kStopping);
+  f.daemon->requestStop("second");
+  REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  CHECK(f.daemon->phase() == DaemonPhase::kFinished);
+  CHECK(f.events("stop_requested").size() == 2);
+  const auto kill = f.events("kill_all");
+  REQUIRE(kill.size() == 1);
+  CHECK(kill[0]["reason"] == "second");
+  for (int rank = 0; rank < 4; ++rank) {
+    const auto exits = exitsOf(*f.cluster, rank, 1);
+    REQUIRE(exits.size() == 1);
+    CHECK(exits[0].exitCode == -1);  // killed before the checkpoint's delay was over
+  }
+  CHECK(f.events("stop")[0]["exit_code"] == 0);
+  CHECK(f.daemon->exitCode() == 0);
+  CHECK(f.cluster->launches() == 1);
+  CHECK(f.state()["morphs"] == 0);
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+TEST_CASE("lifecycle: too many failures end a running job; a stop request after that is ignored", "[lifecycle]") {
+  SimDaemon f("life_failures", Job{{"node-a", "node-b"}, 2, 2, 4}, [](JobConfig& config) { config.maxFailures = 0; });
+  REQUIRE(f.waitTraining(1));
+  f.cluster->exitWorker(1, 1);  // a crash: the first failure is already one too many
+  REQUIRE(f.runUntil([&] { return f.events("stop").size() == 1; }));
+  f.runFor(1000ms);
+  CHECK(f.events("stop")[0]["exit_code"] != 0);
+  CHECK(f.daemon->exitCode() != 0);
+  CHECK(f.state()["phase"] == "failed");
+  CHECK(f.daemon->phase() == DaemonPhase::kFinished);  // from kRunning, no kStopping
+  CHECK(f.cluster->launches() == 1);
+  f.daemon->requestStop("too late");
+  f.runFor(500ms);
+  CHECK(f.events("stop_requested").empty());
+  CHECK(f.events("stop").size() == 1);
   CHECK(f.daemon->handlerFailures() == 0);
 }

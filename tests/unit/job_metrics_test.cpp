@@ -18,10 +18,10 @@
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/errors.h"
 #include "varuna/manager/checkpoint_scan.h"
-#include "varuna/manager/daemon/job_metrics.h"
-#include "varuna/manager/daemon/metrics_server.h"
-#include "varuna/manager/daemon/morph_tracker.h"
-#include "varuna/manager/event_log.h"
+#include "daemon/job_metrics.h"
+#include "daemon/metrics_server.h"
+#include "daemon/morph_tracker.h"
+#include "loop/event_log.h"
 #include "varuna/manager/job_config.h"
 
 using namespace varuna;

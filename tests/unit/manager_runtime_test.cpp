@@ -12,14 +12,14 @@
 
 #include "test_env.h"
 #include "varuna/common/control_client.h"
-#include "varuna/manager/agent.h"
-#include "varuna/manager/async_planner.h"
-#include "varuna/manager/background_worker.h"
-#include "varuna/manager/event_log.h"
-#include "varuna/manager/framed_connection.h"
-#include "varuna/manager/handler_guard.h"
+#include "agent/agent.h"
+#include "daemon/async_planner.h"
+#include "loop/background_worker.h"
+#include "loop/event_log.h"
+#include "loop/framed_connection.h"
+#include "loop/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
-#include "varuna/manager/pending_connections.h"
+#include "loop/pending_connections.h"
 
 using namespace varuna;
 namespace asio = boost::asio;

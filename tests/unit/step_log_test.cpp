@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "test_env.h"
-#include "varuna/manager/daemon/step_log.h"
+#include "daemon/step_log.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;

@@ -1,4 +1,4 @@
-#include "varuna/manager/agent.h"
+#include "agent/agent.h"
 #include "varuna/common/worker_exit.h"
 
 #include <fcntl.h>

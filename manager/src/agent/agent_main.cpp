@@ -12,7 +12,7 @@
 
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
-#include "varuna/manager/agent.h"
+#include "agent/agent.h"
 
 namespace {
 

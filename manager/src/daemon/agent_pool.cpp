@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/agent_pool.h"
+#include "daemon/agent_pool.h"
 
 #include <algorithm>
 
@@ -10,7 +10,6 @@ namespace varuna {
 namespace {
 
 namespace asio = boost::asio;
-using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
 // The manager's heartbeat to its agents (as often as theirs to it).
@@ -29,8 +28,9 @@ const char* toString(AgentPool::Status status) {
 }
 
 AgentPool::AgentPool(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, EventLog& events,
-                     std::unique_ptr<HostLauncher> launcher, Settings settings, Observer& observer)
+                     std::unique_ptr<HostLauncher> launcher, Settings settings, Observer& observer, Clock& clock)
     : io_(io),
+      clock_(clock),
       guard_(std::move(guard)),
       events_(events),
       launcher_(std::move(launcher)),
@@ -129,20 +129,17 @@ void AgentPool::onStartupDone(const std::string& host, const HostCommandResult& 
   }
   // The agent reported success after saying hello; the hello may still be in
   // flight on its socket. Give it a moment.
-  auto timer = std::make_shared<asio::steady_timer>(io_, settings_.helloWait);
   const uint64_t attempt = it->second.attempt;  // a later start-up of the host is not this one's to fail
-  timer->async_wait(guard_->wrap("waiting for an agent's hello", [this, timer, host,
-                                                                  attempt](const boost::system::error_code& ec) {
+  clock_.runAfter(io_, settings_.helloWait, guard_->wrap("waiting for an agent's hello", [this, host, attempt] {
     auto a = agents_.find(host);
-    if (!ec && !shutDown_ && a != agents_.end() && a->second.status == Status::kStarting &&
-        a->second.attempt == attempt) {
+    if (!shutDown_ && a != agents_.end() && a->second.status == Status::kStarting && a->second.attempt == attempt) {
       startupFailed(host, "the agent started but never reached the manager at " + settings_.advertisedAddress);
     }
   }));
 }
 
 void AgentPool::startupFailed(const std::string& host, const std::string& message) {
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   HostAbsence& absence = absences_.markAbsent(host, "agent_failed", now);
   absences_.scheduleRetry(host, now);
   const std::string retry =
@@ -172,7 +169,7 @@ bool AgentPool::admit(const std::shared_ptr<FramedConnection>& connection, const
   Agent& agent = it->second;
   agent.status = Status::kUp;
   agent.connection = connection;
-  agent.lastSeen = Clock::now();
+  agent.lastSeen = clock_.now();
   agent.released = false;
   const std::string host = hello.host;
   std::weak_ptr<FramedConnection> weak = connection;
@@ -183,14 +180,14 @@ bool AgentPool::admit(const std::shared_ptr<FramedConnection>& connection, const
                     });
   log::info("agent up on ", host, " (", connection->peer(), ")");
   events_.write("agent_up", {{"host", host}});
-  if (absences_.mayComeBack(host, Clock::now())) back(host, "its agent is up again");
+  if (absences_.mayComeBack(host, clock_.now())) back(host, "its agent is up again");
   observer_.hostsChanged();
   return true;
 }
 
 void AgentPool::onMessage(const std::string& host, const proto::Message& message) {
   auto& agent = agents_.at(host);
-  agent.lastSeen = Clock::now();
+  agent.lastSeen = clock_.now();
   if (const auto* ping = std::get_if<proto::Ping>(&message)) {
     if (agent.connection) agent.connection->send(proto::Pong{ping->sequence, ping->sentNs});
     return;
@@ -203,7 +200,7 @@ void AgentPool::onClosed(const std::string& host, const std::string& reason) {
   const bool expected = agent.released || shutDown_;
   agent.status = Status::kGone;
   agent.connection.reset();
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   if (expected) {
     // Released because it was preempted (it waits for the notice's deadline)
     // or removed from the list; if it is listed again by now, it comes back.
@@ -326,7 +323,7 @@ void AgentPool::retryAbsentHosts(TimePoint now) {
 }
 
 void AgentPool::back(const std::string& host, const std::string& how) {
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   const auto absence = absences_.back(host, now);
   if (!absence) return;
   observer_.hostBack(host);

@@ -1,4 +1,4 @@
-#include "varuna/manager/async_planner.h"
+#include "daemon/async_planner.h"
 
 #include "varuna/common/errors.h"
 

@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/checkpoint_watcher.h"
+#include "daemon/checkpoint_watcher.h"
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
@@ -30,8 +30,9 @@ CheckpointWatcher::TimePoint completedAt(double ageSeconds, CheckpointWatcher::T
 }  // namespace
 
 CheckpointWatcher::CheckpointWatcher(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard,
-                                     EventLog& events, std::string globalStore, StoreScanner scanner)
-    : guard_(std::move(guard)),
+                                     EventLog& events, std::string globalStore, StoreScanner scanner, Clock& clock)
+    : clock_(clock),
+      guard_(std::move(guard)),
       events_(events),
       globalStore_(std::move(globalStore)),
       scanner_(std::move(scanner)),
@@ -40,7 +41,7 @@ CheckpointWatcher::CheckpointWatcher(boost::asio::io_context& io, std::shared_pt
 void CheckpointWatcher::scanNow() {
   const StoreScan scan = scanStoreSafely(scanner_, request(/*thorough=*/true));
   latest_ = read(scan);
-  if (scan.latestAgeSeconds) latestCompletedAt_ = completedAt(*scan.latestAgeSeconds, std::chrono::steady_clock::now());
+  if (scan.latestAgeSeconds) latestCompletedAt_ = completedAt(*scan.latestAgeSeconds, clock_.now());
 }
 
 void CheckpointWatcher::poll() {
@@ -85,7 +86,7 @@ void CheckpointWatcher::prepareLaunch(int generation, std::function<void(const L
 }
 
 void CheckpointWatcher::scanned(const StoreScan& scan) {
-  note(read(scan), std::chrono::steady_clock::now(), scan.latestAgeSeconds);
+  note(read(scan), clock_.now(), scan.latestAgeSeconds);
 }
 
 std::optional<int64_t> CheckpointWatcher::read(const StoreScan& scan) {

@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/control_listener.h"
+#include "daemon/control_listener.h"
 
 #include <fcntl.h>
 
@@ -8,12 +8,12 @@ namespace varuna {
 namespace {
 
 namespace asio = boost::asio;
-using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-ControlListener::ControlListener(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits)
-    : io_(io), guard_(std::move(guard)), acceptor_(io), retryTimer_(io), pending_(limits) {}
+ControlListener::ControlListener(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits,
+                                 Clock& clock)
+    : io_(io), guard_(std::move(guard)), clock_(clock), acceptor_(io), retryTimer_(clock.makeTimer(io)), pending_(limits) {}
 
 std::string ControlListener::listen(const asio::ip::tcp::endpoint& endpoint) {
   boost::system::error_code ec;
@@ -39,7 +39,7 @@ void ControlListener::stopAccepting() {
   closed_ = true;
   boost::system::error_code ignored;
   acceptor_.close(ignored);
-  retryTimer_.cancel();
+  retryTimer_->cancel();
 }
 
 void ControlListener::close() {
@@ -66,7 +66,7 @@ void ControlListener::onAccept(const boost::system::error_code& ec, asio::ip::tc
     // At the cap, the peers this manager is waiting for raise it (a launch's
     // burst of workers); counted only then: it walks every worker.
     const size_t expected = pending_.size() >= pending_.limits().maxPending ? expected_() : 0;
-    pending_.add(connection, Clock::now(), expected);  // may close the oldest pending one
+    pending_.add(connection, clock_.now(), expected);  // may close the oldest pending one
     std::weak_ptr<FramedConnection> weak = connection;
     connection->start(
         [this, weak](const proto::Message& m) {
@@ -104,7 +104,7 @@ void ControlListener::onAcceptFailed(const boost::system::error_code& ec) {
   const auto wait = backoff_.next();
   const bool shed = (code == EMFILE || code == ENFILE) && pending_.shedOldest("out of file descriptors");
   uint64_t suppressed = 0;
-  if (failureLog_.allow(Clock::now(), &suppressed)) {
+  if (failureLog_.allow(clock_.now(), &suppressed)) {
     log::error("accepting a connection failed: ", ec.message(),
                shed ? " (closed the oldest connection without a hello)" : "", "; retrying in ", wait.count(), " ms",
                suppressed ? strCat(" (", suppressed + 1, " failures since the last line)") : std::string(),
@@ -112,9 +112,8 @@ void ControlListener::onAcceptFailed(const boost::system::error_code& ec) {
                                        " pending and the job's connections (docs/run_varuna.md)")
                               : std::string());
   }
-  retryTimer_.expires_after(wait);
-  retryTimer_.async_wait(guard_->wrap("retrying accept", [this](const boost::system::error_code& timerError) {
-    if (timerError || closed_) return;
+  retryTimer_->expireAfter(wait, guard_->wrap("retrying accept", [this] {
+    if (closed_) return;
     doAccept();
   }));
 }

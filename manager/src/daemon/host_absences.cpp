@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/host_absences.h"
+#include "daemon/host_absences.h"
 #include "varuna/common/time_util.h"
 
 #include <algorithm>

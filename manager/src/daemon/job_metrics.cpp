@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/job_metrics.h"
+#include "daemon/job_metrics.h"
 
 #include <algorithm>
 #include <filesystem>

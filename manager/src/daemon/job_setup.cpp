@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/job_setup.h"
+#include "daemon/job_setup.h"
 
 #include <sys/stat.h>
 

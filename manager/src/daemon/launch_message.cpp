@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/launch_message.h"
+#include "daemon/launch_message.h"
 
 #include "varuna/common/launch_contract.h"
 

@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/liveness_watchdog.h"
+#include "daemon/liveness_watchdog.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/machine_list_watcher.h"
+#include "daemon/machine_list_watcher.h"
 
 #include <sys/stat.h>
 

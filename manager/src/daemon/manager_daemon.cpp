@@ -1,4 +1,4 @@
-#include "varuna/manager/manager_daemon.h"
+#include "daemon/manager_daemon_impl.h"
 
 #include <unistd.h>
 
@@ -7,8 +7,8 @@
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 #include "varuna/common/machine_list.h"
-#include "varuna/manager/daemon/job_setup.h"
-#include "varuna/manager/daemon/launch_message.h"
+#include "daemon/job_setup.h"
+#include "daemon/launch_message.h"
 #include "varuna/common/time_util.h"
 #include "varuna/common/worker_exit.h"
 
@@ -18,7 +18,6 @@ namespace {
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 constexpr auto kTickInterval = std::chrono::milliseconds(100);
 constexpr auto kListPollInterval = std::chrono::milliseconds(500);
@@ -68,12 +67,13 @@ AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string addre
 
 }  // namespace
 
-ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
-                             PendingLimits pendingLimits)
+ManagerDaemon::Impl::Impl(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
+                          DaemonOptions options)
     : io_(io),
+      clock_(*options.clock),
       config_(std::move(config)),
-      listener_(io, guard_, pendingLimits),
-      tickTimer_(io),
+      listener_(io, guard_, options.pendingLimits, clock_),
+      tickTimer_(clock_.makeTimer(io)),
       launcher_(std::move(launcher)),
       machineList_(config_.machineList, config_.gpusPerNode),
       liveness_({config_.heartbeatTimeoutS, config_.startupTimeoutS, config_.hangTimeoutS}),
@@ -82,12 +82,12 @@ ManagerDaemon::ManagerDaemon(asio::io_context& io, JobConfig config, std::unique
       stateFile_(config_.stateDir),
       metrics_(config_.batchSize) {}
 
-ManagerDaemon::~ManagerDaemon() = default;
+ManagerDaemon::Impl::~Impl() = default;
 
 // --- start-up -------------------------------------------------------------------
 
-void ManagerDaemon::start() {
-  startedAt_ = Clock::now();
+void ManagerDaemon::Impl::start() {
+  startedAt_ = clock_.now();
   std::error_code ec;
   fs::create_directories(config_.stateDir, ec);
   if (ec) throw ConfigError(strCat("cannot create --state_dir ", config_.stateDir, ": ", ec.message()));
@@ -109,10 +109,10 @@ void ManagerDaemon::start() {
   advertisedAddress_ = advertisedAddress(config_, listed, listener_.port());
   AgentPool::Observer& observer = *this;  // a private base: converted here, where it is accessible
   pool_ = std::make_unique<AgentPool>(io_, guard_, *events_, std::move(launcher_),
-                                      agentPoolSettings(config_, advertisedAddress_, token_), observer);
+                                      agentPoolSettings(config_, advertisedAddress_, token_), observer, clock_);
   pool_->setAgentCommand([this](const std::string& host) { return agentCommand(host); });
   pool_->setListed(listed);
-  checkpoints_ = std::make_unique<CheckpointWatcher>(io_, guard_, *events_, config_.globalStore, storeScanner_);
+  checkpoints_ = std::make_unique<CheckpointWatcher>(io_, guard_, *events_, config_.globalStore, storeScanner_, clock_);
   createController(first);
   checkpoints_->scanNow();  // before the loop runs (nothing is waiting on it yet)
 
@@ -130,7 +130,7 @@ void ManagerDaemon::start() {
   writeState();
 }
 
-void ManagerDaemon::listen() {
+void ManagerDaemon::Impl::listen() {
   const std::string ip = bindIp(config_);
   asio::ip::tcp::endpoint endpoint;
   try {
@@ -144,13 +144,13 @@ void ManagerDaemon::listen() {
   }
 }
 
-void ManagerDaemon::serveMetrics() {
+void ManagerDaemon::Impl::serveMetrics() {
   if (config_.metricsPort < 0) return;
   metricsServer_ = std::make_unique<MetricsServer>(bindIp(config_), config_.metricsPort, metrics_.registry());
   log::info("Prometheus metrics at ", metricsServer_->url());
 }
 
-void ManagerDaemon::createController(int firstGeneration) {
+void ManagerDaemon::Impl::createController(int firstGeneration) {
   ControllerOptions options;
   options.stages = config_.nstages;
   options.globalBatch = config_.batchSize;
@@ -173,7 +173,7 @@ void ManagerDaemon::createController(int firstGeneration) {
                                                   [this] { return checkpoints_->latest(); });
 }
 
-void ManagerDaemon::createPlanner(ControllerOptions& options) {
+void ManagerDaemon::Impl::createPlanner(ControllerOptions& options) {
   // AutoConfig plans every launch: P and/or the micro-batch as given, the rest chosen.
   auto profile = profile::readProfile(config_.profile);
   // What the profile describes, for every worker to check against the model
@@ -204,12 +204,12 @@ void ManagerDaemon::createPlanner(ControllerOptions& options) {
                                       {"planning_s", result.planningSeconds}});
       }),
       guard_->wrap("a plan's arrival", [this] {
-        if (controller_ && jobStarted_ && !finished_) apply(controller_->planReady(Clock::now()));
+        if (controller_ && jobRunning()) apply(controller_->planReady(clock_.now()));
       }));
   options.planner = planner_->planner();
 }
 
-std::string ManagerDaemon::agentCommand(const std::string& host) const {
+std::string ManagerDaemon::Impl::agentCommand(const std::string& host) const {
   // The token travels on the command's stdin (AgentPool), never in the
   // command. The env_file's variables reach the agent as well as (through
   // LaunchWorkers) every worker.
@@ -225,7 +225,7 @@ std::string ManagerDaemon::agentCommand(const std::string& host) const {
                 " --log_level ", shellQuote(config_.logLevel));
 }
 
-std::chrono::milliseconds ManagerDaemon::lostManagerAfter() const {
+std::chrono::milliseconds ManagerDaemon::Impl::lostManagerAfter() const {
   // As long as the manager waits for a silent agent (at least 3 s: its
   // heartbeats go out once a second on a 100 ms tick), plus the grace.
   return millis(std::max(config_.heartbeatTimeoutS, 3.0) + config_.agentGraceS);
@@ -233,7 +233,7 @@ std::chrono::milliseconds ManagerDaemon::lostManagerAfter() const {
 
 // --- hellos and what peers send -----------------------------------------------------
 
-void ManagerDaemon::onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+void ManagerDaemon::Impl::onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
   if (hello.role == "agent") {
     pool_->admit(connection, hello);
   } else if (hello.role == "worker") {
@@ -245,9 +245,14 @@ void ManagerDaemon::onHello(const std::shared_ptr<FramedConnection>& connection,
   }
 }
 
-size_t ManagerDaemon::expectedHellos() const { return pool_->startingCount() + workers_.unconnected(); }
+size_t ManagerDaemon::Impl::backgroundJobs() const {
+  return (pool_ ? pool_->launchThreads() : 0) + (checkpoints_ ? checkpoints_->pendingJobs() : 0) +
+         (planWorker_ ? planWorker_->pending() : 0);
+}
 
-void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+size_t ManagerDaemon::Impl::expectedHellos() const { return pool_->startingCount() + workers_.unconnected(); }
+
+void ManagerDaemon::Impl::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
   if (hello.generation != controller_->generation() || !workers_.expects(hello.rank)) {
     // A worker of a generation that is over or that this manager never
     // launched (one an earlier manager left, or one written off as hung or
@@ -265,7 +270,7 @@ void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& conne
     return;
   }
   const int rank = hello.rank;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   const bool all = workers_.connect(rank, connection, now);
   connection->start([this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
                     [rank](const std::string& reason) {
@@ -289,7 +294,7 @@ void ManagerDaemon::onWorkerHello(const std::shared_ptr<FramedConnection>& conne
             secondsBetween(liveness_.launchedAt(), now), " s after launch)");
 }
 
-void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& connection) {
+void ManagerDaemon::Impl::onNotifierHello(const std::shared_ptr<FramedConnection>& connection) {
   std::weak_ptr<FramedConnection> weak = connection;
   connection->start(
       [this, weak](const proto::Message& m) {
@@ -302,14 +307,14 @@ void ManagerDaemon::onNotifierHello(const std::shared_ptr<FramedConnection>& con
       [](const std::string&) {});
 }
 
-void ManagerDaemon::onPreemptNotice(const std::shared_ptr<FramedConnection>& connection,
-                                    const proto::PreemptNotice& notice) {
+void ManagerDaemon::Impl::onPreemptNotice(const std::shared_ptr<FramedConnection>& connection,
+                                          const proto::PreemptNotice& notice) {
   if (!pool_->known(notice.host)) {
     connection->send(proto::Ack{false, strCat("host '", notice.host, "' is not in the machine list")});
     connection->closeAfterSending("unknown host");
     return;
   }
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   std::optional<TimePoint> takenAt;
   if (notice.deadlineUnixMs > 0) {
     takenAt = now + std::chrono::milliseconds(std::max<int64_t>(0, notice.deadlineUnixMs - unixMillisNow()));
@@ -327,10 +332,10 @@ void ManagerDaemon::onPreemptNotice(const std::shared_ptr<FramedConnection>& con
   apply(controller_->preemptNotice(notice.host, now, takenAt));
 }
 
-void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
+void ManagerDaemon::Impl::onWorkerMessage(int rank, const proto::Message& message) {
   WorkerState* worker = workers_.find(rank);
   if (!worker) return;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   worker->lastSeen = now;
   if (const auto* heartbeat = std::get_if<proto::Heartbeat>(&message)) {
     onWorkerBeat(*worker, heartbeat->step, heartbeat->waiting, now);
@@ -348,7 +353,7 @@ void ManagerDaemon::onWorkerMessage(int rank, const proto::Message& message) {
   }
 }
 
-void ManagerDaemon::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now) {
+void ManagerDaemon::Impl::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now) {
   worker.lastSeen = now;
   worker.waiting = waiting;
   liveness_.noteStep(worker, step, /*report=*/false, now);
@@ -356,10 +361,10 @@ void ManagerDaemon::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting
   generationReached_ = std::max(generationReached_, step);
 }
 
-void ManagerDaemon::onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats) {
+void ManagerDaemon::Impl::onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats) {
   if (!controller_ || beats.generation != controller_->generation()) return;  // a launch that is over
   const auto& placement = controller_->plan().placement;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   for (const auto& beat : beats.beats) {
     // Only the current launch's ranks on that agent's host whose own
     // connection is up: a rank that is gone, written off or cut off from us
@@ -371,12 +376,12 @@ void ManagerDaemon::onWorkerBeats(const std::string& host, const proto::WorkerBe
   }
 }
 
-void ManagerDaemon::agentMessage(const std::string& host, const proto::Message& message) {
+void ManagerDaemon::Impl::agentMessage(const std::string& host, const proto::Message& message) {
   if (const auto* exited = std::get_if<proto::WorkerExited>(&message)) onWorkerExited(host, *exited);
   if (const auto* beats = std::get_if<proto::WorkerBeats>(&message)) onWorkerBeats(host, *beats);
 }
 
-void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {
+void ManagerDaemon::Impl::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {
   if (exited.generation != controller_->generation()) return;  // a straggler of an earlier launch
   const WorkerExit exit{exited.exitCode, exited.signal};
   const std::string how = exit.describe();
@@ -398,54 +403,58 @@ void ManagerDaemon::onWorkerExited(const std::string& host, const proto::WorkerE
     if ((phase == Phase::kRunning || phase == Phase::kCheckpointing) && controller_->runningRanks().count(exited.rank)) {
       metrics_.failure(exitFailure(exit));
     }
-    morph_.begin(strCat("rank ", exited.rank, " failed"), JobMetrics::MorphCause::kWorkerFailed, Clock::now());
+    morph_.begin(strCat("rank ", exited.rank, " failed"), JobMetrics::MorphCause::kWorkerFailed, clock_.now());
   }
-  apply(controller_->workerExited(exited.rank, exited.exitCode, Clock::now()));
+  apply(controller_->workerExited(exited.rank, exited.exitCode, clock_.now()));
 }
 
 // --- hosts (AgentPool::Observer) ---------------------------------------------------------
 
-void ManagerDaemon::hostsChanged() {
-  updateHostMetrics(Clock::now());
-  if (jobStarted_) {
-    usableMachinesChanged();
-  } else {
-    maybeStartJob();
+void ManagerDaemon::Impl::hostsChanged() {
+  updateHostMetrics(clock_.now());
+  switch (phase_) {
+    case DaemonPhase::kStartingAgents: return maybeStartJob();
+    case DaemonPhase::kRunning:
+    case DaemonPhase::kStopping: return usableMachinesChanged();
+    case DaemonPhase::kFinished: return;
   }
 }
 
-void ManagerDaemon::hostBack(const std::string& host) {
+void ManagerDaemon::Impl::hostBack(const std::string& host) {
   if (controller_) controller_->readmitHost(host);
 }
 
-void ManagerDaemon::agentLost(const std::string& host, const std::string&) {
+void ManagerDaemon::Impl::agentLost(const std::string& host, const std::string&) {
   // Its workers count as gone from here on; those still connected (a frozen
   // or partitioned agent, not a dead host) are told so.
   workers_.orderHostOut(host, controller_->plan(), controller_->generation(),
                         strCat("the agent of host ", host, " was lost"));
-  morph_.begin("loss of host " + host, JobMetrics::MorphCause::kHostLost, Clock::now());
-  updateHostMetrics(Clock::now());
-  if (!jobStarted_) {
+  morph_.begin("loss of host " + host, JobMetrics::MorphCause::kHostLost, clock_.now());
+  updateHostMetrics(clock_.now());
+  if (phase_ == DaemonPhase::kStartingAgents) {
     pool_->markFailed(host);  // its first start-up did not last until the job began
     return maybeStartJob();
   }
+  // Finished, the pool is shut down and reports no loss (shutdownAll); the
+  // controller has nothing more to hear.
+  if (finished()) return;
   metrics_.failure(JobMetrics::Failure::kHostLost);
-  apply(controller_->hostLost(host, Clock::now()));
+  apply(controller_->hostLost(host, clock_.now()));
   usableMachinesChanged();
 }
 
-void ManagerDaemon::agentConfigError(const std::string&, const std::string& reason) {
+void ManagerDaemon::Impl::agentConfigError(const std::string&, const std::string& reason) {
   doStop(action::Stop{reason, kExitConfigError});
 }
 
-void ManagerDaemon::usableMachinesChanged() {
-  if (!jobStarted_ || finished_) return;
-  apply(controller_->machinesChanged(pool_->usable(), Clock::now()));
+void ManagerDaemon::Impl::usableMachinesChanged() {
+  if (!jobRunning()) return;
+  apply(controller_->machinesChanged(pool_->usable(), clock_.now()));
 }
 
-void ManagerDaemon::maybeStartJob() {
-  if (jobStarted_ || finished_ || pool_->anyStarting()) return;  // still waiting for some
-  jobStarted_ = true;
+void ManagerDaemon::Impl::maybeStartJob() {
+  if (phase_ != DaemonPhase::kStartingAgents || pool_->anyStarting()) return;  // still waiting for some
+  phase_ = DaemonPhase::kRunning;
   const auto usable = pool_->usable();
   const size_t listed = pool_->listed().size();
   log::info(usable.size(), " of ", listed, " host(s) ready");
@@ -453,28 +462,28 @@ void ManagerDaemon::maybeStartJob() {
     log::error(listed - usable.size(), " host(s) could not start an agent (see the errors above); they are ",
                config_.hostRetryS > 0 ? "retried with backoff and " : "", "retried when the machine list is written");
   }
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   apply(controller_->machinesChanged(usable, now));
   apply(controller_->start(now));
 }
 
 // --- the controller's actions ---------------------------------------------------------
 
-void ManagerDaemon::apply(const std::vector<Action>& actions) {
+void ManagerDaemon::Impl::apply(const std::vector<Action>& actions) {
   if (actions.empty()) return;  // the tick writes the state once a second anyway
   for (const auto& a : actions) {
-    if (finished_) return;
+    if (finished()) return;
     if (const auto* launch = std::get_if<action::Launch>(&a)) {
       doLaunch(*launch);
     } else if (std::holds_alternative<action::Checkpoint>(a)) {
       // The stop is no morph.
-      morph_.begin("the machines changed", JobMetrics::MorphCause::kMachinesChanged, Clock::now(), !stopping_);
-      metrics_.checkpointOrdered(Clock::now());
+      morph_.begin("the machines changed", JobMetrics::MorphCause::kMachinesChanged, clock_.now(), phase_ != DaemonPhase::kStopping);
+      metrics_.checkpointOrdered(clock_.now());
       log::info("ordering an on-demand checkpoint from every worker");
       events_->write("checkpoint_ordered", {{"generation", controller_->generation()}});
       pool_->send(controller_->plan().hosts, proto::CheckpointAndExit{});
     } else if (const auto* kill = std::get_if<action::KillAll>(&a)) {
-      morph_.begin(kill->reason, JobMetrics::MorphCause::kOther, Clock::now(), !stopping_);
+      morph_.begin(kill->reason, JobMetrics::MorphCause::kOther, clock_.now(), phase_ != DaemonPhase::kStopping);
       log::warn("stopping every worker: ", kill->reason);
       events_->write("kill_all", {{"reason", kill->reason}});
       pool_->send(controller_->plan().hosts, proto::KillWorkers{kill->reason});
@@ -492,20 +501,20 @@ void ManagerDaemon::apply(const std::vector<Action>& actions) {
   writeState();
 }
 
-void ManagerDaemon::orderWorkersOut(const std::string& reason) {
+void ManagerDaemon::Impl::orderWorkersOut(const std::string& reason) {
   const size_t ordered = workers_.orderAllOut(controller_->generation(), reason);
   if (ordered > 0) log::info("ordered ", ordered, " worker(s) of generation ", controller_->generation(), " to exit");
 }
 
-void ManagerDaemon::doLaunch(const action::Launch& launch) {
+void ManagerDaemon::Impl::doLaunch(const action::Launch& launch) {
   workers_.clear();  // the last generation's, if any: no hello of theirs counts
-  launchPreparing_ = true;
+  preparingLaunch_ = launch.generation;
   checkpoints_->prepareLaunch(launch.generation, [this, launch](const CheckpointWatcher::LaunchPrep& prep) {
     finishLaunch(launch, prep);
   });
 }
 
-void ManagerDaemon::abandonLaunch(const action::Launch& launch) {
+void ManagerDaemon::Impl::abandonLaunch(const action::Launch& launch) {
   // No worker of it was started; the controller counts its ranks as running
   // and ended the generation meanwhile (KillAll or Checkpoint): they are
   // gone, as if they had exited the way the controller asked them to.
@@ -514,12 +523,12 @@ void ManagerDaemon::abandonLaunch(const action::Launch& launch) {
   const int code = phase == Phase::kCheckpointing ? kExitCheckpointed : -1;
   const std::set<int> ranks = controller_->runningRanks();  // a copy: workerExited changes the controller's
   for (const int rank : ranks) {
-    if (finished_) return;
-    apply(controller_->workerExited(rank, code, Clock::now()));
+    if (finished()) return;
+    apply(controller_->workerExited(rank, code, clock_.now()));
   }
 }
 
-void ManagerDaemon::failLaunch(const action::Launch& launch, const std::string& why) {
+void ManagerDaemon::Impl::failLaunch(const action::Launch& launch, const std::string& why) {
   // Without the record the launch does not happen (a full or failing store):
   // it is a failure, retried after the backoff like any other. Valid UTF-8
   // (a path may not be): the reason goes into the event log's JSON.
@@ -528,12 +537,12 @@ void ManagerDaemon::failLaunch(const action::Launch& launch, const std::string& 
   events_->write("launch_failed", {{"generation", launch.generation}, {"reason", reason}});
   metrics_.failure(JobMetrics::Failure::kLaunchFailed);
   workers_.clear();
-  apply(controller_->launchFailed(reason, Clock::now()));
+  apply(controller_->launchFailed(reason, clock_.now()));
 }
 
-void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher::LaunchPrep& prep) {
-  if (finished_ || launch.generation != controller_->generation()) return;  // a later launch supersedes it
-  launchPreparing_ = false;
+void ManagerDaemon::Impl::finishLaunch(action::Launch launch, const CheckpointWatcher::LaunchPrep& prep) {
+  if (finished() || launch.generation != controller_->generation()) return;  // a later launch supersedes it
+  preparingLaunch_.reset();
   if (controller_->phase() != Phase::kRunning) return abandonLaunch(launch);
   const Plan& plan = launch.plan;
   if (!prep.recordError.empty()) {
@@ -546,7 +555,7 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   }
   // The freshest checkpoint (the controller's is the last periodic scan's);
   // if the store could not be read, the last one seen.
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   const auto latest = checkpoints_->read(prep.scan);
   checkpoints_->note(latest, now, prep.scan.latestAgeSeconds);
   metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
@@ -579,9 +588,9 @@ void ManagerDaemon::finishLaunch(action::Launch launch, const CheckpointWatcher:
   pool_->releaseDeparted();  // hosts that left the job (preempted or removed from the list)
 }
 
-void ManagerDaemon::doStop(const action::Stop& stop) {
-  if (finished_) return;
-  finished_ = true;
+void ManagerDaemon::Impl::doStop(const action::Stop& stop) {
+  if (finished()) return;
+  phase_ = DaemonPhase::kFinished;
   exitCode_ = stop.exitCode;
   stopReason_ = stop.reason;
   if (stop.exitCode == 0) {
@@ -602,22 +611,18 @@ void ManagerDaemon::doStop(const action::Stop& stop) {
   listener_.stopAccepting();  // no new peer has anything to do with a job that stopped
   writeState();
   // Let the shutdowns go out, then leave the event loop.
-  auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(300));
-  timer->async_wait(
-      guard_->wrap("shutting down", [this, timer](const boost::system::error_code&) { finishShutdown(); }));
+  clock_.runAfter(io_, std::chrono::milliseconds(300), guard_->wrap("shutting down", [this] { finishShutdown(); }));
 }
 
-void ManagerDaemon::finishShutdown() {
+void ManagerDaemon::Impl::finishShutdown() {
   // The final store scan first (state.json and the summary name the last
   // checkpoint), for a bounded time: a stalled store must not keep the
   // manager from exiting.
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   if (!checkpoints_->finalScanDone()) {
     if (shutdownWaitSince_ == TimePoint{}) shutdownWaitSince_ = now;
     if (now - shutdownWaitSince_ < kFinalScanWait) {
-      auto timer = std::make_shared<asio::steady_timer>(io_, kTickInterval);
-      timer->async_wait(
-          guard_->wrap("shutting down", [this, timer](const boost::system::error_code&) { finishShutdown(); }));
+      clock_.runAfter(io_, kTickInterval, guard_->wrap("shutting down", [this] { finishShutdown(); }));
       return;
     }
     log::warn("the checkpoint store did not answer within ", std::chrono::duration<double>(kFinalScanWait).count(),
@@ -625,63 +630,61 @@ void ManagerDaemon::finishShutdown() {
   }
   printSummary();
   listener_.close();
-  tickTimer_.cancel();
+  tickTimer_->cancel();
   pool_->closeAll("manager exiting");
   workers_.closeAll("manager exiting");
   io_.stop();  // pending timers and the signal set would keep the loop alive
 }
 
-void ManagerDaemon::requestStop(const std::string& reason) {
-  if (finished_) return;
-  if (!jobStarted_) {
-    doStop(action::Stop{reason, 0});
-    return;
+void ManagerDaemon::Impl::requestStop(const std::string& reason) {
+  switch (phase_) {
+    case DaemonPhase::kFinished: return;
+    case DaemonPhase::kStartingAgents: return doStop(action::Stop{reason, 0});  // no job to checkpoint
+    case DaemonPhase::kStopping: log::warn("second stop request: killing the workers now"); break;
+    case DaemonPhase::kRunning: phase_ = DaemonPhase::kStopping; break;
   }
-  if (stopping_) log::warn("second stop request: killing the workers now");
-  stopping_ = true;
   events_->write("stop_requested", {{"reason", reason}});
-  apply(controller_->stop(reason, Clock::now()));
+  apply(controller_->stop(reason, clock_.now()));
 }
 
 // --- periodic work ------------------------------------------------------------------------
 
-void ManagerDaemon::scheduleTick() {
-  tickTimer_.expires_after(kTickInterval);
-  tickTimer_.async_wait([this](const boost::system::error_code& ec) {
-    if (ec || finished_) return;
+void ManagerDaemon::Impl::scheduleTick() {
+  tickTimer_->expireAfter(kTickInterval, [this] {
+    if (finished()) return;
     guard_->run("the manager's tick", [this] { onTick(); });
-    if (!finished_) scheduleTick();
+    if (!finished()) scheduleTick();
   });
 }
 
-void ManagerDaemon::onTick() {
-  const auto now = Clock::now();
+void ManagerDaemon::Impl::onTick() {
+  const auto now = clock_.now();
   listener_.tick(now);
   // Agents before workers: when a host is cut off, its agent's and its
   // workers' silences end in the same tick, and the host's loss (not
   // counted towards --max_failures) must be what the controller hears first,
   // not its workers' hangs (counted).
   pool_->closeSilentAgents(now);
-  if (finished_) return;
+  if (finished()) return;
   checkSilentRanks(now);
-  if (finished_) return;
+  if (finished()) return;
   checkProgress(now);
-  if (finished_) return;
-  if (jobStarted_) {
+  if (finished()) return;
+  if (jobRunning()) {
     // A tick's action while checkpointing is the checkpoint's timeout.
     const bool checkpointing = controller_->phase() == Phase::kCheckpointing;
     auto actions = controller_->tick(now);
     if (checkpointing && !actions.empty()) metrics_.failure(JobMetrics::Failure::kCheckpointTimeout);
     apply(actions);
   }
-  if (finished_) return;
+  if (finished()) return;
   if (now - lastListPoll_ >= kListPollInterval) {
     lastListPoll_ = now;
     watchMachineList();
   }
   // Stopping, no host is needed again.
-  pool_->tick(now, /*retry=*/jobStarted_ && !finished_ && !stopping_);
-  if (finished_) return;
+  pool_->tick(now, /*retry=*/phase_ == DaemonPhase::kRunning);
+  if (finished()) return;
   if (now - lastCheckpointPoll_ >= kCheckpointPollInterval) {
     lastCheckpointPoll_ = now;
     checkpoints_->poll();
@@ -691,7 +694,7 @@ void ManagerDaemon::onTick() {
   if (stateFile_.due(now)) writeState();
 }
 
-void ManagerDaemon::checkSilentRanks(TimePoint now) {
+void ManagerDaemon::Impl::checkSilentRanks(TimePoint now) {
   const Phase phase = controller_ ? controller_->phase() : Phase::kIdle;
   // Salvaging too: a rank that stops then is not waited for.
   if (phase != Phase::kRunning && phase != Phase::kCheckpointing && phase != Phase::kSalvaging) return;
@@ -708,12 +711,12 @@ void ManagerDaemon::checkSilentRanks(TimePoint now) {
     metrics_.failure(JobMetrics::Failure::kWorkerHung);
     morph_.begin(strCat("rank ", silent.rank, " hung"), JobMetrics::MorphCause::kWorkerHung, now);
     apply(controller_->workerHung(silent.rank, now));
-    if (finished_) return;
+    if (finished()) return;
   }
 }
 
-void ManagerDaemon::checkProgress(TimePoint now) {
-  if (!controller_ || launchPreparing_ || controller_->phase() != Phase::kRunning) return;
+void ManagerDaemon::Impl::checkProgress(TimePoint now) {
+  if (!controller_ || preparingLaunch_ || controller_->phase() != Phase::kRunning) return;
   const auto hang = liveness_.findHang(controller_->runningRanks(), workers_, controller_->plan(), now);
   if (!hang) return;
   log::error(hang->reason);
@@ -731,9 +734,9 @@ void ManagerDaemon::checkProgress(TimePoint now) {
   }
 }
 
-void ManagerDaemon::watchMachineList() {
+void ManagerDaemon::Impl::watchMachineList() {
   const auto change = machineList_.poll();
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   if (!change.edited) {
     // Written again with the same text (or touched): the operator says the
     // hosts it lists are there; those out get another chance now.
@@ -752,7 +755,7 @@ void ManagerDaemon::watchMachineList() {
   usableMachinesChanged();
 }
 
-bool ManagerDaemon::readmitListedHosts(TimePoint now) {
+bool ManagerDaemon::Impl::readmitListedHosts(TimePoint now) {
   bool back = false;
   for (const auto& readmitted : pool_->readmitListed(now, &back)) {
     // Flagged slow again later, it is excluded again (a verdict equal to the

@@ -6,34 +6,33 @@
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
-#include "varuna/manager/daemon/launch_message.h"
-#include "varuna/manager/manager_daemon.h"
+#include "daemon/launch_message.h"
+#include "daemon/manager_daemon_impl.h"
 #include "varuna/common/time_util.h"
 
 namespace varuna {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
 // --- reporting ------------------------------------------------------------------------------
 
-void ManagerDaemon::onStepReport(const proto::StepReport& report) {
+void ManagerDaemon::Impl::onStepReport(const proto::StepReport& report) {
   if (auto verdict = slowDetector_.add(report)) onSlowVerdict(*verdict);
   metrics_.stepReport(report);
   const Plan& plan = controller_->plan();
   const auto step = progress_.add(report, plan.worldSize());
   if (!step) return;
-  const auto now = Clock::now();
+  const auto now = clock_.now();
   metrics_.stepCompleted(step->step, step->loss, step->maxStepSeconds, now);
   stepLog_->add(controller_->generation(), step->step, step->loss, step->maxStepSeconds, now, unixMillisNow());
   if (step->firstOfGeneration) morph_.firstStep(controller_->generation(), plan, step->step, now);
   progress_.print(*step, plan, checkpointText(now), now);
 }
 
-std::string ManagerDaemon::checkpointText(TimePoint now) const {
+std::string ManagerDaemon::Impl::checkpointText(TimePoint now) const {
   const auto latest = checkpoints_->latest();
   if (!latest) return "no checkpoint yet";
   const TimePoint seen = checkpoints_->latestSeenAt();
@@ -41,7 +40,7 @@ std::string ManagerDaemon::checkpointText(TimePoint now) const {
                 seen != TimePoint{} ? strCat(" (", static_cast<int>(secondsBetween(seen, now)), " s ago)") : std::string());
 }
 
-void ManagerDaemon::onCheckpointFailed(int rank, const proto::CheckpointFailed& failure) {
+void ManagerDaemon::Impl::onCheckpointFailed(int rank, const proto::CheckpointFailed& failure) {
   const auto& placement = controller_->plan().placement;
   const std::string host = rank >= 0 && rank < static_cast<int>(placement.size()) ? placement[rank].host : "?";
   const std::string error = proto::boundedText(failure.error);
@@ -53,7 +52,7 @@ void ManagerDaemon::onCheckpointFailed(int rank, const proto::CheckpointFailed& 
   events_->write("checkpoint_failed", lastCheckpointFailure_);
 }
 
-void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
+void ManagerDaemon::Impl::onSlowVerdict(const std::vector<SlowMachine>& slow) {
   std::vector<std::string> hosts;
   for (const auto& s : slow) hosts.push_back(s.host);
   if (hosts == slowHosts_) return;
@@ -71,18 +70,18 @@ void ManagerDaemon::onSlowVerdict(const std::vector<SlowMachine>& slow) {
     list.push_back({{"host", s.host}, {"rank", s.rank}, {"stage", s.stage}, {"ratio", s.ratio()}});
     if (config_.excludeSlow) {
       controller_->excludeHost(s.host);
-      pool_->slow(s.host, Clock::now());  // until the machine list is written
+      pool_->slow(s.host, clock_.now());  // until the machine list is written
     }
   }
   events_->write("slow_machines", {{"machines", list}});
-  updateHostMetrics(Clock::now());
+  updateHostMetrics(clock_.now());
 }
 
-void ManagerDaemon::updateHostMetrics(TimePoint now) {
+void ManagerDaemon::Impl::updateHostMetrics(TimePoint now) {
   if (pool_) metrics_.hosts(countHosts(pool_->describe(now), pool_->absences(), slowHosts_));
 }
 
-const json& ManagerDaemon::cachedPlanJson() {
+const json& ManagerDaemon::Impl::cachedPlanJson() {
   // 1000 ranks make a large object: build it once per generation.
   if (planJsonGeneration_ != controller_->generation()) {
     planJson_ = controller_->phase() == Phase::kIdle ? json() : planJson(controller_->plan());
@@ -91,13 +90,13 @@ const json& ManagerDaemon::cachedPlanJson() {
   return planJson_;
 }
 
-void ManagerDaemon::writeState() {
+void ManagerDaemon::Impl::writeState() {
   if (!controller_ || !events_) return;
-  stateFile_.write([this] { return stateJson(); }, Clock::now());
+  stateFile_.write([this] { return stateJson(); }, clock_.now());
 }
 
-json ManagerDaemon::stateJson() {
-  const auto now = Clock::now();
+json ManagerDaemon::Impl::stateJson() {
+  const auto now = clock_.now();
   const auto latest = checkpoints_->latest();
   json connections = listener_.stats();
   connections["handler_failures"] = guard_->failures();
@@ -106,7 +105,7 @@ json ManagerDaemon::stateJson() {
   return {{"job", config_.job},
           {"pid", ::getpid()},
           {"address", advertisedAddress_},
-          {"phase", finished_ ? (exitCode_ == 0 ? "finished" : "failed") : toString(controller_->phase())},
+          {"phase", finished() ? (exitCode_ == 0 ? "finished" : "failed") : toString(controller_->phase())},
           {"generation", controller_->generation()},
           {"plan", cachedPlanJson()},
           {"hosts", std::move(hosts)},
@@ -127,11 +126,11 @@ json ManagerDaemon::stateJson() {
           {"steps", stepLog_->path()}};
 }
 
-void ManagerDaemon::printSummary() {
+void ManagerDaemon::Impl::printSummary() {
   const auto latest = checkpoints_->latest();
   log::info("summary: job '", config_.job, "', last step ", progress_.lastStep(), ", loss ", progress_.lastLoss(), ", ",
             morph_.completed(), " morph(s), last checkpoint ", latest ? std::to_string(*latest) : "none", ", ran ",
-            static_cast<int>(secondsBetween(startedAt_, Clock::now())), " s; events in ", events_->path());
+            static_cast<int>(secondsBetween(startedAt_, clock_.now())), " s; events in ", events_->path());
 }
 
 }  // namespace varuna

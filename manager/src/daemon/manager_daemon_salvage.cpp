@@ -4,17 +4,16 @@
 // must not depend on a host's agent being responsive). The decisions are the
 // MorphController's (morph_controller_salvage.cpp).
 #include "varuna/common/log.h"
-#include "varuna/manager/manager_daemon.h"
+#include "daemon/manager_daemon_impl.h"
 
 namespace varuna {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-void ManagerDaemon::onSalvageReady(int rank, const proto::SalvageReady& ready) {
+void ManagerDaemon::Impl::onSalvageReady(int rank, const proto::SalvageReady& ready) {
   if (ready.generation != controller_->generation()) return;
   log::info("rank ", rank, " (stage ", ready.stage, ", replica ", ready.replica, ") lost a peer and holds ",
             ready.step >= 0 ? strCat("step ", ready.step) : std::string("no whole step"),
@@ -29,11 +28,11 @@ void ManagerDaemon::onSalvageReady(int rank, const proto::SalvageReady& ready) {
   events_->write("salvage_report", fields);
   apply(controller_->salvageReady(
       SalvageReport{rank, ready.stage, ready.step, {}, ready.finishableStep, ready.exchange, ready.exchangeStep},
-      Clock::now()));
+      clock_.now()));
 }
 
-void ManagerDaemon::doSalvageStop(const action::SalvageStop& stop) {
-  morph_.begin(stop.reason, JobMetrics::MorphCause::kOther, Clock::now(), !stopping_);
+void ManagerDaemon::Impl::doSalvageStop(const action::SalvageStop& stop) {
+  morph_.begin(stop.reason, JobMetrics::MorphCause::kOther, clock_.now(), phase_ != DaemonPhase::kStopping);
   const int generation = controller_->generation();
   log::warn("salvaging generation ", generation, ": ", stop.reason, "; asking the survivors which step they hold");
   events_->write("salvage_started", {{"generation", generation}, {"reason", stop.reason},
@@ -43,7 +42,7 @@ void ManagerDaemon::doSalvageStop(const action::SalvageStop& stop) {
   }
 }
 
-void ManagerDaemon::doSalvageWrite(const action::SalvageWrite& write) {
+void ManagerDaemon::Impl::doSalvageWrite(const action::SalvageWrite& write) {
   const int generation = controller_->generation();
   const int writers = static_cast<int>(write.writers.size());
   log::info("salvage: step ", write.step, " is held by every stage; writers (by stage): ",
@@ -67,7 +66,7 @@ void ManagerDaemon::doSalvageWrite(const action::SalvageWrite& write) {
   for (int rank : others) workers_.orderRankOut(rank, generation, "not a salvage writer");
 }
 
-void ManagerDaemon::doSalvageAbandoned(const action::SalvageAbandoned& abandoned) {
+void ManagerDaemon::Impl::doSalvageAbandoned(const action::SalvageAbandoned& abandoned) {
   const auto latest = checkpoints_->latest();
   log::warn("salvage abandoned: ", abandoned.reason, "; resuming from the latest complete checkpoint",
             latest ? strCat(" (step ", *latest, ")") : std::string());

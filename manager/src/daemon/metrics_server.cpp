@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/metrics_server.h"
+#include "daemon/metrics_server.h"
 
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>

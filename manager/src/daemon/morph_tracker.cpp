@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/morph_tracker.h"
+#include "daemon/morph_tracker.h"
 
 #include <nlohmann/json.hpp>
 

@@ -5,6 +5,8 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <utility>  // before Asio: its headers miss it with this GCC
+#include <boost/asio/signal_set.hpp>
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <cerrno>
@@ -19,8 +21,8 @@
 #include <thread>
 
 #include "varuna/common/log.h"
-#include "varuna/manager/daemon/job_setup.h"
-#include "varuna/manager/handler_guard.h"
+#include "daemon/job_setup.h"
+#include "loop/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
 #include "varuna/manager/job_config.h"
 #include "varuna/manager/manager_daemon.h"

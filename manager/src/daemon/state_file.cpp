@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/state_file.h"
+#include "daemon/state_file.h"
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"

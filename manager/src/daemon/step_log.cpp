@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/step_log.h"
+#include "daemon/step_log.h"
 
 #include <ctime>
 #include <filesystem>

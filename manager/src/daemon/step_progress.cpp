@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/step_progress.h"
+#include "daemon/step_progress.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "varuna/manager/daemon/worker_registry.h"
+#include "daemon/worker_registry.h"
 
 #include "varuna/common/protocol.h"
 

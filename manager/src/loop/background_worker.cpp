@@ -1,4 +1,4 @@
-#include "varuna/manager/background_worker.h"
+#include "loop/background_worker.h"
 
 #include <pthread.h>
 

@@ -1,4 +1,4 @@
-#include "varuna/manager/event_log.h"
+#include "loop/event_log.h"
 
 #include <chrono>
 #include <ctime>

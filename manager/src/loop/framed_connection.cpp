@@ -1,7 +1,7 @@
-#include "varuna/manager/framed_connection.h"
+#include "loop/framed_connection.h"
 
 #include "varuna/common/log.h"
-#include "varuna/manager/handler_guard.h"
+#include "loop/handler_guard.h"
 
 namespace varuna {
 

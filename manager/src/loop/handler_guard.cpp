@@ -1,4 +1,4 @@
-#include "varuna/manager/handler_guard.h"
+#include "loop/handler_guard.h"
 
 #include "varuna/common/log.h"
 #include "varuna/common/protocol.h"

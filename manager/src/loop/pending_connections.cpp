@@ -1,4 +1,4 @@
-#include "varuna/manager/pending_connections.h"
+#include "loop/pending_connections.h"
 
 #include "varuna/common/errors.h"
 

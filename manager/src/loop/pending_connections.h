@@ -25,17 +25,10 @@
 #include <string>
 #include <unordered_map>
 
-#include "varuna/manager/framed_connection.h"
+#include "loop/framed_connection.h"
+#include "varuna/manager/pending_limits.h"
 
 namespace varuna {
-
-struct PendingLimits {
-  size_t maxPending = 64;
-  std::chrono::milliseconds helloDeadline{5000};
-  // The first frame (the hello, well under 1 KiB) may be at most this large;
-  // a bigger header closes the connection before its body is read.
-  size_t maxHelloBytes = 16 * 1024;
-};
 
 class PendingConnections {
  public:

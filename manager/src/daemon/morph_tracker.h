@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <string>
 
-#include "varuna/manager/daemon/job_metrics.h"
-#include "varuna/manager/event_log.h"
+#include "daemon/job_metrics.h"
+#include "loop/event_log.h"
 #include "varuna/manager/morph_timer.h"
 #include "varuna/manager/planner.h"
 

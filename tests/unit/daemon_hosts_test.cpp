@@ -1,29 +1,47 @@
-// Hosts that come back, against the ManagerDaemon in-process on its own event
-// loop: FlakyLauncher's fake agents (manager_daemon_fakes.h) heartbeat and
-// answer orders, and a host can be made unreachable for its next start-ups or
-// its start-up held. A lost host is started again with backoff, one start-up
-// per host at a time; a preempted one comes back after the notice's deadline
-// or when the machine list is written again; the manager heartbeats its agents.
+// Hosts that come back, against the ManagerDaemon in-process on a FakeClock:
+// SimHostLauncher starts simulated agents and workers (sim_cluster.h) that
+// heartbeat and answer orders; a host can be made to fail its next start-ups.
+// A lost host is started again with backoff; a preempted one comes back after
+// the notice's deadline or when the machine list is written again; the manager
+// heartbeats its agents. (One start-up per host at a time, which needs a
+// start-up held on its launch thread while time passes, stays on the real
+// clock: tests/integration/manager_daemon_hosts_test.cpp.)
 #include <catch2/catch.hpp>
+
 #include <chrono>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "daemon_harness.h"
-#include "manager_daemon_fakes.h"
+#include "loop/event_log.h"  // unixMillisNow
+#include "sim_cluster.h"
+#include "sim_host_launcher.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
+using sim::PeerKind;
 
 namespace {
 
 const std::vector<std::string> kTwoHosts = {"127.0.0.1", "127.0.0.2"};
 
-// Two hosts of one slot each, one replica per host, on FlakyLauncher's agents;
-// lost hosts are retried after 0.3 s, doubling up to 5 s.
+sim::SimOptions fastSim() {
+  sim::SimOptions options;
+  options.tick = 5ms;
+  options.agentHeartbeat = 200ms;
+  options.workerHeartbeat = 100ms;
+  options.step = 100ms;
+  options.checkpointDelay = 300ms;
+  options.agentGrace = 1000ms;
+  return options;
+}
+
+// Two hosts of one slot each, one replica per host; lost hosts are retried
+// after 0.3 s, doubling up to 5 s.
 struct ReturnFixture : test::DaemonHarness {
-  test::FlakyLauncher* launcher = nullptr;
+  std::unique_ptr<sim::SimCluster> cluster;
+  sim::SimHostLauncher* launcher = nullptr;
 
   explicit ReturnFixture(const std::string& name, const std::function<void(JobConfig&)>& tweak = {})
       : DaemonHarness(name, 10000ms) {
@@ -33,9 +51,17 @@ struct ReturnFixture : test::DaemonHarness {
     config.hostRetryS = 0.3;
     config.hostRetryMaxS = 5;
     if (tweak) tweak(config);
-    auto fake = std::make_unique<test::FlakyLauncher>();
-    launcher = fake.get();
-    startDaemon(config, std::move(fake));
+    auto options = fastSim();
+    options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
+    cluster = std::make_unique<sim::SimCluster>(io, options, useFakeClock());
+    auto simLauncher = std::make_unique<sim::SimHostLauncher>(*cluster);
+    launcher = simLauncher.get();
+    startDaemon(config, std::move(simLauncher));
+  }
+  ~ReturnFixture() {
+    cluster->shutdown();  // first: a launch thread waiting for its agent gives up
+    daemon.reset();       // joins the launch threads
+    cluster.reset();
   }
 
   // The same text written again (truncated and rewritten in place).
@@ -53,22 +79,26 @@ struct ReturnFixture : test::DaemonHarness {
     }
     return false;
   }
+  // notify_manager_preempt for `host`; true once the manager acknowledged it.
+  bool preemptNotice(const std::string& host, int64_t deadlineUnixMs) {
+    const size_t acks = cluster->count(PeerKind::kNotifier, "ack");
+    cluster->sendPreemptNotice(host, deadlineUnixMs);
+    return runUntil([&] { return cluster->count(PeerKind::kNotifier, "ack") > acks; });
+  }
 };
 
-double secondsFrom(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
+double secondsFrom(Clock::TimePoint a, Clock::TimePoint b) { return std::chrono::duration<double>(b - a).count(); }
 
 }  // namespace
 
 TEST_CASE("daemon: a lost host is started again with backoff and the job grows back", "[daemon][hosts]") {
   ReturnFixture f("daemon_host_retry");
   REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts; }));
-  f.launcher->failNext("127.0.0.2", 2);  // unreachable for its next two start-ups
-  const auto lostAt = std::chrono::steady_clock::now();
-  f.launcher->agent("127.0.0.2")->stop();  // the agent goes away
+  f.cluster->failNextStarts("127.0.0.2", 2);  // unreachable for its next two start-ups
+  const auto lostAt = f.now();
+  f.cluster->dropAgent("127.0.0.2", /*withWorkers=*/true);  // the agent goes away
   REQUIRE(f.runUntil([&] { return f.hostBack("127.0.0.2"); }));
-  const auto calls = f.launcher->calls("127.0.0.2");
+  const auto calls = f.cluster->agentStartTimes("127.0.0.2");
   REQUIRE(calls.size() == 4);  // at start-up, then two failures, then up
   const double first = secondsFrom(lostAt, calls[1]), second = secondsFrom(calls[1], calls[2]),
                third = secondsFrom(calls[2], calls[3]);
@@ -92,33 +122,11 @@ TEST_CASE("daemon: a lost host is started again with backoff and the job grows b
   }));
   // Lost again soon after (within --host_retry_max_s): a flapping host, whose
   // backoff goes on (1.2 s was the last wait, so 2.4 s) instead of starting over.
-  const auto lostAgainAt = std::chrono::steady_clock::now();
-  f.launcher->agent("127.0.0.2")->stop();
-  REQUIRE(f.runUntil([&] { return f.launcher->calls("127.0.0.2").size() == 5; }));
-  CHECK(secondsFrom(lostAgainAt, f.launcher->calls("127.0.0.2")[4]) >= 2.4);
+  const auto lostAgainAt = f.now();
+  f.cluster->dropAgent("127.0.0.2", /*withWorkers=*/true);
+  REQUIRE(f.runUntil([&] { return f.cluster->agentStarts("127.0.0.2") == 5; }));
+  CHECK(secondsFrom(lostAgainAt, f.cluster->agentStartTimes("127.0.0.2")[4]) >= 2.4);
   CHECK(f.daemon->handlerFailures() == 0);
-}
-
-TEST_CASE("daemon: one start-up per host at a time; the loop is never blocked by one", "[daemon][hosts]") {
-  ReturnFixture f("daemon_host_retry_one_at_a_time");
-  REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts; }));
-  f.launcher->hold("127.0.0.2");  // its next start-up hangs (a slow SSH connection)
-  f.launcher->agent("127.0.0.2")->stop();
-  REQUIRE(f.runUntil([&] { return f.launcher->calls("127.0.0.2").size() == 2; }));
-  REQUIRE(f.runUntil([&] { return f.state()["hosts"]["127.0.0.2"]["agent"] == "starting"; }));
-  const auto out = f.state()["hosts"]["127.0.0.2"]["out"];
-  CHECK(out["why"] == "lost");
-  CHECK(out["back_when"] == "its agent is up");
-  // A list write asks for a retry at once, and the backoff passes: still the one start-up.
-  f.writeList();
-  REQUIRE(f.runUntil([&] { return f.events("hosts_readmitted").size() == 1; }));
-  f.runUntil([] { return false; }, 1000ms);  // the loop runs on meanwhile (state.json is written)
-  CHECK(f.launcher->calls("127.0.0.2").size() == 2);
-  CHECK(f.daemon->launchThreads() == 1);
-  f.launcher->release("127.0.0.2");
-  REQUIRE(f.runUntil([&] { return f.hostBack("127.0.0.2"); }));
-  CHECK(f.launcher->calls("127.0.0.2").size() == 2);
-  REQUIRE(f.runUntil([&] { return f.daemon->launchThreads() == 0; }));
 }
 
 TEST_CASE("daemon: a preempted host comes back when the machine list is written with the same text",
@@ -128,17 +136,17 @@ TEST_CASE("daemon: a preempted host comes back when the machine list is written 
   // The cloud takes 127.0.0.2 in ten minutes.
   REQUIRE(f.preemptNotice("127.0.0.2", unixMillisNow() + 600000));
   // Checkpoint, relaunch without it, its agent released.
-  REQUIRE(f.runUntil([&] { return f.launches() == 2 && !f.launcher->agent("127.0.0.2")->running(); }));
+  REQUIRE(f.runUntil([&] { return f.launches() == 2 && !f.cluster->agentUp("127.0.0.2"); }));
   CHECK(f.launchedOn() == std::vector<std::string>{"127.0.0.1"});
   REQUIRE(f.runUntil([&] { return f.state()["hosts"]["127.0.0.2"]["agent"] == "gone"; }));
   auto out = f.state()["hosts"]["127.0.0.2"]["out"];
   CHECK(out["why"] == "preempted");
   CHECK(out["back_when"] == "the preemption deadline has passed");
-  CHECK(f.launcher->calls("127.0.0.2").size() == 1);  // not retried before the deadline
+  CHECK(f.cluster->agentStarts("127.0.0.2") == 1);  // not retried before the deadline
   // The operator writes the list again, unchanged: the host is there.
   f.writeList();
   REQUIRE(f.runUntil([&] { return f.hostBack("127.0.0.2"); }));
-  CHECK(f.launcher->calls("127.0.0.2").size() == 2);
+  CHECK(f.cluster->agentStarts("127.0.0.2") == 2);
   CHECK(f.events("hosts_readmitted").size() == 1);
   CHECK(f.events("host_back").front()["why"] == "preempted");
   REQUIRE(f.runUntil([&] { return f.launches() == 3 && f.launchedOn() == kTwoHosts; }));
@@ -149,10 +157,10 @@ TEST_CASE("daemon: a preempted host is tried again after the notice's deadline",
   ReturnFixture f("daemon_preempted_deadline");
   REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts; }));
   const int64_t deadlineUnixMs = unixMillisNow() + 1500;
-  const auto deadline = std::chrono::steady_clock::now() + 1500ms;
+  const auto deadline = f.now() + 1500ms;
   REQUIRE(f.preemptNotice("127.0.0.2", deadlineUnixMs));
   REQUIRE(f.runUntil([&] { return f.hostBack("127.0.0.2"); }));
-  const auto calls = f.launcher->calls("127.0.0.2");
+  const auto calls = f.cluster->agentStartTimes("127.0.0.2");
   REQUIRE(calls.size() == 2);
   CHECK(calls[1] >= deadline - 50ms);  // the clocks differ by the notice's round trip at most
   REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts && f.launches() >= 3; }));
@@ -163,10 +171,10 @@ TEST_CASE("daemon: the manager heartbeats its agents and hands them the lost-man
     c.heartbeatTimeoutS = 4;
     c.agentGraceS = 2.5;
   });
-  REQUIRE(f.runUntil([&] { return f.launcher->agent("127.0.0.1") && f.launcher->agent("127.0.0.2"); }));
+  REQUIRE(f.runUntil([&] { return f.cluster->agentUp("127.0.0.1") && f.cluster->agentUp("127.0.0.2"); }));
   REQUIRE(f.runUntil([&] {
-    return f.launcher->agent("127.0.0.1")->heartbeatsReceived() >= 3 &&
-           f.launcher->agent("127.0.0.2")->heartbeatsReceived() >= 3;
+    return f.cluster->count(PeerKind::kAgent, "heartbeat", "127.0.0.1") >= 3 &&
+           f.cluster->count(PeerKind::kAgent, "heartbeat", "127.0.0.2") >= 3;
   }));
   const auto commands = f.launcher->commands();
   REQUIRE(commands.size() == 2);

@@ -11,7 +11,7 @@
 #include <set>
 #include <string>
 
-#include "varuna/manager/framed_connection.h"
+#include "loop/framed_connection.h"
 #include "varuna/manager/planner.h"
 
 namespace varuna {

@@ -17,7 +17,7 @@
 #include <string_view>
 #include <utility>
 
-#include "varuna/manager/rate_limiter.h"
+#include "loop/rate_limiter.h"
 
 namespace varuna {
 

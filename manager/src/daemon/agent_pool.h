@@ -22,10 +22,11 @@
 
 #include "varuna/common/machine_list.h"
 #include "varuna/common/protocol.h"
-#include "varuna/manager/daemon/host_absences.h"
-#include "varuna/manager/event_log.h"
-#include "varuna/manager/framed_connection.h"
-#include "varuna/manager/handler_guard.h"
+#include "daemon/host_absences.h"
+#include "varuna/manager/clock.h"
+#include "loop/event_log.h"
+#include "loop/framed_connection.h"
+#include "loop/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
 
 namespace varuna {
@@ -60,8 +61,9 @@ class AgentPool {
     RetryPolicy retry;
   };
 
+  // `clock` (when agents were heard, the wait for a hello) outlives the pool.
   AgentPool(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard, EventLog& events,
-            std::unique_ptr<HostLauncher> launcher, Settings settings, Observer& observer);
+            std::unique_ptr<HostLauncher> launcher, Settings settings, Observer& observer, Clock& clock);
   ~AgentPool();  // joins start-ups still under way (their results are never read)
 
   // The command that starts the agent on `host` (set by the daemon: it knows the job).
@@ -157,6 +159,7 @@ class AgentPool {
   bool usableAgent(const std::string& host) const;
 
   boost::asio::io_context& io_;
+  Clock& clock_;
   std::shared_ptr<HandlerGuard> guard_;
   EventLog& events_;
   std::unique_ptr<HostLauncher> launcher_;

@@ -19,10 +19,11 @@
 #include <set>
 #include <string>
 
-#include "varuna/manager/background_worker.h"
+#include "loop/background_worker.h"
 #include "varuna/manager/checkpoint_scan.h"
-#include "varuna/manager/event_log.h"
-#include "varuna/manager/handler_guard.h"
+#include "loop/event_log.h"
+#include "varuna/manager/clock.h"
+#include "loop/handler_guard.h"
 
 namespace varuna {
 
@@ -37,7 +38,10 @@ class CheckpointWatcher {
   };
 
   CheckpointWatcher(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard, EventLog& events,
-                    std::string globalStore, StoreScanner scanner);
+                    std::string globalStore, StoreScanner scanner, Clock& clock);
+  // Jobs on the store's thread whose result has not reached the loop yet
+  // (tests on a fake clock hold time still while there are any).
+  size_t pendingJobs() const { return worker_->pending(); }
 
   // At start-up, before the loop runs (nothing waits on it yet): synchronously.
   void scanNow();
@@ -68,6 +72,7 @@ class CheckpointWatcher {
   StoreScanRequest request(bool thorough) const { return StoreScanRequest{globalStore_, thorough, latest_}; }
   void scanned(const StoreScan& scan);
 
+  Clock& clock_;
   std::shared_ptr<HandlerGuard> guard_;
   EventLog& events_;
   std::string globalStore_;

@@ -18,7 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "varuna/manager/daemon/worker_registry.h"
+#include "daemon/worker_registry.h"
 #include "varuna/manager/planner.h"
 
 namespace varuna {

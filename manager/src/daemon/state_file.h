@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "varuna/manager/rate_limiter.h"
+#include "loop/rate_limiter.h"
 
 namespace varuna {
 

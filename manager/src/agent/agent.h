@@ -38,7 +38,7 @@
 #include <string>
 
 #include "varuna/common/protocol.h"
-#include "varuna/manager/framed_connection.h"
+#include "loop/framed_connection.h"
 
 namespace varuna {
 

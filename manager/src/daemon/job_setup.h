@@ -12,7 +12,7 @@
 
 #include "varuna/common/machine_list.h"
 #include "varuna/manager/autoconfig.h"
-#include "varuna/manager/event_log.h"
+#include "loop/event_log.h"
 #include "varuna/manager/job_config.h"
 
 namespace varuna {

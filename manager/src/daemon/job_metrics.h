@@ -31,7 +31,7 @@
 #include <prometheus/registry.h>
 
 #include "varuna/common/protocol.h"
-#include "varuna/manager/daemon/host_absences.h"
+#include "daemon/host_absences.h"
 #include "varuna/manager/morph_timer.h"
 #include "varuna/manager/planner.h"
 

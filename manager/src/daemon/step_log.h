@@ -22,7 +22,7 @@
 #include <optional>
 #include <string>
 
-#include "varuna/manager/event_log.h"
+#include "loop/event_log.h"
 
 namespace varuna {
 

@@ -19,11 +19,12 @@
 
 #include "varuna/common/protocol.h"
 #include "varuna/common/time_util.h"
-#include "varuna/manager/event_log.h"
-#include "varuna/manager/framed_connection.h"
-#include "varuna/manager/handler_guard.h"
-#include "varuna/manager/pending_connections.h"
-#include "varuna/manager/rate_limiter.h"
+#include "varuna/manager/clock.h"
+#include "loop/event_log.h"
+#include "loop/framed_connection.h"
+#include "loop/handler_guard.h"
+#include "loop/pending_connections.h"
+#include "loop/rate_limiter.h"
 
 namespace varuna {
 
@@ -41,7 +42,8 @@ class ControlListener {
   static constexpr std::chrono::milliseconds kAcceptBackoffMin{50};
   static constexpr std::chrono::milliseconds kAcceptBackoffMax{1000};
 
-  ControlListener(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits);
+  // `clock` (hello deadlines, the accept backoff's timer) outlives the listener.
+  ControlListener(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits, Clock& clock);
 
   // Binds and listens; an empty string, or why it could not.
   std::string listen(const boost::asio::ip::tcp::endpoint& endpoint);
@@ -71,8 +73,9 @@ class ControlListener {
 
   boost::asio::io_context& io_;
   std::shared_ptr<HandlerGuard> guard_;
+  Clock& clock_;
   boost::asio::ip::tcp::acceptor acceptor_;
-  boost::asio::steady_timer retryTimer_;
+  std::unique_ptr<Timer> retryTimer_;
   uint16_t port_ = 0;
   std::string token_;
   EventLog* events_ = nullptr;

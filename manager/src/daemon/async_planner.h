@@ -23,7 +23,7 @@
 #include <string>
 
 #include "varuna/manager/autoconfig.h"
-#include "varuna/manager/background_worker.h"
+#include "loop/background_worker.h"
 #include "varuna/manager/morph_controller.h"
 
 namespace varuna {
