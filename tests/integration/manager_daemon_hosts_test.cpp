@@ -29,11 +29,7 @@ struct ReturnFixture : test::DaemonHarness {
   explicit ReturnFixture(const std::string& name, const std::function<void(JobConfig&)>& tweak = {})
       : DaemonHarness(name, 10000ms) {
     writeList();
-    JobConfig config = test::daemonTestConfig(dir, "daemon-test", 2);
-    config.restartBackoffS = 0.05;
-    config.hostRetryS = 0.3;
-    config.hostRetryMaxS = 5;
-    if (tweak) tweak(config);
+    JobConfig config = test::hostReturnTestConfig(dir, tweak);
     auto fake = std::make_unique<test::FlakyLauncher>();
     launcher = fake.get();
     startDaemon(config, std::move(fake));

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,6 +65,18 @@ inline JobConfig daemonTestConfig(const std::filesystem::path& dir, const std::s
   // The fake workers of these tests do not salvage (they never answer a
   // salvage_stop): the rollback path, unless a test turns salvage on.
   config.noSalvage = true;
+  return config;
+}
+
+// The host-return tests' job (unit and integration alike): two hosts of one
+// slot each, one replica per host, lost hosts retried after 0.3 s, doubling
+// up to 5 s; `tweak` changes it further.
+inline JobConfig hostReturnTestConfig(const std::filesystem::path& dir, const std::function<void(JobConfig&)>& tweak) {
+  JobConfig config = daemonTestConfig(dir, "daemon-test", 2);
+  config.restartBackoffS = 0.05;
+  config.hostRetryS = 0.3;
+  config.hostRetryMaxS = 5;
+  if (tweak) tweak(config);
   return config;
 }
 

@@ -117,6 +117,21 @@ struct SimOptions {
   std::string globalStore;
 };
 
+// Fast everything, as the daemon's sequence tests run it: beats several times
+// a second, a step report every `step`, checkpoints that take
+// `checkpointDelay`, agents that give up on a lost manager after a second.
+inline SimOptions fastSimOptions(std::chrono::milliseconds step = std::chrono::milliseconds(100),
+                                 std::chrono::milliseconds checkpointDelay = std::chrono::milliseconds(300)) {
+  SimOptions options;
+  options.tick = std::chrono::milliseconds(5);
+  options.agentHeartbeat = std::chrono::milliseconds(200);
+  options.workerHeartbeat = std::chrono::milliseconds(100);
+  options.step = step;
+  options.checkpointDelay = checkpointDelay;
+  options.agentGrace = std::chrono::milliseconds(1000);
+  return options;
+}
+
 // Hands agent start-ups from a launcher's threads to the cluster's thread
 // (SimHostLauncher). `closed` once the cluster is shutting down: a start-up
 // waiting for its result gives up.

@@ -26,17 +26,6 @@ namespace {
 
 const std::vector<std::string> kTwoHosts = {"127.0.0.1", "127.0.0.2"};
 
-sim::SimOptions fastSim() {
-  sim::SimOptions options;
-  options.tick = 5ms;
-  options.agentHeartbeat = 200ms;
-  options.workerHeartbeat = 100ms;
-  options.step = 100ms;
-  options.checkpointDelay = 300ms;
-  options.agentGrace = 1000ms;
-  return options;
-}
-
 // Two hosts of one slot each, one replica per host; lost hosts are retried
 // after 0.3 s, doubling up to 5 s.
 struct ReturnFixture : test::DaemonHarness {
@@ -46,12 +35,8 @@ struct ReturnFixture : test::DaemonHarness {
   explicit ReturnFixture(const std::string& name, const std::function<void(JobConfig&)>& tweak = {})
       : DaemonHarness(name, 10000ms) {
     writeList();
-    JobConfig config = test::daemonTestConfig(dir, "daemon-test", 2);
-    config.restartBackoffS = 0.05;
-    config.hostRetryS = 0.3;
-    config.hostRetryMaxS = 5;
-    if (tweak) tweak(config);
-    auto options = fastSim();
+    JobConfig config = test::hostReturnTestConfig(dir, tweak);
+    auto options = sim::fastSimOptions();
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
     cluster = std::make_unique<sim::SimCluster>(io, options, useFakeClock());
     auto simLauncher = std::make_unique<sim::SimHostLauncher>(*cluster);

@@ -18,17 +18,6 @@ using sim::PeerKind;
 
 namespace {
 
-sim::SimOptions fastSim() {
-  sim::SimOptions options;
-  options.tick = 5ms;
-  options.agentHeartbeat = 200ms;
-  options.workerHeartbeat = 100ms;
-  options.step = 50ms;
-  options.checkpointDelay = 200ms;
-  options.agentGrace = 1000ms;
-  return options;
-}
-
 // run_varuna in-process on two hosts of 2 slots: 2 stages x 2 replicas.
 struct MetricsDaemon : test::DaemonHarness {
   std::unique_ptr<sim::SimCluster> cluster;
@@ -42,7 +31,7 @@ struct MetricsDaemon : test::DaemonHarness {
     config.agentGraceS = 1;
     config.restartBackoffS = 0.2;
     config.maxFailures = 5;
-    auto options = fastSim();
+    auto options = sim::fastSimOptions(50ms, 200ms);
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
     cluster = std::make_unique<sim::SimCluster>(io, options, useFakeClock());
     startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));

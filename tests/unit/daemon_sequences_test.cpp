@@ -24,18 +24,6 @@ using sim::PeerKind;
 
 namespace {
 
-// Fast everything: beats and steps ten times a second, a visible checkpoint.
-sim::SimOptions fastSim() {
-  sim::SimOptions options;
-  options.tick = 5ms;
-  options.agentHeartbeat = 200ms;
-  options.workerHeartbeat = 100ms;
-  options.step = 100ms;
-  options.checkpointDelay = 300ms;
-  options.agentGrace = 1000ms;
-  return options;
-}
-
 struct Job {
   std::vector<std::string> hosts;
   int slots = 2;
@@ -48,7 +36,7 @@ struct SimDaemon : test::DaemonHarness {
   std::unique_ptr<sim::SimCluster> cluster;
 
   SimDaemon(const std::string& name, const Job& job, const std::function<void(JobConfig&)>& tweak = {},
-            sim::SimOptions simOptions = fastSim())
+            sim::SimOptions simOptions = sim::fastSimOptions())
       : DaemonHarness(name, 10s) {
     test::writeMachineList(dir / "machines.txt", job.hosts, job.slots);
     // agentPath never runs: SimHostLauncher starts a simulated agent.
@@ -139,7 +127,7 @@ TEST_CASE("sequences: an agent that drops is written off, the job relaunches on 
 }
 
 TEST_CASE("sequences: a preemption notice during the checkpoint of a morph makes one next generation", "[sequences]") {
-  auto sim = fastSim();
+  auto sim = sim::fastSimOptions();
   sim.checkpointDelay = 800ms;  // the checkpoint phase lasts long enough for a second notice
   SimDaemon f("seq_preempt_during_morph", Job{{"node-a", "node-b", "node-c"}, 2, 2, 6}, {}, sim);
   REQUIRE(f.waitTraining(1));
@@ -361,7 +349,7 @@ TEST_CASE("sequences: a rank whose step stalls while its peers wait is declared 
 TEST_CASE("sequences: workers heard only through their agents' relayed beats stay alive", "[sequences]") {
   // No step reports: after its hello a worker's only word is the beat its
   // agent relays (WorkerBeats), which must count as its heartbeat.
-  sim::SimOptions options = fastSim();
+  sim::SimOptions options = sim::fastSimOptions();
   options.step = 0ms;
   REQUIRE(options.beatsThroughAgent);
   SimDaemon f("seq_relayed_beats", Job{{"node-a", "node-b"}, 2, 2, 4}, {}, options);
@@ -380,7 +368,7 @@ TEST_CASE("sequences: workers heard only through their agents' relayed beats sta
 
 TEST_CASE("sequences: a frozen agent whose workers are heard only through it is a lost host, not hung workers",
           "[sequences]") {
-  sim::SimOptions options = fastSim();
+  sim::SimOptions options = sim::fastSimOptions();
   options.step = 0ms;  // no step reports: the relays are all the manager hears of a worker
   SimDaemon f("seq_relay_frozen", Job{{"node-a", "node-b"}, 2, 2, 4}, {}, options);
   REQUIRE(f.runUntil([&] { return f.cluster->welcomedWorkers(1) == 4; }));
@@ -460,7 +448,7 @@ TEST_CASE("lifecycle: a stop while running checkpoints once, then ends; late pee
 }
 
 TEST_CASE("lifecycle: a second stop during the stop's checkpoint kills at once and is no morph", "[lifecycle]") {
-  auto sim = fastSim();
+  auto sim = sim::fastSimOptions();
   sim.checkpointDelay = 3000ms;  // the stop's checkpoint lasts
   SimDaemon f("life_stop_twice", Job{{"node-a", "node-b"}, 2, 2, 4}, {}, sim);
   REQUIRE(f.waitTraining(1));
