@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -31,8 +32,11 @@ std::vector<nlohmann::json> lines(const std::string& path) {
 // [generation, resume_step, last_step, steps] and the number of step points.
 std::string reportOf(const std::filesystem::path& stateDir) {
   const auto source = test::sourceDir();
+  // The project's Python (VARUNA_PYTHON, set by CTest), else the one on PATH:
+  // a checkout without its own .venv still runs this.
+  const char* python = std::getenv("VARUNA_PYTHON");
   const std::string command =
-      (source / ".venv/bin/python").string() + " -c '" +
+      std::string(python != nullptr && *python != '\0' ? python : "python3") + " -c '" +
       "import json, sys; sys.path.insert(0, sys.argv[1]); import varuna_report as r; d = sys.argv[2]; "
       "t = r.build_timeline(r.read_jsonl(d + \"/events.jsonl\"), r.read_jsonl(d + \"/steps.jsonl\")); "
       "print(json.dumps([[x[k] for k in (\"generation\", \"resume_step\", \"last_step\", \"steps\")] "
