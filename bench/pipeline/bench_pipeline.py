@@ -2,27 +2,34 @@
 """bench/pipeline: Varuna's pipeline runtime against torch.distributed.pipelining.
 
 Runs the example GPT at P=2 stages, D=1, m=8 micro-batches, one thread per
-process, at two sizes, and in the same run the peer (Schedule1F1B and
-ScheduleGPipe from the same torch wheel, same model, weights, data and thread
+process, at two sizes, and in the same run the peer (every schedule of
+torch.distributed.pipelining in the same torch wheel: 1F1B, GPipe,
+Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, the last
+four with two stages per rank; same model, weights, data and thread
 settings), and our Python front end: examples/python/train_gpt.py, the
 same GPT written in Python (initial weights bit for bit the C++ example's,
 checked), trained on the same engine with the same settings. Prints a table,
 then as its last line one JSON object:
 
-  {"small": {"tokens_per_s", "peer_tokens_per_s", "ratio_vs_peer", "bubble_bound",
-             "efficiency", ...,
+  {"small": {"tokens_per_s", "peer_tokens_per_s", "ratio_vs_peer" (over the
+             peer's best schedule), "bubble_bound", "efficiency", "busy_fraction", ...,
              "python": {"tokens_per_s", "ratio_vs_peer", "step_time_over_cpp", ...}},
    "medium": {...}}
 
 efficiency = single-process step time / (P x pipelined step time), for the best
-of our schedules; bubble_bound = m / (m + P - 1). For the Python front end,
+of our schedules; bubble_bound = m / (m + P - 1), 1F1B's. busy_fraction (per
+schedule of ours): each stage's compute time inside a step (forward,
+recompute and backward, as the runtime measures them; no waits, no
+optimizer) over its step time, averaged over stages: the schedule's own
+bubble, however well the machine runs P processes at once (which
+efficiency also measures). For the Python front end,
 ratio_vs_peer = its tokens/s (best schedule) over the peer's best, and
 step_time_over_cpp = its step time over the C++ example's with the same
 (the Python side's best) schedule.
 
 This machine's speed drifts by tens of percent within minutes (shared VM), so
 every configuration (ours x 3 schedules in C++ and in Python, single process,
-peer x 2) runs once per round, the rounds interleave them, and each figure is
+peer x 6) runs once per round, the rounds interleave them, and each figure is
 the best of the rounds' median step times. Each schedule's C++ and Python runs
 are next to each other in time, their order alternating by round.
 
@@ -61,7 +68,7 @@ SIZES = {
 }
 P, M = 2, 8
 SCHEDULES = ["varuna", "1f1b", "gpipe"]  # ours; 1f1b must be there: the peer loads its initial weights
-PEER_SCHEDULES = ["1F1B", "GPipe"]
+PEER_SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 PYTHON_TRAINER = os.path.join(ROOT, "examples", "python", "train_gpt.py")
 
 
@@ -93,6 +100,19 @@ def run_ours(build, size, stages, schedule, dump, front_end="cpp"):
     return statistics.median(times[cfg["warmup"]:])
 
 
+def busy_fraction(dump, stages, warmup):
+    """Each stage's compute time over its step time (median over the timed
+    steps), averaged over stages; None without the runtime's compute times."""
+    per_stage = []
+    for rank in range(stages):
+        with open(os.path.join(dump, f"rank{rank}_steps.jsonl")) as f:
+            rows = [json.loads(line) for line in f][warmup:]
+        if not rows or "compute_s_per_microbatch" not in rows[0]:
+            return None
+        per_stage.append(statistics.median(r["compute_s_per_microbatch"] * M / r["time_s"] for r in rows))
+    return sum(per_stage) / len(per_stage)
+
+
 def run_peer(size, schedule, weights):
     cfg = SIZES[size]
     port = free_port()
@@ -108,7 +128,9 @@ def run_peer(size, schedule, weights):
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"peer {schedule} failed")
-    return json.loads(outputs[1].strip().splitlines()[-1])["step_time_s"]
+    # The rank holding the last stage prints (rank P-1, or rank 0 in a V).
+    lines = [line for out in outputs for line in out.strip().splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])["step_time_s"]
 
 
 def check_python_package(build):
@@ -162,6 +184,7 @@ def main():
         cfg = SIZES[size]
         tokens = cfg["chunk"] * M * cfg["seq_len"]
         ours, python, peer, single = {}, {}, {}, float("inf")
+        busy = {}  # ours (C++), per schedule: busy_fraction of its best round
         paired = {s: [] for s in SCHEDULES}  # per round: Python step time / C++ step time
         for rnd in range(args.rounds):
             with tempfile.TemporaryDirectory() as tmp:
@@ -172,6 +195,8 @@ def main():
                         dump = os.path.join(tmp, schedule if front_end == "cpp" else f"python_{schedule}")
                         t = times[front_end] = run_ours(args.build, size, P, schedule, dump, front_end)
                         table = ours if front_end == "cpp" else python
+                        if front_end == "cpp" and t < table.get(schedule, float("inf")):
+                            busy[schedule] = busy_fraction(dump, P, cfg["warmup"])
                         table[schedule] = min(table.get(schedule, t), t)
                         label = "ours" if front_end == "cpp" else "ours Python"
                         print(f"[{size} round {rnd}] {label:11s} {schedule:7s} P=2: {t*1e3:8.1f} ms/step", flush=True)
@@ -203,11 +228,13 @@ def main():
             "ratio_vs_peer": peer[best_peer] / ours[best],
             "bubble_bound": M / (M + P - 1),
             "efficiency": single / (P * ours[best]),
+            "busy_fraction": busy,
         }
         r = result[size]
         print(f"[{size}] tokens/s ours {r['tokens_per_s']:.0f} ({best}) vs peer {r['peer_tokens_per_s']:.0f} "
-              f"({best_peer}): ratio {r['ratio_vs_peer']:.2f}; efficiency {r['efficiency']:.3f} "
-              f"(bubble bound {r['bubble_bound']:.3f})", flush=True)
+              f"({best_peer}, the best of its {len(peer)} schedules): ratio {r['ratio_vs_peer']:.2f}; efficiency "
+              f"{r['efficiency']:.3f} (bubble bound {r['bubble_bound']:.3f}); busy fraction "
+              + ", ".join(f"{k} {v:.3f}" for k, v in busy.items() if v is not None), flush=True)
         if python:
             best_py = min(python, key=python.get)
             r["python"] = py = {

@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """The peer for bench/pipeline: the same GPT, weights and data, trained with
-torch.distributed.pipelining (Schedule1F1B or ScheduleGPipe) on Gloo, one
-process per stage. Prints one JSON line with its mean step time.
+torch.distributed.pipelining on Gloo, one process per rank, with any of its
+schedules: 1F1B and GPipe (one stage per rank), Interleaved1F1B and
+InterleavedZeroBubble (two stages per rank, looped: rank r holds stages r and
+r + P), ZBVZeroBubble and DualPipeV (two stages per rank in a V: rank r holds
+r and 2P - 1 - r). The blocks are split evenly over the stages; the
+embedding goes with the first, the head with the last. Prints one JSON line
+with its median step time.
 
 The weights are the ones train_gpt dumped (rank<r>_initial.pt, a plain
 torch.load-able dict), so both sides start from identical parameters. The peer's
@@ -19,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                         ScheduleZBVZeroBubble)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from peer_gpt import Block, batch, load_text  # noqa: E402
@@ -61,11 +68,43 @@ class Stage(nn.Module):
         return x
 
 
+# Schedule name -> (class, how a rank's stages are placed).
+SCHEDULES = {
+    "1F1B": (Schedule1F1B, "single"),
+    "GPipe": (ScheduleGPipe, "single"),
+    "Interleaved1F1B": (ScheduleInterleaved1F1B, "looped"),
+    "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, "looped"),
+    "ZBVZeroBubble": (ScheduleZBVZeroBubble, "v"),
+    "DualPipeV": (ScheduleDualPipeV, "v"),
+}
+
+
+def stages_of(rank, ranks, placement):
+    if placement == "single":
+        return [rank]
+    if placement == "looped":
+        return [rank, rank + ranks]
+    return [rank, 2 * ranks - 1 - rank]
+
+
+def stage_pieces(stage, stages, layers, vocab, d, heads, seq_len):
+    """Stage `stage` of `stages`: its blocks, the embedding first, the head last."""
+    if layers % stages:
+        raise SystemExit(f"peer_pipelining: {layers} layers do not split over {stages} stages")
+    per = layers // stages
+    pieces = [("embed", Embed(vocab, d, seq_len))] if stage == 0 else []
+    pieces += [(f"block{i}", Block(d, heads)) for i in range(stage * per, (stage + 1) * per)]
+    if stage == stages - 1:
+        pieces += [("head", Head(vocab, d))]
+    return pieces
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--schedule", choices=["1F1B", "GPipe"], required=True)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), required=True)
     p.add_argument("--d_model", type=int, default=128)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=4)
@@ -81,29 +120,32 @@ def main():
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=2, init_method=f"tcp://127.0.0.1:{args.port}")
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.ranks,
+                            init_method=f"tcp://127.0.0.1:{args.port}")
     text = load_text(args.data)
     vocab = sorted(set(text))
     index = {c: i for i, c in enumerate(vocab)}
     tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
 
-    half = args.layers // 2
-    d = args.d_model
-    if args.rank == 0:
-        pieces = [("embed", Embed(len(vocab), d, args.seq_len))]
-        pieces += [(f"block{i}", Block(d, args.heads)) for i in range(half)]
-    else:
-        pieces = [(f"block{i}", Block(d, args.heads)) for i in range(half, args.layers)]
-        pieces += [("head", Head(len(vocab), d))]
-    stage_module = Stage(pieces)
-    state = torch.load(os.path.join(args.weights, f"rank{args.rank}_initial.pt"))
-    stage_module.load_state_dict(state, strict=True)  # identical start to ours
-
-    stage = PipelineStage(stage_module, args.rank, 2, torch.device("cpu"))
+    kind, placement = SCHEDULES[args.schedule]
+    total = args.ranks * (1 if placement == "single" else 2)
+    # Identical start to ours: train_gpt's initial parameters of every rank,
+    # by name (the pieces carry the C++ pieces' names).
+    initial = {}
+    for r in range(args.ranks):
+        initial.update(torch.load(os.path.join(args.weights, f"rank{r}_initial.pt")))
+    stages, modules = [], []
+    for index_ in stages_of(args.rank, args.ranks, placement):
+        module = Stage(stage_pieces(index_, total, args.layers, len(vocab), args.d_model, args.heads, args.seq_len))
+        module.load_state_dict({k: initial[k] for k in module.state_dict()}, strict=True)
+        modules.append(module)
+        stages.append(PipelineStage(module, index_, total, torch.device("cpu")))
+    holds_first = any(stage.stage_index == 0 for stage in stages)
+    holds_last = any(stage.stage_index == total - 1 for stage in stages)
     loss_fn = lambda logits, target: F.cross_entropy(logits.reshape(-1, len(vocab)), target.reshape(-1))
-    kind = Schedule1F1B if args.schedule == "1F1B" else ScheduleGPipe
-    schedule = kind(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
-    optimizer = torch.optim.AdamW(stage_module.parameters(), lr=args.lr, weight_decay=0.0)
+    schedule = kind(stages[0] if placement == "single" else stages, n_microbatches=args.microbatches,
+                    loss_fn=loss_fn)
+    optimizer = torch.optim.AdamW([q for m in modules for q in m.parameters()], lr=args.lr, weight_decay=0.0)
 
     times = []
     losses_seen = []
@@ -111,17 +153,15 @@ def main():
         x, y = batch(tokens, step * args.batch, args.batch, args.seq_len, args.data_seed)
         start = time.perf_counter()
         optimizer.zero_grad()
-        if args.rank == 0:
-            schedule.step(x)
-        else:
-            losses = []
-            schedule.step(target=y, losses=losses)
+        losses = []
+        schedule.step(*([x] if holds_first else []), **({"target": y, "losses": losses} if holds_last else {}))
+        if holds_last:
             losses_seen.append(float(sum(l.item() for l in losses) / len(losses)))
         optimizer.step()
         times.append(time.perf_counter() - start)
     dist.barrier()
     measured = times[args.warmup:]
-    if args.rank == 1:
+    if holds_last:
         print(json.dumps({"schedule": args.schedule, "step_time_s": statistics.median(measured),
                           "first_loss": losses_seen[0], "last_loss": losses_seen[-1]}), flush=True)
     dist.destroy_process_group()
