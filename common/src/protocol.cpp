@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "protocol_wire.h"
+#include "varuna/common/secrets.h"
 
 namespace varuna::proto {
 namespace {
@@ -235,7 +236,7 @@ const Hello& checkHello(const Message& first, const std::string& expectedToken) 
                                boundedText(hello->host, kMaxLoggedPeerTextBytes), " is not ", kVersion,
                                ": run the same varuna build everywhere"));
   }
-  if (hello->token != expectedToken) {
+  if (!constantTimeEquals(hello->token, expectedToken)) {
     throw ProtocolError(strCat("wrong job token from '", boundedText(hello->host, kMaxLoggedPeerTextBytes), "'"));
   }
   return *hello;

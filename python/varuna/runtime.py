@@ -1,5 +1,6 @@
 """varuna.Varuna: the manual's API over the C++ runtime (varuna._C.Runtime)."""
 import atexit
+import os
 import sys
 import traceback
 import weakref
@@ -255,6 +256,9 @@ class Varuna:
             return dict(get_batch_fn(size, torch.device(device_name)))
         options.set_get_batch(get_batch)
         self._runtime = _C.Runtime(options)
+        # The runtime took the job token and scrubbed it from the C
+        # environment; Python's copy goes too (docs/deployment.md, "Security").
+        os.environ.pop("VARUNA_JOB_TOKEN", None)
         if self._split is not None:
             self._split.release()
         self._bridge = None

@@ -20,6 +20,7 @@
 #include "varuna_impl.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
+#include "varuna/common/secrets.h"
 
 #include <signal.h>
 
@@ -122,6 +123,10 @@ at::ScalarType autocastType(Precision p) { return p == Precision::kBf16 ? at::kB
 }  // namespace
 
 Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(StageToRankMap::parse(opt_.stageToRankMap)) {
+  // The job token is in the options now: out of the environment, where the
+  // training program, everything it starts and /proc/<pid>/environ would
+  // show it. First, before this runtime starts threads.
+  if (!opt_.manager.token.empty()) scrubEnvironmentVariable(contract::kJobTokenEnv);
   if (opt_.launcherSchedule) opt_.schedule = *opt_.launcherSchedule;
   if (!opt_.launcherPieceCosts.empty()) {
     if (opt_.launcherPieceCosts.size() != opt_.model.pieces.size()) {
