@@ -50,7 +50,12 @@ void publish(const fs::path& target, const std::function<void(int fd, const fs::
     throw CheckpointError(strCat("cannot create the folder '", target.parent_path().string(), "': ", ec.message()));
   }
   const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A new file, never one (or a link) that was already there: a leftover of
+  // a process that had this pid is removed first (unlink removes a link,
+  // not what it points at).
+  constexpr int kFlags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+  int fd = ::open(tmp.c_str(), kFlags, 0644);
+  if (fd < 0 && errno == EEXIST && ::unlink(tmp.c_str()) == 0) fd = ::open(tmp.c_str(), kFlags, 0644);
   if (fd < 0) ioError("cannot create", tmp);
   try {
     fill(fd, tmp);

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -274,7 +275,32 @@ class Poller:
     def connection_files(self) -> List[str]:
         if self.args.connection_file:
             return list(self.args.connection_file)
-        return sorted(glob.glob(os.path.join(glob.escape(self.args.run_root), "*", "*", "connection.json")))
+        found = glob.glob(os.path.join(glob.escape(self.args.run_root), "*", "*", "connection.json"))
+        return sorted(f for f in found if self._trusted(f))
+
+    def _trusted(self, connection_file: str) -> bool:
+        """A discovered connection file is acted on only if it is a regular
+        file (not a link) owned by the owner of its folder, which is a real
+        folder writable by its owner only: the agent's own (varuna_agent
+        makes them so). A file another user planted in a shared run root is
+        skipped, with a warning."""
+        folder = os.path.dirname(connection_file)
+        try:
+            st_file, st_folder = os.lstat(connection_file), os.lstat(folder)
+        except OSError:
+            return False
+        why = None
+        if not stat.S_ISREG(st_file.st_mode):
+            why = "not a regular file"
+        elif not stat.S_ISDIR(st_folder.st_mode):
+            why = "its folder is not a real folder"
+        elif st_file.st_uid != st_folder.st_uid:
+            why = f"owned by uid {st_file.st_uid}, its folder by uid {st_folder.st_uid}"
+        elif st_folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            why = f"its folder is writable by others (mode {stat.S_IMODE(st_folder.st_mode):04o})"
+        if why:
+            self.log.warning("ignoring %s: %s (not an agent's own file)", connection_file, why)
+        return why is None
 
     def _run_notify(self, connection_file: str, event: PreemptEvent, attempt: int, attempts: int) -> bool:
         cmd = [self.args.notify_cmd, "--connection_file", connection_file]

@@ -18,6 +18,7 @@
 #include "fake_manager.h"
 #include "process.h"
 #include "test_env.h"
+#include "varuna/common/errors.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
@@ -245,4 +246,63 @@ time.sleep(120)
   // Relayed, not forwarded one by one: 50 beats each in a few relays.
   CHECK(relaysWith.at(0) < 25);
   CHECK(relaysWith.at(1) < 25);
+}
+
+namespace {
+
+// varuna_agent started on `runDir` against a manager that is never reached;
+// its exit code (nullopt: still running after 20 s) and stderr.
+std::pair<std::optional<int>, std::string> startAgentOn(const fs::path& runDir, const fs::path& dir) {
+  test::FakeManager manager;
+  test::ChildProcess agent({(test::buildDir() / "bin" / "varuna_agent").string(), "--manager", manager.address(),
+                            "--host", "127.0.0.1", "--job", "agent-run-dir", "--run_dir", runDir.string(),
+                            "--code_dir", dir.string(), "--grace_s", "1"},
+                           {{"VARUNA_JOB_TOKEN", "t0k-secret"}}, dir / "agent");
+  const auto code = agent.wait(20s);
+  return {code, agent.stderrText()};
+}
+
+}  // namespace
+
+TEST_CASE("agent: a run folder others can write to, with a planted link, is refused; the link's target is untouched",
+          "[agent][security]") {
+  const fs::path dir = test::scratchDir("agent-planted-run-dir");
+  const fs::path run = dir / "jobs" / "host";
+  fs::create_directories(run);
+  fs::permissions(run, fs::perms::all);  // 0777: what another user pre-creates
+  const fs::path victim = dir / "victim.txt";
+  { std::ofstream(victim) << "untouched"; }
+  fs::create_symlink(victim, run / "connection.json");
+  fs::create_symlink(victim, run / "agent.log");
+  const auto [code, err] = startAgentOn(run, dir);
+  CHECK(code == kExitConfigError);
+  CHECK(err.find("writable by others") != std::string::npos);
+  CHECK(test::readText(victim) == "untouched");
+}
+
+TEST_CASE("agent: a run folder that is a link, or belongs to another user, is refused", "[agent][security]") {
+  const fs::path dir = test::scratchDir("agent-foreign-run-dir");
+  fs::create_directories(dir / "jobs" / "elsewhere");
+  fs::create_directory_symlink(dir / "jobs" / "elsewhere", dir / "jobs" / "linked");
+  auto [linkCode, linkErr] = startAgentOn(dir / "jobs" / "linked", dir);
+  CHECK(linkCode == kExitConfigError);
+  CHECK(linkErr.find("is a symbolic link") != std::string::npos);
+
+  fs::create_directories(dir / "jobs" / "foreign");
+  REQUIRE(::chown((dir / "jobs" / "foreign").c_str(), 65534, 65534) == 0);  // nobody (the tests run as root)
+  auto [foreignCode, foreignErr] = startAgentOn(dir / "jobs" / "foreign", dir);
+  CHECK(foreignCode == kExitConfigError);
+  CHECK(foreignErr.find("belongs to uid 65534") != std::string::npos);
+}
+
+TEST_CASE("agent: its run folder and logs are its user's only", "[agent][security]") {
+  AgentUnderTest t("private-run-dir", "5");
+  t.launchSleepers();
+  const auto mode = [](const fs::path& p) { return fs::status(p).permissions() & fs::perms::all; };
+  CHECK(mode(t.dir / "run") == fs::perms::owner_all);
+  CHECK(mode(t.dir / "run" / "logs") == fs::perms::owner_all);
+  for (const auto& entry : fs::directory_iterator(t.dir / "run" / "logs")) {
+    CHECK(mode(entry.path()) == (fs::perms::owner_read | fs::perms::owner_write));
+  }
+  CHECK(mode(t.dir / "run" / "connection.json") == (fs::perms::owner_read | fs::perms::owner_write));
 }

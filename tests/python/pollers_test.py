@@ -594,6 +594,28 @@ class AzureTest(CommonCases, PollerTestBase):
         self.wait_polls(5, p)
         self.assertEqual(len(self.calls()), 2)
 
+    def test_planted_connection_files_are_ignored(self):
+        """Only an agent's own file is acted on: not one owned by another user
+        than its folder, a link, or one in a folder others can write to."""
+        run_root = os.path.join(self.tmp, "varuna")
+        own = os.path.join(run_root, "jobA", "10.0.0.5", "connection.json")
+        self.write_connection_file(own)
+        foreign = os.path.join(run_root, "jobB", "10.0.0.5", "connection.json")
+        self.write_connection_file(foreign)
+        os.chown(foreign, 65534, 65534)  # nobody's file in root's folder (the tests run as root)
+        linked = os.path.join(run_root, "jobC", "10.0.0.5", "connection.json")
+        os.makedirs(os.path.dirname(linked))
+        os.symlink(own, linked)
+        open_folder = os.path.join(run_root, "jobD", "10.0.0.5", "connection.json")
+        self.write_connection_file(open_folder)
+        os.chmod(os.path.dirname(open_folder), 0o777)
+        self.stub.state.update(azure_events=[azure_event("PL1", int(time.time()) + 30)])
+        p = self.start("--run_root", run_root, connection_file=False)
+        calls = self.wait_calls(1)
+        self.wait_polls(5, p)
+        self.assertEqual([c[1] for c in self.calls()], [own])
+        self.assertEqual(len(calls), 1)
+
     def test_no_connection_file_gives_up_after_retries(self):
         self.stub.state.update(azure_events=[azure_event("N1", int(time.time()) + 30)])
         p = PollerProcess(self, self.poller_args("--once", "--run_root", os.path.join(self.tmp, "empty"),

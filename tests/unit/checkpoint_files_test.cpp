@@ -1,5 +1,7 @@
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -248,4 +250,21 @@ TEST_CASE("retention keeps the newest N complete checkpoints and clears the rema
     CHECK(ckpt::applyRetention(empty, 1, 2).empty());
     CHECK(fs::exists(ckpt::partialDir(empty, 5, "g2")));
   }
+}
+
+TEST_CASE("a link planted at the temporary name is replaced, never written through", "[checkpoint][security]") {
+  const fs::path dir = test::scratchDir("ckpt-planted-link");
+  fs::create_directories(dir / "out");
+  const fs::path victim = dir / "victim.txt";
+  { std::ofstream(victim) << "untouched"; }
+  // writeFileAtomic's temporary is <target>.tmp.<pid>: guessable by another user.
+  fs::create_symlink(victim, dir / "out" / ("connection.json.tmp." + std::to_string(::getpid())));
+  ckpt::writeFileAtomic(dir / "out", "connection.json", "secret");
+  const auto text = [](const fs::path& p) {
+    std::ifstream in(p);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  CHECK(text(victim) == "untouched");
+  CHECK(text(dir / "out" / "connection.json") == "secret");
+  CHECK_FALSE(fs::is_symlink(dir / "out" / "connection.json"));
 }

@@ -315,7 +315,10 @@ void Agent::launch(const proto::LaunchWorkers& launch) {
     killWorkers("superseded by generation " + std::to_string(launch.generation));
   }
   const fs::path logDir = fs::path(options_.runDir) / "logs";
-  fs::create_directories(logDir);
+  // Inside the private run folder (prepareRunDir): owner only as well.
+  if (::mkdir(logDir.c_str(), 0700) != 0 && errno != EEXIST) {
+    log::warn("cannot create the log folder ", logDir.string(), ": ", std::strerror(errno));
+  }
   std::string program;
   try {
     program = resolveProgram(launch.argv.empty() ? "" : launch.argv.front(), launch.codeDir);
@@ -350,7 +353,9 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
   auto envStrings = workerEnv(launch, args);
   auto argv = cStrings(argvStrings);
   auto envp = cStrings(envStrings);
-  const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  // A worker's log may quote its data or environment: owner only, and never
+  // written through a link planted in its place.
+  const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600);
   const pid_t agent = ::getpid();
   const pid_t pid = ::fork();
   if (pid != 0) {

@@ -13,6 +13,7 @@
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
 #include "agent/agent.h"
+#include "agent/run_dir.h"
 
 namespace {
 
@@ -136,7 +137,7 @@ int main(int argc, char** argv) {
       throw ConfigError(strCat("code_dir ", options.codeDir, " does not exist on ", options.agent.host));
     }
     if (!options.program.empty()) resolveProgram(options.program, options.codeDir);
-    fs::create_directories(options.agent.runDir);
+    prepareRunDir(options.agent.runDir);  // before the token or a log is written there
   } catch (const ConfigError& e) {
     std::cerr << "config error: varuna_agent on " << options.agent.host << ": " << e.what() << std::endl;
     return kExitConfigError;
@@ -157,7 +158,8 @@ int main(int argc, char** argv) {
   }
   ::close(pipeFds[0]);
   ::setsid();  // survives the SSH session (and its SIGHUP)
-  const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  // Owner only, and never through a link planted in its place.
+  const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW, 0600);
   const int devNull = ::open("/dev/null", O_RDONLY);
   ::dup2(devNull, 0);
   ::dup2(logFd, 1);

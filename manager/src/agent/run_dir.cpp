@@ -1,0 +1,86 @@
+#include "agent/run_dir.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "varuna/common/errors.h"
+
+namespace varuna {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string octal(mode_t mode) {
+  char text[8];
+  std::snprintf(text, sizeof(text), "%04o", static_cast<unsigned>(mode & 07777));
+  return text;
+}
+
+[[noreturn]] void refuse(const fs::path& dir, const std::string& why) {
+  throw ConfigError(strCat("the agent's run folder ", dir.string(), " ", why,
+                           ": another user may have planted it. Remove it (as its owner or root) or give "
+                           "varuna_agent another --run_dir"));
+}
+
+// mkdir with exactly `mode` (the umask would take bits off), unless it exists.
+void makeFolder(const fs::path& dir, mode_t mode) {
+  if (::mkdir(dir.c_str(), mode) == 0) {
+    ::chmod(dir.c_str(), mode);
+  } else if (errno != EEXIST) {
+    throw ConfigError(strCat("cannot create the agent's run folder ", dir.string(), ": ", std::strerror(errno)));
+  }
+}
+
+struct stat lstatOrRefuse(const fs::path& dir) {
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) {
+    throw ConfigError(strCat("cannot inspect the agent's run folder ", dir.string(), ": ", std::strerror(errno)));
+  }
+  if (S_ISLNK(st.st_mode)) refuse(dir, "is a symbolic link");
+  if (!S_ISDIR(st.st_mode)) refuse(dir, "is not a folder");
+  return st;
+}
+
+// This user's own folder, writable by no one else; read access is taken away.
+void checkPrivate(const fs::path& dir) {
+  const struct stat st = lstatOrRefuse(dir);
+  if (st.st_uid != ::geteuid()) refuse(dir, strCat("belongs to uid ", st.st_uid, ", not to this user (uid ", ::geteuid(), ")"));
+  if (st.st_mode & (S_IWGRP | S_IWOTH)) refuse(dir, strCat("is writable by others (mode ", octal(st.st_mode), ")"));
+  if ((st.st_mode & 07777) != 0700 && ::chmod(dir.c_str(), 0700) != 0) {
+    throw ConfigError(strCat("cannot make the agent's run folder ", dir.string(), " private: ", std::strerror(errno)));
+  }
+}
+
+}  // namespace
+
+void prepareRunDir(const fs::path& runDir) {
+  const fs::path run = fs::absolute(runDir).lexically_normal();
+  const fs::path job = run.parent_path();
+  const fs::path root = job.parent_path();
+  std::error_code ec;
+  if (!fs::exists(root, ec)) {
+    fs::create_directories(root.parent_path(), ec);
+    makeFolder(root, 01777);
+  }
+  // The root may be a link the administrator set up (stat, not lstat): what
+  // matters is that others cannot move our folders out of it.
+  struct stat rootStat {};
+  if (::stat(root.c_str(), &rootStat) != 0 || !S_ISDIR(rootStat.st_mode)) {
+    throw ConfigError(strCat("the agent's run root ", root.string(), " is not a folder"));
+  }
+  if ((rootStat.st_mode & S_IWOTH) && !(rootStat.st_mode & S_ISVTX)) {
+    refuse(root, strCat("is writable by everyone without the sticky bit (mode ", octal(rootStat.st_mode), ")"));
+  }
+  makeFolder(job, 0700);
+  checkPrivate(job);
+  makeFolder(run, 0700);
+  checkPrivate(run);
+}
+
+}  // namespace varuna

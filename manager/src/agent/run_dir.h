@@ -1,0 +1,21 @@
+// The agent's run folder (<run_root>/<job>/<host>: connection.json with the
+// job token, agent.pid, logs) made safe on a host other users share: they
+// must not be able to plant it, link out of it, or read what is in it.
+// Called by varuna_agent's main before anything is written there.
+#pragma once
+
+#include <filesystem>
+
+namespace varuna {
+
+// Creates `runDir` and its parent (the job's folder) with mode 0700 where
+// they are missing, the folder above them (the run root, e.g. /tmp/varuna,
+// shared by every user's jobs) with 01777 (sticky: nobody moves another's
+// folder). Then checks, without following symbolic links: the run folder
+// and the job's folder are real folders owned by this user and writable by
+// no one else (tightened to 0700 if only readable by others); the run root,
+// if writable by others, is sticky. Throws ConfigError naming the folder,
+// what is wrong and the fix: another user may have planted it.
+void prepareRunDir(const std::filesystem::path& runDir);
+
+}  // namespace varuna
