@@ -306,3 +306,17 @@ TEST_CASE("agent: its run folder and logs are its user's only", "[agent][securit
   }
   CHECK(mode(t.dir / "run" / "connection.json") == (fs::perms::owner_read | fs::perms::owner_write));
 }
+
+TEST_CASE("agent: the default run root is shared and sticky, its own folders private", "[agent][security]") {
+  const fs::path dir = test::scratchDir("agent-default-run-root");
+  test::FakeManager manager;
+  // The default run folder is <temp dir>/varuna/<job>/<host>; TMPDIR points it here.
+  test::ChildProcess agent({(test::buildDir() / "bin" / "varuna_agent").string(), "--manager", manager.address(),
+                            "--host", "127.0.0.1", "--job", "rootjob", "--code_dir", dir.string(), "--grace_s", "1"},
+                           {{"VARUNA_JOB_TOKEN", "t0k"}, {"TMPDIR", dir.string()}}, dir / "agent");
+  REQUIRE(manager.accept(20s));  // connected: its folders are made by now
+  const auto mode = [](const fs::path& p) { return fs::symlink_status(p).permissions(); };
+  CHECK(mode(dir / "varuna") == (fs::perms::all | fs::perms::sticky_bit));
+  CHECK(mode(dir / "varuna" / "rootjob") == fs::perms::owner_all);
+  CHECK(mode(dir / "varuna" / "rootjob" / "127.0.0.1") == fs::perms::owner_all);
+}

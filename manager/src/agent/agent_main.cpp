@@ -131,13 +131,15 @@ int main(int argc, char** argv) {
     options.agent.token = readJobToken(tokenFromStdin);
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
     options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
-    if (options.agent.runDir.empty()) options.agent.runDir = defaultAgentRunDir(options.agent.job, options.agent.host);
+    const bool defaultRunDir = options.agent.runDir.empty();
+    if (defaultRunDir) options.agent.runDir = defaultAgentRunDir(options.agent.job, options.agent.host);
     log::configure({"agent", options.agent.job, options.agent.host}, log::parseLevel(options.logLevel));
     if (!fs::is_directory(options.codeDir)) {
       throw ConfigError(strCat("code_dir ", options.codeDir, " does not exist on ", options.agent.host));
     }
     if (!options.program.empty()) resolveProgram(options.program, options.codeDir);
-    prepareRunDir(options.agent.runDir);  // before the token or a log is written there
+    // Before the token or a log is written there; the default root is every user's.
+    prepareRunDir(options.agent.runDir, /*sharedRoot=*/defaultRunDir);
   } catch (const ConfigError& e) {
     std::cerr << "config error: varuna_agent on " << options.agent.host << ": " << e.what() << std::endl;
     return kExitConfigError;

@@ -59,14 +59,15 @@ void checkPrivate(const fs::path& dir) {
 
 }  // namespace
 
-void prepareRunDir(const fs::path& runDir) {
-  const fs::path run = fs::absolute(runDir).lexically_normal();
+void prepareRunDir(const fs::path& runDir, bool sharedRoot) {
+  fs::path run = fs::absolute(runDir).lexically_normal();
+  if (run.filename().empty()) run = run.parent_path();  // "a/b/" is a/b
   const fs::path job = run.parent_path();
   const fs::path root = job.parent_path();
   std::error_code ec;
   if (!fs::exists(root, ec)) {
     fs::create_directories(root.parent_path(), ec);
-    makeFolder(root, 01777);
+    makeFolder(root, sharedRoot ? 01777 : 0700);
   }
   // The root may be a link the administrator set up (stat, not lstat): what
   // matters is that others cannot move our folders out of it.

@@ -9,13 +9,13 @@
 namespace varuna {
 
 // Creates `runDir` and its parent (the job's folder) with mode 0700 where
-// they are missing, the folder above them (the run root, e.g. /tmp/varuna,
-// shared by every user's jobs) with 01777 (sticky: nobody moves another's
-// folder). Then checks, without following symbolic links: the run folder
+// they are missing, and the folder above them (the run root) if missing:
+// with `sharedRoot` (the default /tmp/varuna, shared by every user's jobs)
+// 01777, sticky so that nobody moves another's folder; else 0700. Then checks, without following symbolic links: the run folder
 // and the job's folder are real folders owned by this user and writable by
 // no one else (tightened to 0700 if only readable by others); the run root,
 // if writable by others, is sticky. Throws ConfigError naming the folder,
 // what is wrong and the fix: another user may have planted it.
-void prepareRunDir(const std::filesystem::path& runDir);
+void prepareRunDir(const std::filesystem::path& runDir, bool sharedRoot);
 
 }  // namespace varuna
