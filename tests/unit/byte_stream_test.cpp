@@ -329,3 +329,20 @@ TEST_CASE("control listener on a local network: the same admission as TCP (token
   while (drain(io) > 0) {
   }
 }
+
+TEST_CASE("control listener on a local network: once destroyed, a dial is refused", "[byte_stream]") {
+  asio::io_context io;
+  test::FakeClock clock;
+  LocalNetwork network(io);
+  const auto dir = test::scratchDir("byte_stream_listener_gone");
+  EventLog events((dir / "events.jsonl").string());
+  {
+    ControlListener listener(io, std::make_shared<HandlerGuard>(), PendingLimits{}, clock);
+    listener.listenLocal(network);
+    listener.start("t", events, [](const std::shared_ptr<FramedConnection>&, const proto::Hello&) {},
+                   [] { return size_t{0}; });
+    CHECK(network.listening());
+  }
+  CHECK_FALSE(network.listening());
+  CHECK(network.dial("late") == nullptr);
+}

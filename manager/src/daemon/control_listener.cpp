@@ -16,6 +16,10 @@ ControlListener::ControlListener(asio::io_context& io, std::shared_ptr<HandlerGu
                                  Clock& clock)
     : io_(io), guard_(std::move(guard)), clock_(clock), acceptor_(io), retryTimer_(clock.makeTimer(io)), pending_(limits) {}
 
+ControlListener::~ControlListener() {
+  if (local_) local_->stopListening();
+}
+
 std::string ControlListener::listen(const asio::ip::tcp::endpoint& endpoint) {
   boost::system::error_code ec;
   acceptor_.open(endpoint.protocol(), ec);

@@ -49,6 +49,10 @@ class ControlListener {
 
   // `clock` (hello deadlines, the accept backoff's timer) outlives the listener.
   ControlListener(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits, Clock& clock);
+  // Leaves the local network: a later dial must not reach a listener that is gone.
+  ~ControlListener();
+  ControlListener(const ControlListener&) = delete;
+  ControlListener& operator=(const ControlListener&) = delete;
 
   // Binds and listens; an empty string, or why it could not.
   std::string listen(const boost::asio::ip::tcp::endpoint& endpoint);
