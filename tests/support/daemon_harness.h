@@ -5,10 +5,15 @@
 // workers share one io_context, which the test thread polls (runUntil): every
 // wait is on a condition with a deadline, never a bare sleep.
 // On a FakeClock, runUntil first lets the loop settle (runs every handler
-// that is ready, socket reads included, and waits in real time while the
-// daemon has work on other threads: agent start-ups, store scans), then moves
+// that is ready, the in-memory streams' reads and writes included, and waits
+// in real time while the daemon has work on other threads: agent start-ups,
+// store scans), then moves
 // the clock to the next timer's deadline; so seconds of job time pass in
-// milliseconds, in the order they would have. Also the job such a test starts from (daemonTestConfig and a machine
+// milliseconds, in the order they would have. useFakeClock also makes the
+// in-process network (localNetwork) the daemon then accepts on instead of
+// TCP: a fake-clock test's simulated peers (SimOptions::localNetwork) reach
+// it over in-memory streams, and noSockets() proves that none was opened.
+// Also the job such a test starts from (daemonTestConfig and a machine
 // list in the test's scratch folder) and readers of what the daemon writes
 // there (state.json, events.jsonl, the job token).
 // Single-threaded: members are called on the test thread only (preemptNotice
@@ -22,6 +27,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -33,6 +39,7 @@
 #include "fake_clock.h"
 #include "test_env.h"
 #include "varuna/common/control_client.h"
+#include "varuna/manager/local_network.h"
 #include "varuna/manager/manager_daemon.h"
 
 namespace varuna::test {
@@ -96,6 +103,8 @@ struct DaemonHarness {
   boost::asio::io_context io;  // first: destroyed last (the daemon and the test's peers use it)
   // Set (useFakeClock) before startDaemon: the daemon's and the peers' time.
   std::unique_ptr<FakeClock> fakeClock;
+  // Made with the fake clock: the daemon's peers connect through it, no TCP.
+  std::unique_ptr<LocalNetwork> localNetwork;
   std::filesystem::path dir;   // the test's scratch folder: machines.txt, store/, state/
   std::unique_ptr<ManagerDaemon> daemon;
   std::chrono::milliseconds defaultLimit;  // how long runUntil waits when not told (on the daemon's clock)
@@ -105,6 +114,7 @@ struct DaemonHarness {
 
   FakeClock& useFakeClock() {
     fakeClock = std::make_unique<FakeClock>();
+    localNetwork = std::make_unique<LocalNetwork>(io);
     return *fakeClock;
   }
   // The daemon's clock: the fake one if set, else the real one.
@@ -112,7 +122,7 @@ struct DaemonHarness {
   Clock::TimePoint now() { return clock().now(); }
   DaemonHarness(const DaemonHarness&) = delete;
   DaemonHarness& operator=(const DaemonHarness&) = delete;
-  ~DaemonHarness() { daemon.reset(); }  // before the io_context: it joins its launch threads
+  ~DaemonHarness() { daemon.reset(); }  // before the io_context and the network: it joins its launch threads
 
   // Creates and starts the daemon on `io`. `scanner`, if given, replaces the
   // checkpoint store scan (e.g. a slow one).
@@ -121,6 +131,7 @@ struct DaemonHarness {
     DaemonOptions options;
     options.pendingLimits = limits;
     options.clock = &clock();
+    options.localConnections = localNetwork.get();
     daemon = std::make_unique<ManagerDaemon>(io, config, std::move(launcher), options);
     if (scanner) daemon->setStoreScanner(std::move(scanner));
     daemon->start();
@@ -158,7 +169,7 @@ struct DaemonHarness {
         quiet = 0;
       } else {
         ++quiet;
-        std::this_thread::yield();  // a loopback write lands in the peer's socket meanwhile
+        std::this_thread::yield();  // a result posted from another thread lands meanwhile
       }
     }
     io.restart();
@@ -192,8 +203,34 @@ struct DaemonHarness {
   }
   std::string address() const { return "127.0.0.1:" + std::to_string(daemon->port()); }
 
-  // notify_manager_preempt from `host`, on a thread of its own while the loop
-  // runs: hello as a notifier, then PreemptNotice{host, deadlineUnixMs}. The
+  // Sockets this process has open now (/proc/self/fd links "socket:[...]").
+  static int openSockets() {
+    int sockets = 0;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+      std::error_code linkError;
+      const auto target = std::filesystem::read_symlink(entry.path(), linkError);
+      if (!linkError && target.string().rfind("socket:", 0) == 0) ++sockets;
+    }
+    return sockets;
+  }
+  // For a test on the in-process network, while its peers are connected:
+  // "" if its peers came through the network and nothing used a socket (no
+  // control port, no TCP accept, no socket open in the process), else what did.
+  std::string noSockets() const {
+    std::ostringstream problems;
+    if (!localNetwork || localNetwork->dials() == 0) problems << "no peer dialled the in-process network; ";
+    if (daemon && daemon->port() != 0) problems << "the daemon bound control port " << daemon->port() << "; ";
+    if (daemon && daemon->tcpConnectionsAccepted() != 0) {
+      problems << "the daemon accepted " << daemon->tcpConnectionsAccepted() << " TCP connection(s); ";
+    }
+    if (const int sockets = openSockets(); sockets != 0) problems << sockets << " socket(s) open in this process; ";
+    return problems.str();
+  }
+
+  // notify_manager_preempt from `host` over TCP (the real clock's tests; on
+  // the in-process network, SimCluster::sendPreemptNotice), on a thread of
+  // its own while the loop runs: hello as a notifier, then PreemptNotice{host, deadlineUnixMs}. The
   // daemon's reply, or nullopt if none came (within defaultLimit).
   std::optional<proto::Message> preemptNotice(const std::string& host, int64_t deadlineUnixMs) {
     std::optional<proto::Message> reply;

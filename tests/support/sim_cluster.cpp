@@ -115,9 +115,10 @@ void SimCluster::shutdown() {
 }
 
 void SimCluster::setManager(const std::string& managerAddress, const std::string& token) {
+  token_ = token;
+  if (options_.localNetwork) return;  // dialled in memory: the daemon has no port to name
   const auto [ip, port] = proto::splitHostPort(managerAddress, "the manager address");
   manager_ = tcp::endpoint(asio::ip::make_address(ip), static_cast<uint16_t>(port));
-  token_ = token;
 }
 
 // --- agents ----------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ void SimCluster::startAgent(const std::string& host, const std::string& managerA
   }
   auto agent = std::make_shared<Agent>();
   agent->host = host;
-  agent->peer = std::make_shared<SimPeer>(io_);
+  agent->peer = std::make_shared<SimPeer>(io_, options_.localNetwork);
   agents_[host] = agent;
   std::weak_ptr<Agent> weak = agent;
   agent->peer->connect(
@@ -293,7 +294,7 @@ void SimCluster::report(Agent& agent, const proto::WorkerExited& exited) {
 
 void SimCluster::connectWorker(const std::shared_ptr<Worker>& worker) {
   worker->state = Worker::State::kConnecting;
-  worker->peer = std::make_shared<SimPeer>(io_);
+  worker->peer = std::make_shared<SimPeer>(io_, options_.localNetwork);
   std::weak_ptr<Worker> weak = worker;
   worker->peer->connect(
       manager_, proto::Hello{proto::kVersion, token_, "worker", worker->host, worker->rank, worker->generation},
@@ -623,7 +624,7 @@ void SimCluster::connectStaleWorker(const std::string& host, int rank, int gener
 }
 
 void SimCluster::sendPreemptNotice(const std::string& host, int64_t deadlineUnixMs) {
-  auto notifier = std::make_shared<SimPeer>(io_);
+  auto notifier = std::make_shared<SimPeer>(io_, options_.localNetwork);
   notifiers_.push_back(notifier);
   std::weak_ptr<SimPeer> weak = notifier;
   notifier->connect(

@@ -1,8 +1,10 @@
 // SimCluster: simulated varuna_agents and their workers, speaking the control
-// protocol (docs/protocol.md) to a real run_varuna over loopback TCP: the
-// ManagerDaemon in-process (SimHostLauncher starts an agent here instead of
-// running the agent command), or a run_varuna process
-// (bench/manager_scale: a shim hands each host, address and token over).
+// protocol (docs/protocol.md) to a real run_varuna: the ManagerDaemon
+// in-process (SimHostLauncher starts an agent here instead of running the
+// agent command), over the daemon's LocalNetwork (SimOptions::localNetwork:
+// in-memory streams, no socket; the fake-clock tests) or loopback TCP; or a
+// run_varuna process over loopback TCP (bench/manager_scale: a shim hands
+// each host, address and token over).
 //
 // What a simulated agent does, as varuna_agent does it:
 //  - hello {role agent, host, job token}, then Heartbeat{-1} every
@@ -115,6 +117,10 @@ struct SimOptions {
   // it exits 75, so relaunches resume from it; a superseded writer exits 76,
   // a failing store 74. Empty: nothing is written (a relaunch starts fresh).
   std::string globalStore;
+  // Set: every peer dials this in-process network (the daemon's
+  // DaemonOptions::localConnections) instead of the manager's TCP address.
+  // Not owned; outlives the cluster.
+  varuna::LocalNetwork* localNetwork = nullptr;
 };
 
 // Fast everything, as the daemon's sequence tests run it: beats several times

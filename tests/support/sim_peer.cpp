@@ -9,26 +9,45 @@ void SimPeer::connect(const tcp::endpoint& endpoint, const proto::Hello& hello, 
                       std::function<void()> onConnected) {
   onMessage_ = std::move(onMessage);
   onClose_ = std::move(onClose);
-  socket_.async_connect(endpoint, [self = shared_from_this(), hello, onConnected = std::move(onConnected)](
-                                      const boost::system::error_code& ec) {
-    if (self->closed_) return;  // closed by the simulation meanwhile
-    if (ec) {
-      self->fail("connect: " + ec.message());
-      return;
-    }
+  auto done = [self = shared_from_this(), hello, onConnected = std::move(onConnected)](
+                  const boost::system::error_code& ec) { self->onConnect(ec, hello, onConnected); };
+  if (!network_) {
+    socket_.async_connect(endpoint, std::move(done));
+    return;
+  }
+  const std::string rank = hello.rank >= 0 ? " rank " + std::to_string(hello.rank) : "";
+  stream_ = network_->dial(hello.role + " " + hello.host + rank);
+  // Completed as a handler, as a connect is: the caller's state is set up first.
+  const boost::system::error_code ec = stream_ ? boost::system::error_code() : asio::error::connection_refused;
+  asio::post(io_, [done = std::move(done), ec] { done(ec); });
+}
+
+void SimPeer::onConnect(const boost::system::error_code& ec, const proto::Hello& hello,
+                        const std::function<void()>& onConnected) {
+  if (closed_) return;  // closed by the simulation meanwhile
+  if (ec) {
+    fail("connect: " + ec.message());
+    return;
+  }
+  if (!stream_) {
     boost::system::error_code ignored;
-    self->socket_.set_option(tcp::no_delay(true), ignored);
-    self->socket_.non_blocking(true, ignored);
-    self->open_ = true;
-    self->send(proto::encode(hello));
-    self->doRead();
-    if (onConnected) onConnected();
-  });
+    socket_.set_option(tcp::no_delay(true), ignored);
+    socket_.non_blocking(true, ignored);
+  }
+  open_ = true;
+  send(proto::encode(hello));
+  doRead();
+  if (onConnected) onConnected();
 }
 
 bool SimPeer::send(std::string_view frame) {
   if (!open_ || paused_ || closing_) return false;
   ++framesSent_;
+  if (stream_) {
+    outbox_.append(frame);
+    if (inFlight_.empty()) writeToStream();
+    return true;
+  }
   if (!outbox_.empty()) {
     outbox_.append(frame);
     return true;
@@ -58,7 +77,7 @@ void SimPeer::close() {
 void SimPeer::closeAfterSending() {
   onClose_ = nullptr;
   onMessage_ = nullptr;
-  if (outbox_.empty() || !open_) return close();
+  if ((outbox_.empty() && inFlight_.empty()) || !open_) return close();
   closing_ = true;
 }
 
@@ -71,17 +90,21 @@ void SimPeer::resume() {
   deliver();
   if (!open_ || paused_) return;
   if (!closedWhilePaused_.empty()) return fail(closedWhilePaused_);
-  if (!outbox_.empty()) waitWritable();
+  if (!outbox_.empty()) flush();
   if (!reading_) doRead();
 }
 
 void SimPeer::doRead() {
   reading_ = true;
-  socket_.async_read_some(asio::buffer(readBuffer_), [self = shared_from_this()](const boost::system::error_code& ec,
-                                                                                size_t bytes) {
+  auto done = [self = shared_from_this()](const boost::system::error_code& ec, size_t bytes) {
     self->reading_ = false;
     self->onRead(ec, bytes);
-  });
+  };
+  if (stream_) {
+    stream_->asyncReadSome(readBuffer_.data(), readBuffer_.size(), std::move(done));
+  } else {
+    socket_.async_read_some(asio::buffer(readBuffer_), std::move(done));
+  }
 }
 
 void SimPeer::onRead(const boost::system::error_code& ec, size_t bytes) {
@@ -96,7 +119,9 @@ void SimPeer::onRead(const boost::system::error_code& ec, size_t bytes) {
     return;
   }
   decoder_.feed(std::string_view(readBuffer_.data(), bytes));
-  if (paused_) return;  // kept; no further read: the kernel's buffer fills as for a stopped process
+  // Kept; no further read: the kernel's buffer (the stream's capacity) fills
+  // as for a stopped process.
+  if (paused_) return;
   deliver();
   if (open_ && !paused_) doRead();
 }
@@ -111,6 +136,28 @@ void SimPeer::deliver() {
   } catch (const std::exception& e) {
     fail(e.what());
   }
+}
+
+void SimPeer::flush() {
+  if (!stream_) return waitWritable();
+  if (inFlight_.empty()) writeToStream();
+}
+
+void SimPeer::writeToStream() {
+  inFlight_ = std::move(outbox_);
+  outbox_.clear();
+  stream_->asyncWrite(inFlight_.data(), inFlight_.size(), [self = shared_from_this()](
+                                                              const boost::system::error_code& ec, size_t) {
+    self->inFlight_.clear();
+    if (!self->open_) return;
+    if (ec) {
+      self->fail("write: " + ec.message());
+      return;
+    }
+    if (self->paused_) return;  // resume() goes on
+    if (!self->outbox_.empty()) return self->writeToStream();
+    if (self->closing_) self->close();
+  });
 }
 
 void SimPeer::waitWritable() {
@@ -145,6 +192,7 @@ void SimPeer::fail(const std::string& reason) {
 void SimPeer::shutdown() {
   open_ = false;
   outbox_.clear();
+  if (stream_) stream_->close();  // the manager reads what was written, then EOF
   boost::system::error_code ignored;
   socket_.close(ignored);
 }

@@ -1,11 +1,18 @@
 // SimPeer: one simulated connection to run_varuna's control port (an agent, a
 // worker or a notifier of SimCluster). Connects, sends the hello first, then
-// reads frames until closed. Writes go straight to the non-blocking socket;
-// only what the kernel does not take waits in an outbox for the socket to
-// become writable, so a thousand peers cost one thread nothing but syscalls.
+// reads frames until closed. Two transports, one behaviour:
+//  - TCP (the bench's thousand peers): writes go straight to the non-blocking
+//    socket; only what the kernel does not take waits in an outbox for the
+//    socket to become writable, so a thousand peers cost one thread nothing
+//    but syscalls (a ByteStream's write-a-whole-buffer would cost each frame
+//    a handler);
+//  - a LocalNetwork (the daemon's fake-clock tests): an in-memory stream to
+//    the in-process daemon, no socket; the outbox goes out one write at a
+//    time.
 // pause() models a frozen process (SIGSTOP): nothing more is read or handed to
-// the callbacks and nothing is sent, but the socket stays open; resume()
-// delivers what arrived meanwhile, including a close.
+// the callbacks and nothing is sent, but the connection stays open (the
+// manager's writes pile up unread, then stall, as in a full socket buffer);
+// resume() delivers what arrived meanwhile, including a close.
 // Owned by shared_ptr (handlers keep it alive); single-threaded: every call
 // and callback on the io_context's thread.
 #pragma once
@@ -19,6 +26,8 @@
 #include <string_view>
 
 #include "varuna/common/protocol.h"
+#include "varuna/manager/byte_stream.h"
+#include "varuna/manager/local_network.h"
 
 namespace varuna::sim {
 
@@ -29,9 +38,12 @@ class SimPeer : public std::enable_shared_from_this<SimPeer> {
   // reset), a failed connect, a bad frame. Called once.
   using OnClose = std::function<void(const std::string& reason)>;
 
-  explicit SimPeer(boost::asio::io_context& io) : socket_(io) {}
+  // Over TCP, or (`network` set) over `network`, which outlives the peer.
+  explicit SimPeer(boost::asio::io_context& io, LocalNetwork* network = nullptr)
+      : io_(io), socket_(io), network_(network) {}
 
-  // Connects, sends `hello`, calls onConnected, then reads until closed.
+  // Connects (to `endpoint`, or dials the local network, where the address
+  // means nothing), sends `hello`, calls onConnected, then reads until closed.
   void connect(const boost::asio::ip::tcp::endpoint& endpoint, const proto::Hello& hello, OnMessage onMessage,
                OnClose onClose, std::function<void()> onConnected);
 
@@ -52,14 +64,24 @@ class SimPeer : public std::enable_shared_from_this<SimPeer> {
   uint64_t framesSent() const { return framesSent_; }
 
  private:
+  void onConnect(const boost::system::error_code& ec, const proto::Hello& hello,
+                 const std::function<void()>& onConnected);
   void doRead();
   void onRead(const boost::system::error_code& ec, size_t bytes);
   void deliver();
+  // The outbox's next part towards the manager: a wait for the socket to be
+  // writable, or the in-memory stream's next write.
+  void flush();
   void waitWritable();
+  void writeToStream();
   void fail(const std::string& reason);
   void shutdown();
 
-  boost::asio::ip::tcp::socket socket_;
+  boost::asio::io_context& io_;
+  boost::asio::ip::tcp::socket socket_;  // TCP: open once connected
+  LocalNetwork* network_;
+  std::unique_ptr<ByteStream> stream_;  // the local network's: set once dialled
+  std::string inFlight_;                // the stream's write under way (outbox_ moved in)
   bool open_ = false;
   bool closed_ = false;  // by close()
   bool closing_ = false;  // closeAfterSending(): close once the outbox is empty

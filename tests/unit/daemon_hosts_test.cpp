@@ -38,12 +38,15 @@ struct ReturnFixture : test::DaemonHarness {
     JobConfig config = test::hostReturnTestConfig(dir, tweak);
     auto options = sim::fastSimOptions();
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    cluster = std::make_unique<sim::SimCluster>(io, options, useFakeClock());
+    test::FakeClock& fake = useFakeClock();
+    options.localNetwork = localNetwork.get();  // in-memory streams to the daemon: no socket
+    cluster = std::make_unique<sim::SimCluster>(io, options, fake);
     auto simLauncher = std::make_unique<sim::SimHostLauncher>(*cluster);
     launcher = simLauncher.get();
     startDaemon(config, std::move(simLauncher));
   }
   ~ReturnFixture() {
+    CHECK(noSockets() == "");  // the whole test ran without a socket
     cluster->shutdown();  // first: a launch thread waiting for its agent gives up
     daemon.reset();       // joins the launch threads
     cluster.reset();

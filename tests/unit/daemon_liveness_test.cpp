@@ -40,7 +40,9 @@ struct LivenessFixture : test::DaemonHarness {
     options.step = 200ms;
     options.agentGrace = 1000ms;
     options.globalStore = config.globalStore;
-    cluster = std::make_unique<sim::SimCluster>(io, options, useFakeClock());
+    test::FakeClock& fake = useFakeClock();
+    options.localNetwork = localNetwork.get();  // in-memory streams to the daemon: no socket
+    cluster = std::make_unique<sim::SimCluster>(io, options, fake);
     sim::SimCluster::Callbacks callbacks;
     callbacks.onAllWorkersConnected = [this](int generation, int worldSize) {
       if (generation != 1) return;
@@ -50,6 +52,7 @@ struct LivenessFixture : test::DaemonHarness {
     startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
   }
   ~LivenessFixture() {
+    CHECK(noSockets() == "");  // the whole test ran without a socket
     cluster->shutdown();
     daemon.reset();
     cluster.reset();

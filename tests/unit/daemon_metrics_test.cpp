@@ -33,10 +33,13 @@ struct MetricsDaemon : test::DaemonHarness {
     config.maxFailures = 5;
     auto options = sim::fastSimOptions(50ms, 200ms);
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    cluster = std::make_unique<sim::SimCluster>(io, options, useFakeClock());
+    test::FakeClock& fake = useFakeClock();
+    options.localNetwork = localNetwork.get();  // in-memory streams to the daemon: no socket
+    cluster = std::make_unique<sim::SimCluster>(io, options, fake);
     startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
   }
   ~MetricsDaemon() {
+    CHECK(noSockets() == "");  // the whole test ran without a socket
     cluster->shutdown();
     daemon.reset();
     cluster.reset();

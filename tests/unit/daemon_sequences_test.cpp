@@ -49,10 +49,13 @@ struct SimDaemon : test::DaemonHarness {
     config.maxFailures = 5;
     if (tweak) tweak(config);
     simOptions.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    cluster = std::make_unique<sim::SimCluster>(io, simOptions, useFakeClock());
+    test::FakeClock& fake = useFakeClock();
+    simOptions.localNetwork = localNetwork.get();  // in-memory streams to the daemon: no socket
+    cluster = std::make_unique<sim::SimCluster>(io, simOptions, fake);
     startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
   }
   ~SimDaemon() {
+    CHECK(noSockets() == "");  // the whole test ran without a socket
     cluster->shutdown();  // first: a launch thread waiting for its agent gives up
     daemon.reset();       // joins the launch threads
     cluster.reset();

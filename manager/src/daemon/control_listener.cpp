@@ -3,6 +3,7 @@
 #include <fcntl.h>
 
 #include "varuna/common/log.h"
+#include "loop/tcp_stream.h"
 
 namespace varuna {
 namespace {
@@ -14,6 +15,10 @@ namespace asio = boost::asio;
 ControlListener::ControlListener(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits,
                                  Clock& clock)
     : io_(io), guard_(std::move(guard)), clock_(clock), acceptor_(io), retryTimer_(clock.makeTimer(io)), pending_(limits) {}
+
+ControlListener::~ControlListener() {
+  if (local_) local_->stopListening();
+}
 
 std::string ControlListener::listen(const asio::ip::tcp::endpoint& endpoint) {
   boost::system::error_code ec;
@@ -32,7 +37,14 @@ void ControlListener::start(std::string token, EventLog& events, OnHello onHello
   events_ = &events;
   onHello_ = std::move(onHello);
   expected_ = std::move(expected);
-  doAccept();
+  if (acceptor_.is_open()) doAccept();  // not listening on TCP: an accept would fail at once, forever
+  if (local_) {
+    local_->listen(guard_->wrap("accepting a local connection", [this](std::unique_ptr<ByteStream> stream) {
+      if (closed_) return;
+      ++localAccepted_;
+      admit(std::move(stream));
+    }));
+  }
 }
 
 void ControlListener::stopAccepting() {
@@ -40,6 +52,7 @@ void ControlListener::stopAccepting() {
   boost::system::error_code ignored;
   acceptor_.close(ignored);
   retryTimer_->cancel();
+  if (local_) local_->stopListening();
 }
 
 void ControlListener::close() {
@@ -58,10 +71,18 @@ void ControlListener::onAccept(const boost::system::error_code& ec, asio::ip::tc
   if (ec == asio::error::operation_aborted || closed_) return;
   if (ec) return onAcceptFailed(ec);
   backoff_.reset();
+  ++tcpAccepted_;
   // Whatever goes wrong with this one connection, the next accept is armed.
   guard_->run("admitting a connection", [&] {
     ::fcntl(socket.native_handle(), F_SETFD, FD_CLOEXEC);
-    auto connection = std::make_shared<FramedConnection>(std::move(socket));
+    admit(std::make_unique<TcpStream>(std::move(socket)));
+  });
+  doAccept();
+}
+
+void ControlListener::admit(std::unique_ptr<ByteStream> stream) {
+  guard_->run("admitting a connection", [&] {
+    auto connection = std::make_shared<FramedConnection>(std::move(stream));
     connection->setGuard(guard_);
     // At the cap, the peers this manager is waiting for raise it (a launch's
     // burst of workers); counted only then: it walks every worker.
@@ -82,7 +103,6 @@ void ControlListener::onAccept(const boost::system::error_code& ec, asio::ip::tc
           if (pending_.size() < before) ++closedBeforeHello_;
         });
   });
-  doAccept();
 }
 
 void ControlListener::onAcceptFailed(const boost::system::error_code& ec) {

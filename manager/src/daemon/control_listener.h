@@ -6,6 +6,10 @@
 // log). A failing accept backs off instead of spinning (EMFILE), freeing the
 // oldest connection without a hello so that the next peer (perhaps a notice)
 // gets a descriptor. docs/run_varuna.md ("Connections and limits").
+// Besides (or, in the daemon's fake-clock tests, instead of) TCP it can
+// listen on a LocalNetwork: those connections are in-memory streams that take
+// the same path from admission on. Owned by ManagerDaemon::Impl; runs on the
+// daemon's loop.
 #pragma once
 
 #include <utility>  // before Asio: its headers miss it with this GCC
@@ -20,6 +24,7 @@
 #include "varuna/common/protocol.h"
 #include "varuna/common/time_util.h"
 #include "varuna/manager/clock.h"
+#include "varuna/manager/local_network.h"
 #include "loop/event_log.h"
 #include "loop/framed_connection.h"
 #include "loop/handler_guard.h"
@@ -44,11 +49,17 @@ class ControlListener {
 
   // `clock` (hello deadlines, the accept backoff's timer) outlives the listener.
   ControlListener(boost::asio::io_context& io, std::shared_ptr<HandlerGuard> guard, PendingLimits limits, Clock& clock);
+  // Leaves the local network: a later dial must not reach a listener that is gone.
+  ~ControlListener();
+  ControlListener(const ControlListener&) = delete;
+  ControlListener& operator=(const ControlListener&) = delete;
 
   // Binds and listens; an empty string, or why it could not.
   std::string listen(const boost::asio::ip::tcp::endpoint& endpoint);
   uint16_t port() const { return port_; }
-  // Starts accepting. `token` is the job's; `events` gets refusals and drop counts.
+  // Before start(): accept from `network` too (it outlives the listener).
+  void listenLocal(LocalNetwork& network) { local_ = &network; }
+  // Starts accepting (TCP once listen() worked, the local network if any). `token` is the job's; `events` gets refusals and drop counts.
   void start(std::string token, EventLog& events, OnHello onHello, ExpectedHellos expected);
   // The tick: expires connections past their hello deadline, reports drops.
   void tick(TimePoint now);
@@ -59,11 +70,16 @@ class ControlListener {
 
   size_t pendingConnections() const { return pending_.size(); }
   uint64_t acceptFailures() const { return acceptFailures_; }
+  // Connections accepted over TCP and from the local network.
+  uint64_t tcpAccepted() const { return tcpAccepted_; }
+  uint64_t localAccepted() const { return localAccepted_; }
   nlohmann::json stats() const;  // state.json's "connections" (without the handler failures)
 
  private:
   void doAccept();
   void onAccept(const boost::system::error_code& ec, boost::asio::ip::tcp::socket socket);
+  // An accepted connection, TCP or local: pending until its hello.
+  void admit(std::unique_ptr<ByteStream> stream);
   // At once again for an error of that one connection, after a backoff for a
   // lack of descriptors or memory.
   void onAcceptFailed(const boost::system::error_code& ec);
@@ -77,6 +93,8 @@ class ControlListener {
   boost::asio::ip::tcp::acceptor acceptor_;
   std::unique_ptr<Timer> retryTimer_;
   uint16_t port_ = 0;
+  LocalNetwork* local_ = nullptr;
+  uint64_t tcpAccepted_ = 0, localAccepted_ = 0;
   std::string token_;
   EventLog* events_ = nullptr;
   OnHello onHello_;

@@ -80,7 +80,10 @@ ManagerDaemon::Impl::Impl(asio::io_context& io, JobConfig config, std::unique_pt
       slowDetector_(config_.slowThreshold, config_.slowWindow),
       progress_(config_.batchSize),
       stateFile_(config_.stateDir),
-      metrics_(config_.batchSize) {}
+      metrics_(config_.batchSize) {
+  if (options.localConnections) listener_.listenLocal(*options.localConnections);
+  tcpListening_ = !options.localConnections;
+}
 
 ManagerDaemon::Impl::~Impl() = default;
 
@@ -104,7 +107,7 @@ void ManagerDaemon::Impl::start() {
   claimGlobalStore(config_.globalStore, config_.job);
   const int first = firstGeneration(config_, previous, *events_);
 
-  listen();
+  if (tcpListening_) listen();
   serveMetrics();
   advertisedAddress_ = advertisedAddress(config_, listed, listener_.port());
   AgentPool::Observer& observer = *this;  // a private base: converted here, where it is accessible
@@ -116,7 +119,9 @@ void ManagerDaemon::Impl::start() {
   createController(first);
   checkpoints_->scanNow();  // before the loop runs (nothing is waiting on it yet)
 
-  log::info("job '", config_.job, "': manager listening on ", advertisedAddress_, "; state in ", config_.stateDir);
+  log::info("job '", config_.job, "': manager ",
+            tcpListening_ ? "listening on " + advertisedAddress_ : std::string("on an in-process network only"),
+            "; state in ", config_.stateDir);
   log::info("starting agents on ", listed.size(), " host(s) from ", config_.machineList);
   events_->write("manager_started", {{"address", advertisedAddress_}, {"pid", ::getpid()},
                                       {"hosts", listed.size()}, {"config", toJson(config_)},

@@ -23,6 +23,8 @@ void ManagerDaemon::setStoreScanner(StoreScanner scanner) { impl_->setStoreScann
 size_t ManagerDaemon::pendingConnections() const { return impl_->pendingConnections(); }
 size_t ManagerDaemon::launchThreads() const { return impl_->launchThreads(); }
 uint64_t ManagerDaemon::acceptFailures() const { return impl_->acceptFailures(); }
+uint64_t ManagerDaemon::tcpConnectionsAccepted() const { return impl_->tcpConnectionsAccepted(); }
+uint64_t ManagerDaemon::localConnectionsAccepted() const { return impl_->localConnectionsAccepted(); }
 uint64_t ManagerDaemon::handlerFailures() const { return impl_->handlerFailures(); }
 bool ManagerDaemon::stateWriteFailing() const { return impl_->stateWriteFailing(); }
 size_t ManagerDaemon::backgroundJobs() const { return impl_->backgroundJobs(); }

@@ -88,6 +88,8 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   size_t pendingConnections() const { return listener_.pendingConnections(); }
   size_t launchThreads() const { return pool_ ? pool_->launchThreads() : 0; }
   uint64_t acceptFailures() const { return listener_.acceptFailures(); }
+  uint64_t tcpConnectionsAccepted() const { return listener_.tcpAccepted(); }
+  uint64_t localConnectionsAccepted() const { return listener_.localAccepted(); }
   uint64_t handlerFailures() const { return guard_->failures(); }
   bool stateWriteFailing() const { return stateFile_.failing(); }
   // Work on other threads whose result the loop has not had yet: agent
@@ -186,6 +188,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   // connections, which may outlive a handler).
   std::shared_ptr<HandlerGuard> guard_ = std::make_shared<HandlerGuard>();
   ControlListener listener_;
+  bool tcpListening_ = true;  // false with DaemonOptions::localConnections: no control port
   std::unique_ptr<Timer> tickTimer_;
   std::unique_ptr<HostLauncher> launcher_;  // until start() hands it to the pool
   std::string advertisedAddress_;           // host:port agents and workers dial

@@ -2,17 +2,16 @@
 
 #include "varuna/common/log.h"
 #include "loop/handler_guard.h"
+#include "loop/tcp_stream.h"
 
 namespace varuna {
 
 namespace asio = boost::asio;
 
-FramedConnection::FramedConnection(asio::ip::tcp::socket socket) : socket_(std::move(socket)) {
-  boost::system::error_code ec;
-  const auto endpoint = socket_.remote_endpoint(ec);
-  peer_ = ec ? "?" : endpoint.address().to_string() + ":" + std::to_string(endpoint.port());
-  socket_.set_option(asio::ip::tcp::no_delay(true), ec);
-}
+FramedConnection::FramedConnection(asio::ip::tcp::socket socket)
+    : FramedConnection(std::make_unique<TcpStream>(std::move(socket))) {}
+
+FramedConnection::FramedConnection(std::unique_ptr<ByteStream> stream) : stream_(std::move(stream)) {}
 
 void FramedConnection::start(OnMessage onMessage, OnClose onClose) {
   if (dispatching_) replacedOnMessage_ = std::move(onMessage_);  // it is running: destroy it after
@@ -24,11 +23,11 @@ void FramedConnection::start(OnMessage onMessage, OnClose onClose) {
 void FramedConnection::doRead() {
   if (reading_ || !open_ || closeWhenDrained_) return;
   reading_ = true;
-  socket_.async_read_some(asio::buffer(readBuffer_),
-                          [self = shared_from_this()](const boost::system::error_code& ec, size_t bytes) {
-                            self->reading_ = false;
-                            self->onRead(ec, bytes);
-                          });
+  stream_->asyncReadSome(readBuffer_.data(), readBuffer_.size(),
+                         [self = shared_from_this()](const boost::system::error_code& ec, size_t bytes) {
+                           self->reading_ = false;
+                           self->onRead(ec, bytes);
+                         });
 }
 
 bool FramedConnection::checkFirstFrame(const char* data, size_t bytes) {
@@ -80,9 +79,9 @@ void FramedConnection::deliver(const proto::Message& message) {
     onMessage_(message);
     return;
   } catch (const std::exception& e) {
-    guard_->report(strCat("handling a message from ", peer_), e.what());
+    guard_->report(strCat("handling a message from ", peer()), e.what());
   } catch (...) {
-    guard_->report(strCat("handling a message from ", peer_), "an exception that is not a std::exception");
+    guard_->report(strCat("handling a message from ", peer()), "an exception that is not a std::exception");
   }
   close("its message handler failed");
 }
@@ -94,8 +93,9 @@ void FramedConnection::send(const proto::Message& message) {
 }
 
 void FramedConnection::doWrite() {
-  asio::async_write(socket_, asio::buffer(writeQueue_.front()),
-                    [self = shared_from_this()](const boost::system::error_code& ec, size_t) { self->onWrite(ec); });
+  const std::string& frame = writeQueue_.front();  // a deque's front: stays put until popped
+  stream_->asyncWrite(frame.data(), frame.size(),
+                      [self = shared_from_this()](const boost::system::error_code& ec, size_t) { self->onWrite(ec); });
 }
 
 void FramedConnection::onWrite(const boost::system::error_code& ec) {
@@ -125,10 +125,8 @@ void FramedConnection::closeAfterSending(const std::string& reason) {
 void FramedConnection::close(const std::string& reason) {
   if (!open_) return;
   open_ = false;
-  writeQueue_.clear();
-  boost::system::error_code ignored;
-  socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-  socket_.close(ignored);
+  writeQueue_.clear();  // a stream never touches a closed end's write buffer again
+  stream_->close();
   if (!onClose_) return;
   auto callback = std::move(onClose_);
   onClose_ = nullptr;
@@ -142,7 +140,7 @@ void FramedConnection::close(const std::string& reason) {
   try {
     callback(bounded);
   } catch (const std::exception& e) {
-    log::error("closing the connection to ", peer_, " failed: ", proto::boundedText(e.what()));
+    log::error("closing the connection to ", peer(), " failed: ", proto::boundedText(e.what()));
   }
 }
 

@@ -1,7 +1,10 @@
 // FramedConnection: one control-protocol connection (protocol.h) on an Asio
 // io_context, used by run_varuna for every peer and by the agent for its link
-// to the manager. Owned through shared_ptr (handlers keep it alive); all
-// callbacks run on the io_context's thread.
+// to the manager. It frames messages over a ByteStream: a TCP socket in
+// production, an in-memory pair (memoryStreamPair) in the daemon's fake-clock
+// tests, which then go through this same code with no socket. Owned through
+// shared_ptr (handlers keep it alive); all callbacks run on the io_context's
+// thread.
 //
 // No exception escapes a handler: a bad frame or a socket error closes the
 // connection and calls onClose once (with a reason of at most
@@ -24,6 +27,7 @@
 #include <string>
 
 #include "varuna/common/protocol.h"
+#include "varuna/manager/byte_stream.h"
 
 namespace varuna {
 
@@ -34,7 +38,10 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   using OnMessage = std::function<void(const proto::Message&)>;
   using OnClose = std::function<void(const std::string& reason)>;
 
+  // Over a connected TCP socket (loop/tcp_stream.h: Nagle off).
   explicit FramedConnection(boost::asio::ip::tcp::socket socket);
+  // Over any byte stream, e.g. an in-memory end.
+  explicit FramedConnection(std::unique_ptr<ByteStream> stream);
 
   // Starts the read loop, or (called again, e.g. from onMessage once a hello
   // says who the peer is) replaces the callbacks of the running one. Callbacks
@@ -47,7 +54,7 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   // Sends what is queued, then closes. Stops reading at once.
   void closeAfterSending(const std::string& reason);
   bool open() const { return open_; }
-  const std::string& peer() const { return peer_; }
+  const std::string& peer() const { return stream_->peer(); }
 
   // Call before start(): the connection's first frame may be at most
   // `maxBytes` long; a header announcing more closes the connection before
@@ -66,8 +73,7 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void doWrite();
   void onWrite(const boost::system::error_code& ec);
 
-  boost::asio::ip::tcp::socket socket_;
-  std::string peer_;
+  std::unique_ptr<ByteStream> stream_;
   proto::FrameDecoder decoder_;
   std::array<char, 16384> readBuffer_{};
   std::deque<std::string> writeQueue_;

@@ -23,7 +23,8 @@
 
 namespace varuna {
 
-class JobMetrics;  // manager/src/daemon/job_metrics.h
+class JobMetrics;    // manager/src/daemon/job_metrics.h
+class LocalNetwork;  // varuna/manager/local_network.h
 
 // The daemon's lifecycle, one way through (the controller's Phase is the
 // job's, within kRunning and kStopping):
@@ -44,6 +45,11 @@ struct DaemonOptions {
   // Every part's time and timers (the tick, deadlines, backoffs, the
   // shutdown's waits); must outlive the daemon. Tests hand in a fake one.
   Clock* clock = &realClock();
+  // Set (by the daemon's fake-clock tests): peers connect through this
+  // in-process network instead of TCP, and the control port is not bound at
+  // all (port() is 0, the agents' --manager address says port 0), so such a
+  // test runs with no socket. Must outlive the daemon.
+  LocalNetwork* localConnections = nullptr;
 };
 
 class ManagerDaemon {
@@ -74,6 +80,9 @@ class ManagerDaemon {
   size_t pendingConnections() const;
   size_t launchThreads() const;
   uint64_t acceptFailures() const;
+  // Connections accepted over TCP / from DaemonOptions::localConnections.
+  uint64_t tcpConnectionsAccepted() const;
+  uint64_t localConnectionsAccepted() const;
   uint64_t handlerFailures() const;
   bool stateWriteFailing() const;
   // Work on other threads whose result the loop has not had yet: agent

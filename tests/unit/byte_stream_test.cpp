@@ -1,0 +1,348 @@
+// The byte-stream seam under FramedConnection (varuna/manager/byte_stream.h):
+// the in-memory pair the daemon's fake-clock tests run on, FramedConnection
+// over it, and the LocalNetwork through which a test's peers reach the
+// daemon's ControlListener. No socket anywhere: one io_context, polled.
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include "daemon/control_listener.h"
+#include "fake_clock.h"
+#include "loop/event_log.h"
+#include "loop/framed_connection.h"
+#include "loop/handler_guard.h"
+#include "test_env.h"
+#include "varuna/manager/byte_stream.h"
+#include "varuna/manager/local_network.h"
+
+using namespace varuna;
+namespace asio = boost::asio;
+using boost::system::error_code;
+
+namespace {
+
+// Runs every ready handler; how many ran.
+size_t drain(asio::io_context& io) {
+  io.restart();
+  const size_t n = io.poll();
+  io.restart();
+  return n;
+}
+
+// One read's outcome.
+struct Read {
+  bool done = false;
+  error_code ec;
+  std::string bytes;
+};
+
+void readInto(ByteStream& stream, Read& read, std::vector<char>& buffer) {
+  read = {};
+  stream.asyncReadSome(buffer.data(), buffer.size(), [&read, &buffer](const error_code& ec, size_t n) {
+    read.done = true;
+    read.ec = ec;
+    read.bytes.assign(buffer.data(), n);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("memory stream: bytes both ways, in order; handlers run on the loop, never inline", "[byte_stream]") {
+  asio::io_context io;
+  auto [a, b] = memoryStreamPair(io, "a", "b");
+  CHECK(a->peer() == "b");
+  CHECK(b->peer() == "a");
+  std::vector<char> bufferA(64), bufferB(64);
+  Read readA, readB;
+  readInto(*b, readB, bufferB);
+  bool written = false;
+  const std::string hello = "hello";
+  a->asyncWrite(hello.data(), hello.size(), [&](const error_code& ec, size_t n) {
+    CHECK_FALSE(ec);
+    CHECK(n == 5);
+    written = true;
+  });
+  CHECK_FALSE(written);  // posted, not called in asyncWrite
+  CHECK_FALSE(readB.done);
+  drain(io);
+  CHECK(written);
+  REQUIRE(readB.done);
+  CHECK_FALSE(readB.ec);
+  CHECK(readB.bytes == "hello");
+
+  // The other way, two writes before a read of a smaller buffer: in order.
+  const std::string one = "one", two = "two";
+  b->asyncWrite(one.data(), one.size(), [](const error_code&, size_t) {});
+  drain(io);
+  b->asyncWrite(two.data(), two.size(), [](const error_code&, size_t) {});
+  std::vector<char> small(4);
+  readInto(*a, readA, small);
+  drain(io);
+  CHECK(readA.bytes == "onet");
+  readInto(*a, readA, small);
+  drain(io);
+  CHECK(readA.bytes == "wo");
+}
+
+TEST_CASE("memory stream: a close gives the other end what was written, then EOF; the closed end's "
+          "operations abort", "[byte_stream]") {
+  asio::io_context io;
+  auto [a, b] = memoryStreamPair(io, "a", "b");
+  std::vector<char> bufferA(64), bufferB(64);
+  Read pendingOnA, readB;
+  readInto(*a, pendingOnA, bufferA);  // pending when a closes
+  const std::string last = "last words";
+  a->asyncWrite(last.data(), last.size(), [](const error_code&, size_t) {});
+  a->close();
+  drain(io);
+  REQUIRE(pendingOnA.done);
+  CHECK(pendingOnA.ec == asio::error::operation_aborted);
+  readInto(*b, readB, bufferB);
+  drain(io);
+  CHECK(readB.bytes == "last words");
+  readInto(*b, readB, bufferB);
+  drain(io);
+  CHECK(readB.ec == asio::error::eof);
+
+  // On the closed end: aborted; towards it: the peer is gone (a broken pipe).
+  error_code onClosed, towardsClosed;
+  a->asyncWrite(last.data(), last.size(), [&](const error_code& ec, size_t) { onClosed = ec; });
+  b->asyncWrite(last.data(), last.size(), [&](const error_code& ec, size_t) { towardsClosed = ec; });
+  drain(io);
+  CHECK(onClosed == asio::error::operation_aborted);
+  CHECK(towardsClosed == asio::error::broken_pipe);
+}
+
+TEST_CASE("memory stream: a write to a peer that stops reading waits at the capacity, then completes",
+          "[byte_stream]") {
+  asio::io_context io;
+  auto [a, b] = memoryStreamPair(io, "a", "b", /*capacity=*/8);
+  const std::string data = "0123456789abcdef";  // twice the capacity
+  bool written = false;
+  a->asyncWrite(data.data(), data.size(), [&](const error_code& ec, size_t n) {
+    CHECK_FALSE(ec);
+    CHECK(n == data.size());
+    written = true;
+  });
+  drain(io);
+  CHECK_FALSE(written);  // 8 bytes wait unread; the rest cannot go
+  std::string received;
+  std::vector<char> buffer(64);
+  Read read;
+  while (received.size() < data.size()) {
+    readInto(*b, read, buffer);
+    drain(io);
+    REQUIRE(read.done);
+    REQUIRE_FALSE(read.ec);
+    received += read.bytes;
+  }
+  CHECK(received == data);
+  CHECK(written);
+
+  // A reader that closes fails the writer's pending write.
+  error_code pending;
+  a->asyncWrite(data.data(), data.size(), [&](const error_code& ec, size_t) { pending = ec; });
+  drain(io);
+  b->close();
+  drain(io);
+  CHECK(pending == asio::error::connection_reset);
+}
+
+namespace {
+
+// Two FramedConnections over one in-memory pair.
+struct FramedPair {
+  asio::io_context io;
+  std::shared_ptr<FramedConnection> server, client;
+  std::vector<proto::Message> atServer, atClient;
+  std::string serverClosed, clientClosed;
+
+  explicit FramedPair(size_t capacity = 256 * 1024, size_t firstFrameLimit = 0) {
+    auto [c, s] = memoryStreamPair(io, "client", "server", capacity);
+    server = std::make_shared<FramedConnection>(std::move(s));
+    client = std::make_shared<FramedConnection>(std::move(c));
+    if (firstFrameLimit) server->limitFirstFrame(firstFrameLimit);
+    server->start([this](const proto::Message& m) { atServer.push_back(m); },
+                  [this](const std::string& reason) { serverClosed = reason; });
+    client->start([this](const proto::Message& m) { atClient.push_back(m); },
+                  [this](const std::string& reason) { clientClosed = reason; });
+  }
+  // Closed at the end: a pending read's handler, held by the open stream,
+  // holds its connection (as a socket's pending operation does until closed).
+  ~FramedPair() {
+    server->close("test over");
+    client->close("test over");
+  }
+  void run() {
+    while (drain(io) > 0) {
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("framed connection over memory: frames both ways, in order", "[byte_stream]") {
+  FramedPair pair;
+  CHECK(pair.server->peer() == "client");
+  pair.client->send(proto::Hello{proto::kVersion, "t", "worker", "h", 0, 1});
+  pair.client->send(proto::Heartbeat{0, 7, false});
+  pair.server->send(proto::Ack{true, ""});
+  pair.run();
+  REQUIRE(pair.atServer.size() == 2);
+  CHECK(std::get<proto::Hello>(pair.atServer[0]).host == "h");
+  CHECK(std::get<proto::Heartbeat>(pair.atServer[1]).step == 7);
+  REQUIRE(pair.atClient.size() == 1);
+  CHECK(std::get<proto::Ack>(pair.atClient[0]).ok);
+  CHECK(pair.serverClosed.empty());
+  CHECK(pair.clientClosed.empty());
+}
+
+TEST_CASE("framed connection over memory: a close is the peer's EOF; closeAfterSending sends first",
+          "[byte_stream]") {
+  FramedPair pair;
+  pair.server->send(proto::Ack{false, "refused"});
+  pair.server->closeAfterSending("refused");
+  pair.run();
+  CHECK(pair.serverClosed == "refused");
+  REQUIRE(pair.atClient.size() == 1);
+  CHECK_FALSE(std::get<proto::Ack>(pair.atClient[0]).ok);
+  CHECK(pair.clientClosed == "closed by peer");
+  CHECK_FALSE(pair.client->open());
+}
+
+TEST_CASE("framed connection over memory: frames to a peer that stops reading wait, then arrive in order",
+          "[byte_stream]") {
+  // A 1 KiB stream: a paused reader's side fills after a few frames.
+  asio::io_context io;
+  auto [c, s] = memoryStreamPair(io, "client", "server", 1024);
+  auto server = std::make_shared<FramedConnection>(std::move(s));
+  std::vector<proto::Message> received;
+  server->start([&](const proto::Message& m) { received.push_back(m); }, [](const std::string&) {});
+  for (int step = 0; step < 100; ++step) server->send(proto::Heartbeat{0, step, false});
+  while (drain(io) > 0) {
+  }
+  CHECK(server->open());  // its writes wait; nothing failed
+  // The client reads only now, with a bare decoder.
+  proto::FrameDecoder decoder;
+  std::vector<char> buffer(4096);
+  std::vector<int64_t> steps;
+  for (int rounds = 0; rounds < 1000 && steps.size() < 100; ++rounds) {
+    Read read;
+    readInto(*c, read, buffer);
+    while (drain(io) > 0) {
+    }
+    REQUIRE(read.done);
+    REQUIRE_FALSE(read.ec);
+    decoder.feed(read.bytes);
+    while (auto m = decoder.next()) steps.push_back(std::get<proto::Heartbeat>(*m).step);
+  }
+  REQUIRE(steps.size() == 100);
+  for (int step = 0; step < 100; ++step) CHECK(steps[step] == step);
+  server->close("test over");
+}
+
+TEST_CASE("framed connection over memory: the first frame is held to limitFirstFrame", "[byte_stream]") {
+  FramedPair pair(256 * 1024, /*firstFrameLimit=*/64);
+  proto::WorkerExited exited;
+  exited.host = "h";
+  exited.logTail = std::string(200, 'x');
+  pair.client->send(exited);
+  pair.run();
+  CHECK_THAT(pair.serverClosed, Catch::Contains("a first frame of"));
+  CHECK(pair.atServer.empty());
+  CHECK(pair.clientClosed == "closed by peer");
+}
+
+TEST_CASE("local network: a dial with no listener is refused; the listener gets the server end after dial returns",
+          "[byte_stream]") {
+  asio::io_context io;
+  LocalNetwork network(io);
+  CHECK(network.dial("early") == nullptr);
+  std::unique_ptr<ByteStream> accepted;
+  network.listen([&](std::unique_ptr<ByteStream> end) { accepted = std::move(end); });
+  auto client = network.dial("agent 10.0.0.2");
+  REQUIRE(client);
+  CHECK(client->peer() == "memory:manager");
+  CHECK_FALSE(accepted);  // posted
+  drain(io);
+  REQUIRE(accepted);
+  CHECK(accepted->peer() == "memory:agent 10.0.0.2");
+  CHECK(network.dials() == 2);
+
+  // A listener that stopped before the accept ran: the dialler reads EOF.
+  auto late = network.dial("late");
+  network.stopListening();
+  std::vector<char> buffer(16);
+  Read read;
+  readInto(*late, read, buffer);
+  while (drain(io) > 0) {
+  }
+  CHECK(read.ec == asio::error::eof);
+}
+
+TEST_CASE("control listener on a local network: the same admission as TCP (token check, refusal, hand-over)",
+          "[byte_stream]") {
+  asio::io_context io;
+  test::FakeClock clock;
+  LocalNetwork network(io);
+  auto guard = std::make_shared<HandlerGuard>();
+  const auto dir = test::scratchDir("byte_stream_listener");
+  EventLog events((dir / "events.jsonl").string());
+  ControlListener listener(io, guard, PendingLimits{}, clock);
+  listener.listenLocal(network);
+  std::vector<proto::Hello> hellos;
+  listener.start(
+      "the-token", events,
+      [&](const std::shared_ptr<FramedConnection>&, const proto::Hello& hello) { hellos.push_back(hello); },
+      [] { return size_t{0}; });
+  CHECK(listener.port() == 0);  // never listened on TCP
+
+  auto dialAndSay = [&](const std::string& token, std::vector<proto::Message>& replies, std::string& closed) {
+    auto connection = std::make_shared<FramedConnection>(network.dial("worker h"));
+    connection->start([&](const proto::Message& m) { replies.push_back(m); },
+                      [&](const std::string& reason) { closed = reason; });
+    connection->send(proto::Hello{proto::kVersion, token, "worker", "h", 0, 1});
+    return connection;
+  };
+  std::vector<proto::Message> goodReplies, badReplies;
+  std::string goodClosed, badClosed;
+  auto good = dialAndSay("the-token", goodReplies, goodClosed);
+  auto bad = dialAndSay("wrong", badReplies, badClosed);
+  while (drain(io) > 0) {
+  }
+  REQUIRE(hellos.size() == 1);
+  CHECK(hellos[0].rank == 0);
+  REQUIRE(badReplies.size() == 1);
+  CHECK_FALSE(std::get<proto::Ack>(badReplies[0]).ok);
+  CHECK(badClosed == "closed by peer");
+  CHECK(goodClosed.empty());
+  CHECK(listener.localAccepted() == 2);
+  CHECK(listener.tcpAccepted() == 0);
+  CHECK(listener.pendingConnections() == 0);
+
+  // Stopped: a dial is refused.
+  listener.close();
+  CHECK(network.dial("after") == nullptr);
+  good->close("test over");
+  bad->close("test over");
+  while (drain(io) > 0) {
+  }
+}
+
+TEST_CASE("control listener on a local network: once destroyed, a dial is refused", "[byte_stream]") {
+  asio::io_context io;
+  test::FakeClock clock;
+  LocalNetwork network(io);
+  const auto dir = test::scratchDir("byte_stream_listener_gone");
+  EventLog events((dir / "events.jsonl").string());
+  {
+    ControlListener listener(io, std::make_shared<HandlerGuard>(), PendingLimits{}, clock);
+    listener.listenLocal(network);
+    listener.start("t", events, [](const std::shared_ptr<FramedConnection>&, const proto::Hello&) {},
+                   [] { return size_t{0}; });
+    CHECK(network.listening());
+  }
+  CHECK_FALSE(network.listening());
+  CHECK(network.dial("late") == nullptr);
+}
