@@ -62,9 +62,12 @@ def _import_what_training_imports():
 
 
 def large_blocks_mapped():
-    """Whether a 6 MiB host tensor, allocated after one of its size was freed,
-    lives in a mapping of its own (glibc's mallinfo2): True where
-    host_memory="compact" took effect, False with glibc's defaults."""
+    """Whether a host tensor of 4-30 MiB, allocated after one of its size was
+    freed, lives in a mapping of its own (glibc's mallinfo2): True where
+    host_memory="compact" took effect, False with glibc's defaults; None
+    when this heap cannot tell (its free memory is so large that a block
+    beyond it would be over glibc's 32 MiB dynamic threshold, mapped either
+    way)."""
     import ctypes
     import torch
 
@@ -74,11 +77,15 @@ def large_blocks_mapped():
                      "keepcost")]
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
-    elements = max(6 << 20, libc.mallinfo2().fordblks + (1 << 20)) // 4  # more than the heap has free
-    first = torch.ones(elements)
+    # More than the heap has free (a free chunk that fits is used whatever
+    # the thresholds), over the compact threshold of 4 MiB.
+    size = max(6 << 20, libc.mallinfo2().fordblks + (1 << 20))
+    if size > 30 << 20:
+        return None
+    first = torch.ones(size // 4)
     del first
     before = libc.mallinfo2().hblkhd
-    block = torch.ones(elements)
+    block = torch.ones(size // 4)
     mapped = libc.mallinfo2().hblkhd >= before + block.numel() * 4
     del block
     return mapped
