@@ -127,6 +127,11 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   // training program, everything it starts and /proc/<pid>/environ would
   // show it. First, before this runtime starts threads.
   if (!opt_.manager.token.empty()) scrubEnvironmentVariable(contract::kJobTokenEnv);
+  // A write to a peer that just died (Gloo, the store, the manager link)
+  // must fail with EPIPE and become a PeerLostError the salvage handles, not
+  // kill this rank with SIGPIPE (a C++ program inherits the default action
+  // from its agent; Python ignores it already). Seen in salvage_test.
+  ::signal(SIGPIPE, SIG_IGN);
   if (opt_.launcherSchedule) opt_.schedule = *opt_.launcherSchedule;
   if (!opt_.launcherPieceCosts.empty()) {
     if (opt_.launcherPieceCosts.size() != opt_.model.pieces.size()) {
