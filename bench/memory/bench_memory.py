@@ -197,7 +197,7 @@ def main():
     print(json.dumps(result))
 
 
-# What the runtime's HostMemory::kCompact sets (worker/src/host_memory.cpp),
+# What the runtime's HostMemory::kCompact sets (worker/src/device/host_memory.cpp),
 # for the peer.
 COMPACT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(32 << 20)}
 

@@ -4,6 +4,7 @@ select some), and a job launcher."""
 import os
 import subprocess
 import sys
+import time
 
 failures = []
 SOURCE = os.environ.get("VARUNA_SOURCE_DIR",
@@ -29,11 +30,13 @@ def run(namespace):
     tests = {name: fn for name, fn in namespace.items() if name.startswith("test_")}
     for name in sys.argv[1:] or list(tests):
         before = len(failures)
+        started = time.monotonic()
         try:
             tests[name]()
         except AssertionError as error:
             failures.append("%s: %s" % (name, error))
-        print("%s %s" % ("PASS" if len(failures) == before else "FAIL", name), flush=True)
+        print("%s %s (%.1f s)" % ("PASS" if len(failures) == before else "FAIL", name, time.monotonic() - started),
+              flush=True)
     for f in failures:
         print("FAILED:", f)
     sys.exit(1 if failures else 0)

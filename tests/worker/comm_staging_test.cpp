@@ -6,7 +6,7 @@
 // copy is taken at once, and an interrupted receive writes nothing.
 // libtorch's headers (through comm.h) define a CHECK of their own: Catch2's
 // comes after them.
-#include "comm.h"
+#include "comm/comm.h"
 
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>

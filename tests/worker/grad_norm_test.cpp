@@ -5,7 +5,7 @@
 // runtime squares in float32, sums in float64: about 2e-11 here).
 // libtorch's headers (through grad_buckets.h) define a CHECK of their own:
 // Catch2's comes after them.
-#include "grad_buckets.h"
+#include "comm/grad_buckets.h"
 
 #include <catch2/catch.hpp>
 

@@ -1,8 +1,8 @@
-// HostMemory (worker/src/host_memory.h): compact gives large host blocks
+// HostMemory (worker/src/device/host_memory.h): compact gives large host blocks
 // their own mappings, which go back to the system when freed; fast changes
 // nothing; a MALLOC_MMAP_THRESHOLD_ the user set is kept. A process of its
 // own: the setting is process-wide.
-#include "host_memory.h"
+#include "device/host_memory.h"
 
 #include <malloc.h>
 

@@ -9,7 +9,7 @@
 // process plays the manager.
 // libtorch's headers (through manager_link.h) define a CHECK of their own:
 // Catch2's comes after them.
-#include "manager_link.h"
+#include "link/manager_link.h"
 
 #include <poll.h>
 #include <signal.h>

@@ -4,7 +4,7 @@
 // and being named as the lost peer by the next diagnosis.
 // libtorch's headers (through comm.h) define a CHECK of their own: Catch2's
 // comes after them.
-#include "comm.h"
+#include "comm/comm.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 

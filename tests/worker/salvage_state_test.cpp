@@ -1,11 +1,11 @@
-// SalvageState (worker/src/salvage_state.h): what a rank holds for a salvage
+// SalvageState (worker/src/salvage/salvage_state.h): what a rank holds for a salvage
 // at each point of a step, as step() notifies it, on a stage with a
 // BatchNorm (running statistics a forward moves before the update).
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 
-#include "salvage_state.h"
-#include "stage_model.h"
+#include "pipeline/stage_model.h"
+#include "salvage/salvage_state.h"
 // Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.
 #include <catch2/catch.hpp>
 

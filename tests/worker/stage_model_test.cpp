@@ -6,7 +6,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-#include "stage_model.h"
+#include "pipeline/stage_model.h"
 #include "varuna/common/errors.h"
 #include "varuna/worker/varuna.h"
 // Catch last: c10's logging defines its own CHECK, which must not shadow Catch's.

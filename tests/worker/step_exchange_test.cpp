@@ -2,7 +2,7 @@
 // the shares of every rank, and salvage relays the summed result on the wire.
 #include <catch2/catch.hpp>
 
-#include "step_exchange.h"
+#include "pipeline/step_exchange.h"
 
 using namespace varuna;
 

@@ -1,6 +1,6 @@
-#include "grad_buckets.h"
+#include "comm/grad_buckets.h"
 
-#include "comm.h"
+#include "comm/comm.h"
 
 namespace varuna {
 

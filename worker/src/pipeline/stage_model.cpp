@@ -1,4 +1,4 @@
-#include "stage_model.h"
+#include "pipeline/stage_model.h"
 
 #include <ATen/Context.h>
 #include <torch/autograd.h>

@@ -1,4 +1,4 @@
-#include "salvage_state.h"
+#include "salvage/salvage_state.h"
 
 namespace varuna {
 

@@ -15,8 +15,8 @@
 #include <random>
 #include <thread>
 
-#include "blocked_on_peers.h"
-#include "varuna_impl.h"
+#include "comm/blocked_on_peers.h"
+#include "pipeline/varuna_impl.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"

@@ -22,8 +22,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "autocast_scope.h"
-#include "profiler_impl.h"
+#include "device/autocast_scope.h"
+#include "profiler/profiler_impl.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
 

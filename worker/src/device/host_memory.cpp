@@ -1,4 +1,4 @@
-#include "host_memory.h"
+#include "device/host_memory.h"
 
 #include <cstdlib>
 

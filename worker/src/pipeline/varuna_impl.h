@@ -1,12 +1,12 @@
 // Varuna::Impl: the state and steps behind the public Varuna class, shared by
 // the files that implement it. Private to the worker library: include it
-// only from varuna.cpp, varuna_update.cpp, varuna_checkpoint.cpp and
-// varuna_salvage.cpp.
+// only from pipeline/varuna.cpp, pipeline/varuna_update.cpp,
+// checkpoint/varuna_checkpoint.cpp and salvage/varuna_salvage.cpp.
 //
 // varuna.cpp builds the stage, wires gradients and ties, and runs step() and
 // evaluate(); varuna_update.cpp applies a step once its exchange is done;
 // varuna_checkpoint.cpp writes and loads checkpoints; varuna_salvage.cpp
-// takes part in a salvage, reading what SalvageState (salvage_state.h),
+// takes part in a salvage, reading what SalvageState (salvage/salvage_state.h),
 // which step() notifies, says this rank holds. They work on the same state
 // (model, optimizer, loss scale, step count), but each is a concern of its
 // own and one file holding all was too long to read.
@@ -29,14 +29,14 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint_io.h"
-#include "checkpoint_writer.h"
-#include "comm.h"
-#include "grad_buckets.h"
-#include "manager_link.h"
-#include "salvage_state.h"
-#include "stage_model.h"
-#include "step_exchange.h"
+#include "checkpoint/checkpoint_io.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "comm/comm.h"
+#include "comm/grad_buckets.h"
+#include "link/manager_link.h"
+#include "pipeline/stage_model.h"
+#include "pipeline/step_exchange.h"
+#include "salvage/salvage_state.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/errors.h"
 #include "varuna/worker/varuna.h"

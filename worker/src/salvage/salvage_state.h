@@ -11,8 +11,8 @@
 #include <optional>
 #include <vector>
 
-#include "stage_model.h"
-#include "step_exchange.h"
+#include "pipeline/stage_model.h"
+#include "pipeline/step_exchange.h"
 
 namespace varuna {
 

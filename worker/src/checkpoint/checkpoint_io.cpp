@@ -1,4 +1,4 @@
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 
 #include "varuna/worker/tensor_file.h"
 

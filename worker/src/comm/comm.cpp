@@ -1,4 +1,4 @@
-#include "comm.h"
+#include "comm/comm.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -11,7 +11,7 @@
 
 #include <algorithm>
 
-#include "blocked_on_peers.h"
+#include "comm/blocked_on_peers.h"
 #include "varuna/common/log.h"
 
 namespace varuna {

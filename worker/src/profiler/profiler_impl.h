@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "comm.h"
-#include "stage_model.h"
+#include "comm/comm.h"
+#include "pipeline/stage_model.h"
 #include "varuna/common/profile.h"
 #include "varuna/worker/profiler.h"
 

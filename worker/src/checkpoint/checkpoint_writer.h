@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "varuna/common/checkpoint_files.h"
 
 namespace varuna {

@@ -19,7 +19,7 @@
 #include <set>
 #include <thread>
 
-#include "profiler_impl.h"
+#include "profiler/profiler_impl.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
 

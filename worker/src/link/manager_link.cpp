@@ -1,4 +1,4 @@
-#include "manager_link.h"
+#include "link/manager_link.h"
 
 #include <fcntl.h>
 #include <sys/socket.h>

@@ -15,9 +15,9 @@
 #include <limits>
 #include <numeric>
 
-#include "autocast_scope.h"
-#include "host_memory.h"
-#include "varuna_impl.h"
+#include "device/autocast_scope.h"
+#include "device/host_memory.h"
+#include "pipeline/varuna_impl.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
 #include "varuna/common/secrets.h"

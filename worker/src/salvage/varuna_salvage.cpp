@@ -27,9 +27,9 @@
 #include <optional>
 #include <thread>
 
-#include "blocked_on_peers.h"
+#include "comm/blocked_on_peers.h"
 #include "varuna/common/log.h"
-#include "varuna_impl.h"
+#include "pipeline/varuna_impl.h"
 
 namespace varuna {
 

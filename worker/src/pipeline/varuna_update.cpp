@@ -8,7 +8,7 @@
 
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
-#include "varuna_impl.h"
+#include "pipeline/varuna_impl.h"
 
 namespace varuna {
 

@@ -1,6 +1,6 @@
 #include <optional>
 
-#include "checkpoint_writer.h"
+#include "checkpoint/checkpoint_writer.h"
 
 #include <torch/cuda.h>
 
