@@ -1,6 +1,5 @@
 #include "daemon/step_log.h"
 
-#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <vector>
@@ -16,17 +15,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
-
-// As isoTimeNow() writes it, for a time in the past.
-std::string isoTime(int64_t unixMs) {
-  const std::time_t seconds = static_cast<std::time_t>(unixMs / 1000);
-  std::tm utc{};
-  ::gmtime_r(&seconds, &utc);
-  char text[64];
-  std::snprintf(text, sizeof(text), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", utc.tm_year + 1900, utc.tm_mon + 1,
-                utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec, static_cast<int>(unixMs % 1000));
-  return text;
-}
 
 // A line of steps.jsonl read back for thinning: its text as written (kept
 // byte for byte unless its samples/s changes) and what thinning looks at.

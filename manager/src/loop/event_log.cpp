@@ -13,16 +13,17 @@ int64_t unixMillisNow() {
       .count();
 }
 
-std::string isoTimeNow() {
-  const int64_t ms = unixMillisNow();
-  const std::time_t seconds = static_cast<std::time_t>(ms / 1000);
+std::string isoTime(int64_t unixMs) {
+  const std::time_t seconds = static_cast<std::time_t>(unixMs / 1000);
   std::tm utc{};
   ::gmtime_r(&seconds, &utc);
   char text[64];
   std::snprintf(text, sizeof(text), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", utc.tm_year + 1900, utc.tm_mon + 1,
-                utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec, static_cast<int>(ms % 1000));
+                utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec, static_cast<int>(unixMs % 1000));
   return text;
 }
+
+std::string isoTimeNow() { return isoTime(unixMillisNow()); }
 
 EventLog::EventLog(const std::string& path) : path_(path), out_(path, std::ios::app) {
   if (!out_) throw Error(strCat("cannot open the event log ", path, " for appending"), 1);

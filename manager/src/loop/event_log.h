@@ -33,8 +33,9 @@ class EventLog {
   RateLimiter lostLog_{std::chrono::seconds(10), 1};
 };
 
-// "2026-11-22T04:21:51.123Z"
+// "2026-11-22T04:21:51.123Z": now, or a time given in milliseconds since 1970.
 std::string isoTimeNow();
+std::string isoTime(int64_t unixMs);
 int64_t unixMillisNow();
 
 }  // namespace varuna
