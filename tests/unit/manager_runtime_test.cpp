@@ -511,6 +511,37 @@ TEST_CASE("event log: never throws; bytes that are not UTF-8 are replaced", "[ru
   CHECK(log.lost() == 0);
 }
 
+TEST_CASE("event log: past its size limit it becomes events.jsonl.1 and a new file starts", "[runtime]") {
+  const auto dir = test::scratchDir("event_log_rotation");
+  const auto path = (dir / "events.jsonl").string();
+  const auto lines = [](const std::string& file) {
+    std::ifstream in(file);
+    std::vector<nlohmann::json> read;
+    for (std::string line; std::getline(in, line);) read.push_back(nlohmann::json::parse(line));
+    return read;
+  };
+  {
+    EventLog log(path, /*maxBytes=*/1000);
+    for (int i = 0; i < 30; ++i) log.write("tick", {{"i", i}});  // ~80 bytes a line
+    CHECK(log.lost() == 0);
+  }
+  const auto current = lines(path), previous = lines(path + ".1");
+  CHECK(std::filesystem::file_size(path) <= 1000);
+  CHECK(std::filesystem::file_size(path + ".1") <= 1000);
+  REQUIRE_FALSE(current.empty());
+  REQUIRE_FALSE(previous.empty());
+  // The newest lines are kept, in order, with nothing lost between the two files.
+  CHECK(current.back()["i"] == 29);
+  CHECK(previous.back()["i"].get<int>() + 1 == current.front()["i"].get<int>());
+  // Reopened (a restarted manager), the size already there counts.
+  {
+    EventLog log(path, /*maxBytes=*/std::filesystem::file_size(path) + 10);
+    log.write("tick", {{"i", 30}});
+  }
+  CHECK(lines(path).size() == 1);
+  CHECK(lines(path + ".1").back()["i"] == 29);
+}
+
 // --- work off the event loop -------------------------------------------------------
 
 TEST_CASE("background worker: results come back on the loop, in order; destruction drops the rest", "[runtime]") {

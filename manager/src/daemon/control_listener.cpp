@@ -147,11 +147,18 @@ void ControlListener::onFirstMessage(const std::shared_ptr<FramedConnection>& co
     // What a refused peer sent is its own: bounded and valid UTF-8 before it
     // reaches the log and the event log (checkHello bounds the host it quotes).
     const std::string reason = proto::boundedText(e.what(), 2 * proto::kMaxLoggedPeerTextBytes);
-    log::warn("refused a connection from ", connection->peer(), ": ", reason);
-    events_->write("connection_refused", {{"peer", connection->peer()}, {"reason", reason}});
+    recordRefusal(connection, reason);
     connection->send(proto::Ack{false, reason});
     connection->closeAfterSending("refused");
   }
+}
+
+void ControlListener::recordRefusal(const std::shared_ptr<FramedConnection>& connection, const std::string& reason) {
+  ++refused_;
+  lastRefusal_ = strCat(reason, " (from ", connection->peer(), ")");
+  const TimePoint now = clock_.now();
+  if (refusalLog_.allow(now)) log::warn("refused a connection from ", connection->peer(), ": ", reason);
+  if (refusalEvents_.allow(now)) events_->write("connection_refused", {{"peer", connection->peer()}, {"reason", reason}});
 }
 
 void ControlListener::tick(TimePoint now) {
@@ -160,21 +167,27 @@ void ControlListener::tick(TimePoint now) {
 }
 
 void ControlListener::reportDrops(TimePoint now) {
-  const DropCounts totals{closedBeforeHello_, pending_.expired(), pending_.evicted()};
+  const DropCounts totals{closedBeforeHello_, pending_.expired(), pending_.evicted(), refused_};
   const auto limits = pending_.limits();
   if (totals != dropsLogged_ && now - dropsLoggedAt_ >= std::chrono::seconds(10)) {
     log::warn("connections closed before their hello since the last report: ", totals.expired - dropsLogged_.expired,
               " sent none within ", limits.helloDeadline.count(), " ms, ", totals.evicted - dropsLogged_.evicted,
               " were the oldest of more than ", limits.maxPending, " waiting, ", totals.closed - dropsLogged_.closed,
-              " closed by the peer or for a bad first frame (", pending_.size(), " waiting now)");
+              " closed by the peer or for a bad first frame, ", totals.refused - dropsLogged_.refused,
+              " hellos refused", totals.refused != dropsLogged_.refused ? strCat(", the last: ", lastRefusal_) : "",
+              " (", pending_.size(), " waiting now)");
     dropsLogged_ = totals;
     dropsLoggedAt_ = now;
   }
   // The event log gets one line a minute at most: a flood must not fill it.
   if (totals != dropsRecorded_ && now - dropsRecordedAt_ >= std::chrono::seconds(60)) {
-    events_->write("connections_dropped", {{"no_hello_in_time", totals.expired - dropsRecorded_.expired},
-                                           {"over_the_cap", totals.evicted - dropsRecorded_.evicted},
-                                           {"closed_before_hello", totals.closed - dropsRecorded_.closed}});
+    nlohmann::json counts = {{"no_hello_in_time", totals.expired - dropsRecorded_.expired},
+                             {"over_the_cap", totals.evicted - dropsRecorded_.evicted},
+                             {"closed_before_hello", totals.closed - dropsRecorded_.closed},
+                             {"refused", totals.refused - dropsRecorded_.refused}};
+    // "refused" counts those written in full (connection_refused) too.
+    if (totals.refused != dropsRecorded_.refused) counts["last_refusal"] = lastRefusal_;
+    events_->write("connections_dropped", counts);
     dropsRecorded_ = totals;
     dropsRecordedAt_ = now;
   }
@@ -185,6 +198,7 @@ nlohmann::json ControlListener::stats() const {
           {"closed_before_hello", closedBeforeHello_},
           {"no_hello_in_time", pending_.expired()},
           {"over_the_cap", pending_.evicted()},
+          {"refused", refused_},
           {"accept_failures", acceptFailures_}};
 }
 

@@ -84,7 +84,10 @@ class ControlListener {
   // lack of descriptors or memory.
   void onAcceptFailed(const boost::system::error_code& ec);
   void onFirstMessage(const std::shared_ptr<FramedConnection>& connection, const proto::Message& message);
-  // Rate-limited summary of connections closed before their hello.
+  // A refused hello: the first few of a window in full, the rest counted
+  // for reportDrops' summary (a flood of bad hellos must not fill the disk).
+  void recordRefusal(const std::shared_ptr<FramedConnection>& connection, const std::string& reason);
+  // Rate-limited summary of connections closed before their hello or refused.
   void reportDrops(TimePoint now);
 
   boost::asio::io_context& io_;
@@ -105,8 +108,13 @@ class ControlListener {
   RateLimiter failureLog_{std::chrono::seconds(10), 1};
   PendingConnections pending_;      // before their hello: capped, with a deadline
   uint64_t closedBeforeHello_ = 0;  // by the peer, or for a bad or oversized first frame
+  uint64_t refused_ = 0;             // hellos refused (token, version, malformed)
+  std::string lastRefusal_;          // "<reason> (from <peer>)", for the summary
+  // Refusals written in full: to the log 3 per 10 s, to the event log 3 a minute.
+  RateLimiter refusalLog_{std::chrono::seconds(10), 3};
+  RateLimiter refusalEvents_{std::chrono::seconds(60), 3};
   struct DropCounts {
-    uint64_t closed = 0, expired = 0, evicted = 0;
+    uint64_t closed = 0, expired = 0, evicted = 0, refused = 0;
     bool operator==(const DropCounts&) const = default;
   };
   DropCounts dropsLogged_, dropsRecorded_;  // totals when last logged / written to the event log

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <ctime>
+#include <filesystem>
 
 #include "varuna/common/errors.h"
 #include "varuna/common/log.h"
@@ -25,8 +26,22 @@ std::string isoTime(int64_t unixMs) {
 
 std::string isoTimeNow() { return isoTime(unixMillisNow()); }
 
-EventLog::EventLog(const std::string& path) : path_(path), out_(path, std::ios::app) {
+EventLog::EventLog(const std::string& path, uint64_t maxBytes)
+    : path_(path), out_(path, std::ios::app), maxBytes_(maxBytes) {
   if (!out_) throw Error(strCat("cannot open the event log ", path, " for appending"), 1);
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  bytes_ = ec ? 0 : size;
+}
+
+void EventLog::rotate() {
+  out_.close();
+  std::error_code ec;
+  std::filesystem::rename(path_, path_ + ".1", ec);
+  if (ec) log::error("rotating the event log ", path_, " failed: ", ec.message(), "; it goes on growing");
+  out_.open(path_, std::ios::app);
+  if (!out_) out_.clear();  // the next write counts the loss and tries again
+  bytes_ = 0;
 }
 
 void EventLog::write(const std::string& event, nlohmann::json fields) noexcept {
@@ -35,8 +50,12 @@ void EventLog::write(const std::string& event, nlohmann::json fields) noexcept {
     for (auto& [k, v] : fields.items()) line[k] = v;
     // A field may hold bytes that are not UTF-8 (a path, a peer's text):
     // replaced with U+FFFD rather than a type_error out of a handler.
-    out_ << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+    const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + '\n';
+    if (bytes_ > 0 && bytes_ + text.size() > maxBytes_) rotate();
+    if (!out_.is_open()) out_.open(path_, std::ios::app);
+    out_ << text;
     out_.flush();
+    bytes_ += text.size();
     if (out_) return;
     out_.clear();  // a full disk: the next line tries again (the stream would stay failed)
     noteLost("the write failed (full or failing disk?)");
