@@ -77,9 +77,6 @@ ManagerDaemon::Impl::Impl(asio::io_context& io, JobConfig config, std::unique_pt
       launcher_(std::move(launcher)),
       machineList_(config_.machineList, config_.gpusPerNode),
       liveness_({config_.heartbeatTimeoutS, config_.startupTimeoutS, config_.hangTimeoutS}),
-      slowDetector_(config_.slowThreshold, config_.slowWindow),
-      progress_(config_.batchSize),
-      stateFile_(config_.stateDir),
       metrics_(config_.batchSize) {
   if (options.localConnections) listener_.listenLocal(*options.localConnections);
   tcpListening_ = !options.localConnections;
@@ -90,7 +87,7 @@ ManagerDaemon::Impl::~Impl() = default;
 // --- start-up -------------------------------------------------------------------
 
 void ManagerDaemon::Impl::start() {
-  startedAt_ = clock_.now();
+  const TimePoint startedAt = clock_.now();
   std::error_code ec;
   fs::create_directories(config_.stateDir, ec);
   if (ec) throw ConfigError(strCat("cannot create --state_dir ", config_.stateDir, ": ", ec.message()));
@@ -98,7 +95,7 @@ void ManagerDaemon::Impl::start() {
   token_ = loadOrCreateToken(config_.stateDir);
   events_ = std::make_unique<EventLog>((fs::path(config_.stateDir) / "events.jsonl").string());
   morph_.setEventLog(events_.get());
-  stepLog_ = std::make_unique<StepLog>((fs::path(config_.stateDir) / "steps.jsonl").string(), config_.batchSize);
+  auto stepLog = std::make_unique<StepLog>((fs::path(config_.stateDir) / "steps.jsonl").string(), config_.batchSize);
   if (!config_.envFile.empty()) env_ = parseEnvFile(ckpt::readFile(config_.envFile), config_.envFile);
   env_ = jobEnvironment(config_, std::move(env_));
   fs::create_directories(config_.globalStore, ec);
@@ -117,6 +114,7 @@ void ManagerDaemon::Impl::start() {
   pool_->setListed(listed);
   checkpoints_ = std::make_unique<CheckpointWatcher>(io_, guard_, *events_, config_.globalStore, storeScanner_, clock_);
   createController(first);
+  createReporter(startedAt, std::move(stepLog));
   checkpoints_->scanNow();  // before the loop runs (nothing is waiting on it yet)
 
   log::info("job '", config_.job, "': manager ",
@@ -348,9 +346,9 @@ void ManagerDaemon::Impl::onWorkerMessage(int rank, const proto::Message& messag
     liveness_.noteStep(*worker, report->step, /*report=*/true, now);
     reachedStep_ = std::max(reachedStep_, report->step);
     generationReached_ = std::max(generationReached_, report->step);
-    onStepReport(*report);
+    reporter_->onStepReport(*report, controller_->plan(), controller_->generation());
   } else if (const auto* failed = std::get_if<proto::CheckpointFailed>(&message)) {
-    onCheckpointFailed(rank, *failed);
+    reporter_->onCheckpointFailed(rank, *failed, controller_->plan());
   } else if (const auto* ping = std::get_if<proto::Ping>(&message)) {
     if (worker->connection) worker->connection->send(proto::Pong{ping->sequence, ping->sentNs});
   } else if (const auto* ready = std::get_if<proto::SalvageReady>(&message)) {
@@ -563,7 +561,7 @@ void ManagerDaemon::Impl::finishLaunch(action::Launch launch, const CheckpointWa
   const auto now = clock_.now();
   const auto latest = checkpoints_->read(prep.scan);
   checkpoints_->note(latest, now, prep.scan.latestAgeSeconds);
-  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
+  reporter_->checkpointSeen();
   launch.resumeStep = latest.value_or(-1);
   generationResume_ = launch.resumeStep;
   generationReached_ = -1;
@@ -571,9 +569,7 @@ void ManagerDaemon::Impl::finishLaunch(action::Launch launch, const CheckpointWa
   metrics_.launched(plan, launch.generation, launch.resumeStep, now);
   liveness_.launched(now);  // the startup timeout until its first step
   workers_.expect(plan);
-  stepLog_->flush();  // the last step of the generation before
-  progress_.newGeneration();
-  slowDetector_.reset(plan);
+  reporter_->onLaunch(plan);
   morph_.launched(now);
   log::info("generation ", launch.generation, ": ", plan.describe(),
             launch.resumeStep >= 0 ? strCat("; resuming from step ", launch.resumeStep) : std::string("; fresh start"));
@@ -606,10 +602,10 @@ void ManagerDaemon::Impl::doStop(const action::Stop& stop) {
   // The checkpoint the workers just wrote, if any (finishShutdown waits for it).
   checkpoints_->finalScan([this] {
     // The tick no longer runs.
-    metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
+    reporter_->checkpointSeen();
     writeState();
   });
-  stepLog_->flush();
+  reporter_->flushSteps();
   events_->write("stop", {{"reason", stop.reason}, {"exit_code", stop.exitCode}});
   orderWorkersOut("the job stopped: " + stop.reason);  // any still running (a job that finished has none)
   pool_->shutdownAll(stop.reason);
@@ -633,7 +629,7 @@ void ManagerDaemon::Impl::finishShutdown() {
     log::warn("the checkpoint store did not answer within ", std::chrono::duration<double>(kFinalScanWait).count(),
               " s: the last checkpoint may be missing from state.json");
   }
-  printSummary();
+  reporter_->printSummary();
   listener_.close();
   tickTimer_->cancel();
   pool_->closeAll("manager exiting");
@@ -694,9 +690,7 @@ void ManagerDaemon::Impl::onTick() {
     lastCheckpointPoll_ = now;
     checkpoints_->poll();
   }
-  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
-  metrics_.tick(now);
-  if (stateFile_.due(now)) writeState();
+  reporter_->tick(now);  // the checkpoint and the metrics, state.json once a second
 }
 
 void ManagerDaemon::Impl::checkSilentRanks(TimePoint now) {
@@ -765,7 +759,7 @@ bool ManagerDaemon::Impl::readmitListedHosts(TimePoint now) {
   for (const auto& readmitted : pool_->readmitListed(now, &back)) {
     // Flagged slow again later, it is excluded again (a verdict equal to the
     // last one is otherwise not acted on).
-    if (readmitted.value("slow", false)) std::erase(slowHosts_, readmitted["host"].get<std::string>());
+    if (readmitted.value("slow", false)) reporter_->slowHostReadmitted(readmitted["host"].get<std::string>());
   }
   return back;
 }

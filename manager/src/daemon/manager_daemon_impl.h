@@ -10,13 +10,17 @@
 //  - WorkerRegistry: the running generation's workers and their exit orders;
 //  - LivenessWatchdog: silent and hung ranks;
 //  - CheckpointWatcher: the checkpoint store, looked at off the loop;
-//  - StepProgress, StepLog and StateFile: the progress line, steps.jsonl and state.json;
+//  - JobReporter: the reporting role: step reports (the progress line,
+//    steps.jsonl, the step metrics), slow-machine verdicts, checkpoint
+//    failures, host metrics, state.json and the final summary; it reads the
+//    daemon through a DaemonStatus that reportStatus() builds, nothing more;
 //  - MachineListWatcher: edits and rewrites of the machine list;
 //  - JobMetrics and MetricsServer: the job as Prometheus metrics, served on
 //    civetweb's threads (--metrics_port); the loop only sets them.
 // The daemon wires them: a hello goes to the pool or the registry, a lost
-// host's workers are ordered out, a verdict becomes a controller call, and
-// the controller's actions go out through the pool and the registry.
+// host's workers are ordered out, a verdict becomes a controller call, the
+// controller's actions go out through the pool and the registry, and what
+// the people watching the job see goes through the reporter.
 //
 // Single-threaded: every member runs on the io_context's thread; launch
 // threads, the store's thread and AutoConfig's thread only post results back
@@ -39,7 +43,6 @@
 #include "varuna/manager/job_config.h"
 #include "varuna/manager/manager_daemon.h"
 #include "varuna/manager/morph_controller.h"
-#include "varuna/manager/slow_machine_detector.h"
 
 // The runtime's own parts (manager/src/).
 #include "daemon/agent_pool.h"
@@ -47,13 +50,11 @@
 #include "daemon/checkpoint_watcher.h"
 #include "daemon/control_listener.h"
 #include "daemon/job_metrics.h"
+#include "daemon/job_reporter.h"
 #include "daemon/liveness_watchdog.h"
 #include "daemon/machine_list_watcher.h"
 #include "daemon/metrics_server.h"
 #include "daemon/morph_tracker.h"
-#include "daemon/state_file.h"
-#include "daemon/step_log.h"
-#include "daemon/step_progress.h"
 #include "daemon/worker_registry.h"
 #include "loop/background_worker.h"
 #include "loop/event_log.h"
@@ -91,7 +92,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   uint64_t tcpConnectionsAccepted() const { return listener_.tcpAccepted(); }
   uint64_t localConnectionsAccepted() const { return listener_.localAccepted(); }
   uint64_t handlerFailures() const { return guard_->failures(); }
-  bool stateWriteFailing() const { return stateFile_.failing(); }
+  bool stateWriteFailing() const { return reporter_ && reporter_->stateWriteFailing(); }
   // Work on other threads whose result the loop has not had yet: agent
   // start-ups and store or planning jobs (a test on a fake clock holds its
   // time still while there is any, as the real clock would barely move).
@@ -104,6 +105,8 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   void serveMetrics();
   void createController(int firstGeneration);
   void createPlanner(ControllerOptions& options);
+  // Once the parts it reads exist; `stepLog` was opened earlier in start().
+  void createReporter(TimePoint startedAt, std::unique_ptr<StepLog> stepLog);
   std::string agentCommand(const std::string& host) const;
   // How long an agent that hears nothing from the manager waits before it
   // takes the manager as gone (its --lost_manager_ms).
@@ -169,17 +172,15 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   // another chance now. True if one is back already.
   bool readmitListedHosts(TimePoint now);
 
-  // Reporting.
-  void onStepReport(const proto::StepReport& report);
-  void onCheckpointFailed(int rank, const proto::CheckpointFailed& failure);
-  void onSlowVerdict(const std::vector<SlowMachine>& slow);
+  // Reporting, through the reporter (none before start() made it).
+  JobReporter::DaemonStatus reportStatus() const;
   void updateHostMetrics(TimePoint now);
-  std::string checkpointText(TimePoint now) const;
+  // --exclude_slow: the reporter's verdict named `host`.
+  void excludeSlowHost(const std::string& host);
   // state.json now; on failure logged (rate-limited) and retried at every tick.
-  void writeState();
-  nlohmann::json stateJson();
-  const nlohmann::json& cachedPlanJson();
-  void printSummary();
+  void writeState() {
+    if (reporter_) reporter_->writeState();
+  }
 
   boost::asio::io_context& io_;
   Clock& clock_;
@@ -196,16 +197,15 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   std::vector<std::pair<std::string, int64_t>> profiledPieces_;  // --profile's pieces (name, parameters), for the workers
   std::vector<std::pair<std::string, std::string>> env_;  // env_file
   std::unique_ptr<EventLog> events_;
-  std::unique_ptr<StepLog> stepLog_;  // steps.jsonl
   std::unique_ptr<MorphController> controller_;
   MachineListWatcher machineList_;
   WorkerRegistry workers_;  // the running generation's
   LivenessWatchdog liveness_;
-  SlowMachineDetector slowDetector_;
-  StepProgress progress_;
-  StateFile stateFile_;
   JobMetrics metrics_;  // set at the points where events are logged
   MorphTracker morph_{metrics_};  // the morph under way: its timing, metrics and event
+  // Made in start(). Reads checkpoints_ (declared below, destroyed first)
+  // only from handlers, never in its destructor.
+  std::unique_ptr<JobReporter> reporter_;
   // The highest step any rank said it finished (heartbeats, reports), over
   // the generations this manager ran: what a relaunch loses is measured from it.
   int64_t reachedStep_ = -1;
@@ -215,13 +215,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   // before it got past its checkpoint leaves nothing to salvage.
   int64_t generationResume_ = -1;
   int64_t generationReached_ = -1;
-  std::vector<std::string> slowHosts_;
-  int checkpointFailures_ = 0;            // CheckpointFailed reports of every generation
-  nlohmann::json lastCheckpointFailure_;  // the newest one, for state.json
-  nlohmann::json planJson_;
-  int planJsonGeneration_ = -1;
 
-  TimePoint startedAt_{};
   TimePoint lastListPoll_{};
   TimePoint lastCheckpointPoll_{};
   TimePoint shutdownWaitSince_{};  // finishShutdown waits for the final scan from then (bounded)
