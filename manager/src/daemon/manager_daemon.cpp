@@ -124,13 +124,30 @@ void ManagerDaemon::Impl::start() {
   events_->write("manager_started", {{"address", advertisedAddress_}, {"pid", ::getpid()},
                                       {"hosts", listed.size()}, {"config", toJson(config_)},
                                       {"metrics", metricsServer_ ? json(metricsServer_->url()) : json()}});
+  createRouter();
   listener_.start(
       token_, *events_,
-      [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) { onHello(connection, hello); },
+      [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+        router_->route(connection, hello);
+      },
       [this] { return expectedHellos(); });
   for (const auto& m : listed) pool_->startAgent(m.host);
   scheduleTick();
   writeState();
+}
+
+void ManagerDaemon::Impl::createRouter() {
+  PeerRouter::Options options;
+  // How long a worker may go without hearing from us before it exits on its
+  // own: as long as its agent would wait (a silent agent is lost after the
+  // heartbeat timeout, its workers killed after the agents' grace).
+  options.lostManagerGrace = millis(config_.heartbeatTimeoutS + config_.agentGraceS);
+  // With salvage on, a worker that loses a peer waits for our order (twice
+  // the rounds' timeout at most) instead of exiting.
+  const bool salvage = !config_.noSalvage && !config_.noMorphing;
+  if (salvage) options.salvageTimeout = millis(config_.salvageTimeoutS);
+  PeerRouter::Sink& sink = *this;  // a private base: converted here, where it is accessible
+  router_ = std::make_unique<PeerRouter>(options, sink, *events_);
 }
 
 void ManagerDaemon::Impl::listen() {
@@ -236,18 +253,6 @@ std::chrono::milliseconds ManagerDaemon::Impl::lostManagerAfter() const {
 
 // --- hellos and what peers send -----------------------------------------------------
 
-void ManagerDaemon::Impl::onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
-  if (hello.role == "agent") {
-    pool_->admit(connection, hello);
-  } else if (hello.role == "worker") {
-    onWorkerHello(connection, hello);
-  } else if (hello.role == "notifier") {
-    onNotifierHello(connection);
-  } else {
-    throw proto::ProtocolError(strCat("unknown role '", hello.role, "'"));
-  }
-}
-
 size_t ManagerDaemon::Impl::backgroundJobs() const {
   return (pool_ ? pool_->launchThreads() : 0) + (checkpoints_ ? checkpoints_->pendingJobs() : 0) +
          (planWorker_ ? planWorker_->pending() : 0);
@@ -255,63 +260,23 @@ size_t ManagerDaemon::Impl::backgroundJobs() const {
 
 size_t ManagerDaemon::Impl::expectedHellos() const { return pool_->startingCount() + workers_.unconnected(); }
 
-void ManagerDaemon::Impl::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
-  if (hello.generation != controller_->generation() || !workers_.expects(hello.rank)) {
-    // A worker of a generation that is over or that this manager never
-    // launched (one an earlier manager left, or one written off as hung or
-    // lost): ordered out, not merely refused, so it stops training into the
-    // store at once.
-    const std::string reason = strCat("generation ", hello.generation, " is over: this manager expects no rank ",
-                                      hello.rank, " of it (current generation ", controller_->generation(), ")");
-    const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
-    log::warn("ordering rank ", hello.rank, " of generation ", hello.generation, " on ", host, " (",
-              connection->peer(), ") to exit: ", reason);
-    events_->write("stale_worker", {{"generation", hello.generation}, {"rank", hello.rank}, {"host", host},
-                                    {"peer", connection->peer()}});
-    connection->send(proto::ExitNow{hello.generation, reason});
-    connection->closeAfterSending("stale worker");
-    return;
-  }
-  const int rank = hello.rank;
+void ManagerDaemon::Impl::agentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+  pool_->admit(connection, hello);
+}
+
+bool ManagerDaemon::Impl::workerConnected(int rank, const std::shared_ptr<FramedConnection>& connection) {
+  return workers_.connect(rank, connection, clock_.now());
+}
+
+void ManagerDaemon::Impl::allWorkersConnected() {
   const auto now = clock_.now();
-  const bool all = workers_.connect(rank, connection, now);
-  connection->start([this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
-                    [rank](const std::string& reason) {
-                      // Exits are reported by the agents. A worker that exits
-                      // (_Exit) with a pong it has not read yet resets the
-                      // connection instead of closing it: that is an exit too.
-                      const bool exited = reason == "closed by peer" || reason == "Connection reset by peer";
-                      if (!exited) log::warn("connection of rank ", rank, " closed: ", reason);
-                    });
-  // How long it may go without hearing from us before it exits on its own:
-  // as long as its agent would wait (a silent agent is lost after the
-  // heartbeat timeout, its workers killed after the agents' grace).
-  // With salvage on, a worker that loses a peer waits for our order (twice
-  // the rounds' timeout at most) instead of exiting.
-  const bool salvage = !config_.noSalvage && !config_.noMorphing;
-  connection->send(proto::Welcome{hello.generation, millis(config_.heartbeatTimeoutS + config_.agentGraceS).count(),
-                                  salvage ? millis(config_.salvageTimeoutS).count() : 0});
-  if (!all) return;
   morph_.connected(now);
   log::info("all ", workers_.size(), " workers of generation ", controller_->generation(), " connected (",
             secondsBetween(liveness_.launchedAt(), now), " s after launch)");
 }
 
-void ManagerDaemon::Impl::onNotifierHello(const std::shared_ptr<FramedConnection>& connection) {
-  std::weak_ptr<FramedConnection> weak = connection;
-  connection->start(
-      [this, weak](const proto::Message& m) {
-        auto c = weak.lock();
-        if (!c) return;
-        if (const auto* notice = std::get_if<proto::PreemptNotice>(&m)) return onPreemptNotice(c, *notice);
-        c->send(proto::Ack{false, "expected a preempt notice"});
-        c->closeAfterSending("bad notifier");
-      },
-      [](const std::string&) {});
-}
-
-void ManagerDaemon::Impl::onPreemptNotice(const std::shared_ptr<FramedConnection>& connection,
-                                          const proto::PreemptNotice& notice) {
+void ManagerDaemon::Impl::preemptNotice(const std::shared_ptr<FramedConnection>& connection,
+                                        const proto::PreemptNotice& notice) {
   if (!pool_->known(notice.host)) {
     connection->send(proto::Ack{false, strCat("host '", notice.host, "' is not in the machine list")});
     connection->closeAfterSending("unknown host");
@@ -335,7 +300,7 @@ void ManagerDaemon::Impl::onPreemptNotice(const std::shared_ptr<FramedConnection
   apply(controller_->preemptNotice(notice.host, now, takenAt));
 }
 
-void ManagerDaemon::Impl::onWorkerMessage(int rank, const proto::Message& message) {
+void ManagerDaemon::Impl::workerMessage(int rank, const proto::Message& message) {
   WorkerState* worker = workers_.find(rank);
   if (!worker) return;
   const auto now = clock_.now();

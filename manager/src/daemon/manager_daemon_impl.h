@@ -5,6 +5,8 @@
 // beside it in manager/src/daemon/:
 //  - ControlListener: the TCP listener, connections before their hello
 //    (capped, with a deadline), the token check, accept backoff;
+//  - PeerRouter: where a connection goes after its hello (by role), stale
+//    workers ordered out, a worker's Welcome; it calls the daemon as its Sink;
 //  - AgentPool: the host agents (start-ups on launch threads, heartbeats both
 //    ways, losses) and HostAbsences, when hosts that are out come back;
 //  - WorkerRegistry: the running generation's workers and their exit orders;
@@ -17,10 +19,12 @@
 //  - MachineListWatcher: edits and rewrites of the machine list;
 //  - JobMetrics and MetricsServer: the job as Prometheus metrics, served on
 //    civetweb's threads (--metrics_port); the loop only sets them.
-// The daemon wires them: a hello goes to the pool or the registry, a lost
-// host's workers are ordered out, a verdict becomes a controller call, the
-// controller's actions go out through the pool and the registry, and what
-// the people watching the job see goes through the reporter.
+// The daemon wires them: a hello the router hands it goes to the pool or the
+// registry, a lost host's workers are ordered out, a verdict becomes a
+// controller call, the controller's actions go out through the pool and the
+// registry, and what the people watching the job see goes through the
+// reporter. Its own role is what each of those means for the job, and
+// carrying out the controller's actions.
 //
 // Single-threaded: every member runs on the io_context's thread; launch
 // threads, the store's thread and AutoConfig's thread only post results back
@@ -55,6 +59,7 @@
 #include "daemon/machine_list_watcher.h"
 #include "daemon/metrics_server.h"
 #include "daemon/morph_tracker.h"
+#include "daemon/peer_router.h"
 #include "daemon/worker_registry.h"
 #include "loop/background_worker.h"
 #include "loop/event_log.h"
@@ -63,7 +68,7 @@
 
 namespace varuna {
 
-class ManagerDaemon::Impl : private AgentPool::Observer {
+class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sink {
  public:
   Impl(boost::asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
        DaemonOptions options = {});
@@ -105,6 +110,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   void serveMetrics();
   void createController(int firstGeneration);
   void createPlanner(ControllerOptions& options);
+  void createRouter();
   // Once the parts it reads exist; `stepLog` was opened earlier in start().
   void createReporter(TimePoint startedAt, std::unique_ptr<StepLog> stepLog);
   std::string agentCommand(const std::string& host) const;
@@ -112,12 +118,14 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   // takes the manager as gone (its --lost_manager_ms).
   std::chrono::milliseconds lostManagerAfter() const;
 
-  // Hellos, by role (the listener checked the token).
-  void onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
-  void onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
-  void onNotifierHello(const std::shared_ptr<FramedConnection>& connection);
-  void onPreemptNotice(const std::shared_ptr<FramedConnection>& connection, const proto::PreemptNotice& notice);
-  void onWorkerMessage(int rank, const proto::Message& message);
+  // PeerRouter::Sink: hellos and frames, routed by role (the listener checked the token).
+  void agentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) override;
+  int runningGeneration() const override { return controller_->generation(); }
+  bool expectsWorker(int rank) const override { return workers_.expects(rank); }
+  bool workerConnected(int rank, const std::shared_ptr<FramedConnection>& connection) override;
+  void allWorkersConnected() override;
+  void workerMessage(int rank, const proto::Message& message) override;
+  void preemptNotice(const std::shared_ptr<FramedConnection>& connection, const proto::PreemptNotice& notice) override;
   // A worker's heartbeat, from its own connection or relayed by its agent.
   void onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now);
   void onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats);
@@ -189,6 +197,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   // connections, which may outlive a handler).
   std::shared_ptr<HandlerGuard> guard_ = std::make_shared<HandlerGuard>();
   ControlListener listener_;
+  std::unique_ptr<PeerRouter> router_;  // made in start()
   bool tcpListening_ = true;  // false with DaemonOptions::localConnections: no control port
   std::unique_ptr<Timer> tickTimer_;
   std::unique_ptr<HostLauncher> launcher_;  // until start() hands it to the pool
