@@ -1,8 +1,10 @@
-// The ManagerDaemon in-process, on its own event loop, with a fake
-// HostLauncher whose "agents" are blocking clients that dial back and say
-// hello (manager_daemon_fakes.h): what the loop does with connections that
-// never say hello, with a failing accept (EMFILE), with a state write that
-// fails inside a connection's close, and with its launch threads.
+// The ManagerDaemon in-process, on its own event loop and the real clock,
+// with SimCluster's agents and workers dialling it over loopback TCP
+// (sim_daemon_harness.h): what the loop does with connections that never
+// say hello, with a failing accept (EMFILE), with a state write that fails
+// inside a connection's close, and with its launch threads. The peers that
+// misbehave (no hello, an oversized first frame) are raw sockets of the
+// test's own: what these cases need is real descriptors and real time.
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -14,28 +16,26 @@
 #include <algorithm>
 #include <filesystem>
 
-#include "daemon_harness.h"
-#include "manager_daemon_fakes.h"
+#include "sim_daemon_harness.h"
 
 using namespace varuna;
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
+using sim::PeerKind;
 
 namespace {
 
-// One host per machine-list line, one slot each, on FakeLauncher's silent agents.
-struct DaemonFixture : test::DaemonHarness {
-  test::FakeLauncher* launcher = nullptr;
-
+// One host per machine-list line, one slot each, on SimCluster's agents and
+// workers over TCP.
+struct DaemonFixture : test::SimDaemonHarness {
   explicit DaemonFixture(const std::string& name, PendingLimits limits = {},
                          const std::vector<std::string>& hosts = {"127.0.0.1"})
-      : DaemonHarness(name, 5000ms) {
+      : SimDaemonHarness(name, 5000ms) {
     test::writeMachineList(dir / "machines.txt", hosts, 1);
     // One replica per host.
     const JobConfig config = test::daemonTestConfig(dir, "daemon-test", static_cast<int64_t>(hosts.size()));
-    auto fake = std::make_unique<test::FakeLauncher>();
-    launcher = fake.get();
-    startDaemon(config, std::move(fake), limits);
+    simulate(sim::fastSimOptions());
+    startSimulated(config, limits);
   }
 
   bool agentUp(const std::string& host = "127.0.0.1") {
@@ -81,6 +81,11 @@ TEST_CASE("daemon: connections without a hello are capped and closed at their de
   limits.helloDeadline = 300ms;
   DaemonFixture f("daemon_pending", limits);
   REQUIRE(f.runUntil([&] { return f.agentUp(); }));
+  // Its worker has said hello: the manager waits for no peer, so the cap is maxPending.
+  REQUIRE(f.runUntil([&] {
+    const int generation = f.cluster->generation();
+    return generation >= 0 && f.cluster->welcomedWorkers(generation) == 1;
+  }));
   std::vector<int> idle;
   for (int i = 0; i < 40; ++i) idle.push_back(dial(f.daemon->port()));
   size_t peak = 0;
@@ -88,16 +93,16 @@ TEST_CASE("daemon: connections without a hello are capped and closed at their de
     peak = std::max(peak, f.daemon->pendingConnections());
     return false;
   }, 100ms);
-  CHECK(peak <= limits.maxPending + 1);  // + the launched worker that has not said hello (a fake agent starts none)
+  CHECK(peak <= limits.maxPending);
   // Over the cap the oldest went at once; the rest go at the deadline.
   REQUIRE(f.runUntil([&] { return std::all_of(idle.begin(), idle.end(), closedByPeer); }, 3000ms));
   CHECK(f.daemon->pendingConnections() == 0);
   // A notifier that says hello at once is never caught by either.
   std::vector<int> more;
   for (int i = 0; i < 20; ++i) more.push_back(dial(f.daemon->port()));
-  const auto reply = f.preemptNotice("127.0.0.1", 0);
-  REQUIRE(reply);
-  CHECK(std::get<proto::Ack>(*reply).ok);
+  f.cluster->sendPreemptNotice("127.0.0.1", 0);
+  REQUIRE(f.runUntil([&] { return f.cluster->count(PeerKind::kNotifier, "ack") == 1; }));
+  CHECK(std::get<proto::Ack>(f.cluster->ordersTo(PeerKind::kNotifier, "", "ack").front().message).ok);
   const auto state = f.state();
   CHECK(state["connections"]["over_the_cap"].get<int>() >= 40 - static_cast<int>(limits.maxPending));
   CHECK(state["connections"]["no_hello_in_time"].get<int>() >= 1);
@@ -165,8 +170,10 @@ TEST_CASE("daemon: a state write failing inside a connection's close is retried,
   fs::create_directories(blocker);
   // An agent goes away: its connection's onClose declares the host lost,
   // the controller kills the generation, and the state is written at once
-  // (which used to throw out of io.run() and end the manager).
-  ::shutdown(f.launcher->agents().at(0), SHUT_RDWR);
+  // (which used to throw out of io.run() and end the manager). Its restarts
+  // fail (an unreachable host): it is not back before the end.
+  f.cluster->setHostReachable("127.0.0.1", false);
+  f.cluster->dropAgent("127.0.0.1");
   REQUIRE_NOTHROW(f.runUntil([&] { return f.daemon->stateWriteFailing(); }, 3000ms));
   REQUIRE(f.daemon->stateWriteFailing());
   REQUIRE_NOTHROW(f.runFor(300ms));  // retried at every tick, logged once

@@ -1,9 +1,9 @@
 // One start-up per host at a time, against the ManagerDaemon in-process on
-// its own event loop and the real clock: FlakyLauncher's fake agents
-// (manager_daemon_fakes.h) heartbeat and answer orders, and a host's start-up
-// can be held on its launch thread (a slow SSH connection) while the loop and
-// time go on, which a fake clock cannot show (it holds still while a start-up
-// is under way). The other host cases run on a fake clock:
+// its own event loop and the real clock: SimCluster's agents and workers
+// over loopback TCP (sim_daemon_harness.h), and a host's start-up held on
+// its launch thread by SimHostLauncher (a slow SSH connection) while the loop
+// and time go on, which a fake clock cannot show (it holds still while a
+// start-up is under way). The other host cases run on a fake clock:
 // tests/unit/daemon_hosts_test.cpp.
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -11,8 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon_harness.h"
-#include "manager_daemon_fakes.h"
+#include "sim_daemon_harness.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
@@ -21,18 +20,14 @@ namespace {
 
 const std::vector<std::string> kTwoHosts = {"127.0.0.1", "127.0.0.2"};
 
-// Two hosts of one slot each, one replica per host, on FlakyLauncher's agents;
-// lost hosts are retried after 0.3 s, doubling up to 5 s.
-struct ReturnFixture : test::DaemonHarness {
-  test::FlakyLauncher* launcher = nullptr;
-
+// Two hosts of one slot each, one replica per host, on SimCluster's agents
+// and workers; lost hosts are retried after 0.3 s, doubling up to 5 s.
+struct ReturnFixture : test::SimDaemonHarness {
   explicit ReturnFixture(const std::string& name, const std::function<void(JobConfig&)>& tweak = {})
-      : DaemonHarness(name, 10000ms) {
+      : SimDaemonHarness(name, 10000ms) {
     writeList();
-    JobConfig config = test::hostReturnTestConfig(dir, tweak);
-    auto fake = std::make_unique<test::FlakyLauncher>();
-    launcher = fake.get();
-    startDaemon(config, std::move(fake));
+    simulate(sim::fastSimOptions());
+    startSimulated(test::hostReturnTestConfig(dir, tweak));
   }
 
   // The same text written again (truncated and rewritten in place).
@@ -57,8 +52,8 @@ TEST_CASE("daemon: one start-up per host at a time; the loop is never blocked by
   ReturnFixture f("daemon_host_retry_one_at_a_time");
   REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts; }));
   f.launcher->hold("127.0.0.2");  // its next start-up hangs (a slow SSH connection)
-  f.launcher->agent("127.0.0.2")->stop();
-  REQUIRE(f.runUntil([&] { return f.launcher->calls("127.0.0.2").size() == 2; }));
+  f.cluster->dropAgent("127.0.0.2", /*withWorkers=*/true);  // the agent goes away
+  REQUIRE(f.runUntil([&] { return f.launcher->calls("127.0.0.2") == 2; }));
   REQUIRE(f.runUntil([&] { return f.state()["hosts"]["127.0.0.2"]["agent"] == "starting"; }));
   const auto out = f.state()["hosts"]["127.0.0.2"]["out"];
   CHECK(out["why"] == "lost");
@@ -67,11 +62,11 @@ TEST_CASE("daemon: one start-up per host at a time; the loop is never blocked by
   f.writeList();
   REQUIRE(f.runUntil([&] { return f.events("hosts_readmitted").size() == 1; }));
   f.runUntil([] { return false; }, 1000ms);  // the loop runs on meanwhile (state.json is written)
-  CHECK(f.launcher->calls("127.0.0.2").size() == 2);
+  CHECK(f.launcher->calls("127.0.0.2") == 2);
   CHECK(f.daemon->launchThreads() == 1);
   f.launcher->release("127.0.0.2");
   REQUIRE(f.runUntil([&] { return f.hostBack("127.0.0.2"); }));
-  CHECK(f.launcher->calls("127.0.0.2").size() == 2);
+  CHECK(f.launcher->calls("127.0.0.2") == 2);
   REQUIRE(f.runUntil([&] { return f.daemon->launchThreads() == 0; }));
 }
 

@@ -1,9 +1,9 @@
 // The loop never waits on the store, on the real clock: the ManagerDaemon
-// in-process on its own event loop, FlakyLauncher's fake agents and a
-// FakeWorker that heartbeats and reports steps (manager_daemon_fakes.h),
-// while a store scan stalls its thread for seconds of real time; a fake clock
-// would hold still while it does. The hang cases run on a fake clock:
-// tests/unit/daemon_liveness_test.cpp.
+// in-process on its own event loop, SimCluster's agent and worker over
+// loopback TCP (sim_daemon_harness.h; the worker heartbeats over its own
+// connection and reports steps), while a store scan stalls its thread for
+// seconds of real time; a fake clock would hold still while it does. The
+// hang cases run on a fake clock: tests/unit/daemon_liveness_test.cpp.
 #include <catch2/catch.hpp>
 #include <atomic>
 #include <chrono>
@@ -13,26 +13,29 @@
 #include <thread>
 #include <vector>
 
-#include "daemon_harness.h"
-#include "manager_daemon_fakes.h"
+#include "sim_daemon_harness.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
-using test::FakeWorker;
+using sim::PeerKind;
 
 namespace {
 
-// One host with `slots` ranks (one stage, a replica per slot) on FlakyLauncher's
-// agents (they heartbeat and answer orders), and a store scan of the test's choosing.
-struct LivenessFixture : test::DaemonHarness {
+// One host with `slots` ranks (one stage, a replica per slot) on SimCluster's
+// agent and workers (a step every 0.2 s, a heartbeat every 0.1 s straight to
+// the manager), and a store scan of the test's choosing.
+struct LivenessFixture : test::SimDaemonHarness {
   LivenessFixture(const std::string& name, int slots, const std::function<void(JobConfig&)>& tweak,
                   StoreScanner scanner = {})
-      : DaemonHarness(name, 10000ms) {
+      : SimDaemonHarness(name, 10000ms) {
     test::writeMachineList(dir / "machines.txt", {"127.0.0.1"}, slots);
     JobConfig config = test::daemonTestConfig(dir, "daemon-test", slots);
     config.restartBackoffS = 0.05;
     if (tweak) tweak(config);
-    startDaemon(config, std::make_unique<test::FlakyLauncher>(), {}, std::move(scanner));
+    auto options = sim::fastSimOptions(/*step=*/200ms);
+    options.beatsThroughAgent = false;  // each worker's beats on its own connection
+    simulate(options);
+    startSimulated(config, {}, std::move(scanner));
   }
 
   // The generation of the newest launch, once there is one.
@@ -40,7 +43,12 @@ struct LivenessFixture : test::DaemonHarness {
     REQUIRE(runUntil([&] { return !events("launch").empty(); }));
     return events("launch").back()["generation"].get<int>();
   }
+  size_t pongs() const { return cluster->count(PeerKind::kWorker, "pong"); }
 };
+
+double millisBetween(Clock::TimePoint a, Clock::TimePoint b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
 
 }  // namespace
 
@@ -59,23 +67,23 @@ TEST_CASE("daemon: a slow checkpoint store never delays a ping or a heartbeat", 
   };
   LivenessFixture f("daemon_slow_store", 1, [](JobConfig& c) { c.heartbeatTimeoutS = 1; }, scanner);
   const int generation = f.launchedGeneration();
-  FakeWorker worker(f.address(), f.token(), 0, generation);
-  worker.advancing = true;
-  REQUIRE(f.runUntil([&] { return worker.step() >= 2; }));
+  REQUIRE(f.runUntil([&] { return f.cluster->generation() == generation && f.cluster->step(0) >= 2; }));
   *slow = true;
   const int scansBefore = *scans;
   REQUIRE(f.runUntil([&] { return scanning->load(); }, 3000ms));  // the next periodic scan is stuck
-  worker.requestPing();
-  REQUIRE(f.runUntil([&] { return worker.pongAfterMs() >= 0; }, 3000ms));
+  const size_t pongsBefore = f.pongs();
+  const auto pingSentAt = f.now();
+  REQUIRE(f.cluster->sendFromWorker(0, proto::encode(proto::Ping{1, 0})));
+  REQUIRE(f.runUntil([&] { return f.pongs() > pongsBefore; }, 3000ms));
   CHECK(scanning->load());  // answered while the scan still hangs
-  CHECK(worker.pongAfterMs() < 500);
+  CHECK(millisBetween(pingSentAt, f.cluster->ordersTo(PeerKind::kWorker, "", "pong").back().at) < 500);
   // Heartbeats keep being read meanwhile: the 1 s heartbeat timeout never fires,
   // and the steps keep being counted.
-  const int64_t stepBefore = worker.step();
+  const int64_t stepBefore = f.cluster->step(0);
   f.runFor(3000ms);
   CHECK(f.events("worker_hung").empty());
-  CHECK(worker.step() > stepBefore);
-  CHECK_FALSE(worker.exitOrdered());
+  CHECK(f.cluster->step(0) > stepBefore);
+  CHECK_FALSE(f.cluster->workerGot("exit_now", 0, generation));
   CHECK(*scans - scansBefore <= 3);  // one scan at a time, not one queued per second
   CHECK(f.daemon->handlerFailures() == 0);
   *slow = false;  // lets the scan under way end, so the daemon's destruction does not wait for it

@@ -1,8 +1,8 @@
 // DaemonHarness: the real ManagerDaemon in-process, for the tests that drive
-// it (manager_daemon_*_test.cpp with fake launchers on the real clock,
-// daemon_sequences_test.cpp and daemon_metrics_test.cpp with a simulated
-// cluster on a FakeClock). The daemon and whatever plays its agents and
-// workers share one io_context, which the test thread polls (runUntil): every
+// it with a simulated cluster (sim_daemon_harness.h): on the real clock over
+// TCP (manager_daemon_*_test.cpp) or on a FakeClock over the in-process
+// network (daemon_sequences_test.cpp and its siblings, daemon_metrics_test.cpp).
+// The daemon and whatever plays its agents and workers share one io_context, which the test thread polls (runUntil): every
 // wait is on a condition with a deadline, never a bare sleep.
 // On a FakeClock, runUntil first lets the loop settle (runs every handler
 // that is ready, the in-memory streams' reads and writes included, and waits
@@ -16,13 +16,12 @@
 // Also the job such a test starts from (daemonTestConfig and a machine
 // list in the test's scratch folder) and readers of what the daemon writes
 // there (state.json, events.jsonl, the job token).
-// Single-threaded: members are called on the test thread only (preemptNotice
-// runs its notifier on a thread of its own while the test thread polls).
+// Single-threaded: members are called on the test thread only. The peers:
+// SimDaemonHarness (sim_daemon_harness.h) adds a SimCluster.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -30,7 +29,6 @@
 #include <sstream>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -38,7 +36,6 @@
 
 #include "fake_clock.h"
 #include "test_env.h"
-#include "varuna/common/control_client.h"
 #include "varuna/manager/local_network.h"
 #include "varuna/manager/manager_daemon.h"
 
@@ -226,33 +223,6 @@ struct DaemonHarness {
     }
     if (const int sockets = openSockets(); sockets != 0) problems << sockets << " socket(s) open in this process; ";
     return problems.str();
-  }
-
-  // notify_manager_preempt from `host` over TCP (the real clock's tests; on
-  // the in-process network, SimCluster::sendPreemptNotice), on a thread of
-  // its own while the loop runs: hello as a notifier, then PreemptNotice{host, deadlineUnixMs}. The
-  // daemon's reply, or nullopt if none came (within defaultLimit).
-  std::optional<proto::Message> preemptNotice(const std::string& host, int64_t deadlineUnixMs) {
-    std::optional<proto::Message> reply;
-    std::atomic<bool> done{false};
-    std::thread notifier([&, tokenText = token(), managerAddress = address()] {
-      try {
-        auto client = proto::ControlClient::connect(managerAddress, std::chrono::seconds(5));
-        proto::Hello hello;
-        hello.token = tokenText;
-        hello.role = "notifier";
-        hello.host = host;
-        client.send(hello);
-        client.send(proto::PreemptNotice{host, deadlineUnixMs});
-        reply = client.receive(std::chrono::seconds(5));
-      } catch (const std::exception&) {
-        // No reply: the caller's check fails.
-      }
-      done = true;
-    });
-    runUntil([&] { return done.load(); });
-    notifier.join();
-    return reply;
   }
 };
 

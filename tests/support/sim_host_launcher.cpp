@@ -20,8 +20,37 @@ struct Pending {
 
 }  // namespace
 
+void SimHostLauncher::hold(const std::string& host) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  held_.insert(host);
+}
+
+void SimHostLauncher::release(const std::string& host) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  held_.erase(host);
+  released_.notify_all();
+}
+
+size_t SimHostLauncher::calls(const std::string& host) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = calls_.find(host);
+  return it == calls_.end() ? 0 : it->second;
+}
+
+bool SimHostLauncher::waitWhileHeld(const std::string& host) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  ++calls_[host];
+  // In slices: the cluster may shut down (nobody releases the host then).
+  while (held_.count(host) && !gate_->closed) released_.wait_for(lock, std::chrono::milliseconds(50));
+  return !gate_->closed;
+}
+
 HostCommandResult SimHostLauncher::run(const std::string& host, const std::string& command, const std::string& input) {
   HostCommandResult result;
+  if (!waitWhileHeld(host)) {
+    result.message = strCat("the simulated cluster shut down while the start-up of ", host, " was held");
+    return result;
+  }
   std::smatch match;
   if (!std::regex_search(command, match, std::regex("--manager '([^']+)'"))) {
     result.exitStatus = kExitConfigError;
@@ -31,7 +60,7 @@ HostCommandResult SimHostLauncher::run(const std::string& host, const std::strin
   }
   const std::string address = match[1].str();
   {
-    std::lock_guard<std::mutex> lock(commandsMutex_);
+    std::lock_guard<std::mutex> lock(mutex_);
     commands_.push_back(command);
   }
   // The token as varuna_agent takes it (agent_main.cpp, readJobToken): the

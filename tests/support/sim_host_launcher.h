@@ -10,12 +10,17 @@
 // Called on the daemon's launch threads: each call posts the start-up to the
 // cluster's io_context (the daemon's own) and waits for its result; it gives
 // up when the cluster shuts down or after `timeout`. Callable from several
-// threads at once.
+// threads at once. A host's start-ups can be held on their launch thread (a
+// slow SSH connection) while the loop and the time go on: what only the real
+// clock shows, as a fake one holds still while a start-up is under way.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -31,16 +36,30 @@ class SimHostLauncher : public HostLauncher {
   HostCommandResult run(const std::string& host, const std::string& command, const std::string& input) override;
   // The agent commands it was given (with a manager address), oldest first.
   std::vector<std::string> commands() const {
-    std::lock_guard<std::mutex> lock(commandsMutex_);
+    std::lock_guard<std::mutex> lock(mutex_);
     return commands_;
   }
+  // From now on, start-ups of `host` wait on their launch thread until
+  // release(host) (or the cluster shuts down: they fail). Any thread.
+  void hold(const std::string& host);
+  void release(const std::string& host);
+  // Start-ups of `host` asked for so far, held ones included (the cluster's
+  // agentStarts counts one only once it reaches the cluster's thread).
+  size_t calls(const std::string& host) const;
 
  private:
+  // Waits while `host` is held; false if the cluster shut down meanwhile.
+  bool waitWhileHeld(const std::string& host);
+
   boost::asio::io_context& io_;
   std::shared_ptr<LaunchGate> gate_;
   std::chrono::milliseconds timeout_;
-  mutable std::mutex commandsMutex_;  // run() is called on several launch threads
+  // run() is called on several launch threads, hold() and release() on the test's.
+  mutable std::mutex mutex_;
+  std::condition_variable released_;
   std::vector<std::string> commands_;
+  std::set<std::string> held_;
+  std::map<std::string, size_t> calls_;
 };
 
 }  // namespace varuna::sim

@@ -13,10 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "daemon_harness.h"
 #include "loop/event_log.h"  // unixMillisNow
-#include "sim_cluster.h"
-#include "sim_host_launcher.h"
+#include "sim_daemon_harness.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
@@ -28,29 +26,18 @@ const std::vector<std::string> kTwoHosts = {"127.0.0.1", "127.0.0.2"};
 
 // Two hosts of one slot each, one replica per host; lost hosts are retried
 // after 0.3 s, doubling up to 5 s.
-struct ReturnFixture : test::DaemonHarness {
-  std::unique_ptr<sim::SimCluster> cluster;
-  sim::SimHostLauncher* launcher = nullptr;
-
+struct ReturnFixture : test::SimDaemonHarness {
   explicit ReturnFixture(const std::string& name, const std::function<void(JobConfig&)>& tweak = {})
-      : DaemonHarness(name, 10000ms) {
+      : SimDaemonHarness(name, 10000ms) {
     writeList();
     JobConfig config = test::hostReturnTestConfig(dir, tweak);
     auto options = sim::fastSimOptions();
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    test::FakeClock& fake = useFakeClock();
-    options.localNetwork = localNetwork.get();  // in-memory streams to the daemon: no socket
-    cluster = std::make_unique<sim::SimCluster>(io, options, fake);
-    auto simLauncher = std::make_unique<sim::SimHostLauncher>(*cluster);
-    launcher = simLauncher.get();
-    startDaemon(config, std::move(simLauncher));
+    useFakeClock();  // and in-memory streams to the daemon: no socket
+    simulate(options);
+    startSimulated(config);
   }
-  ~ReturnFixture() {
-    CHECK(noSockets() == "");  // the whole test ran without a socket
-    cluster->shutdown();  // first: a launch thread waiting for its agent gives up
-    daemon.reset();       // joins the launch threads
-    cluster.reset();
-  }
+  ~ReturnFixture() { CHECK(noSockets() == ""); }  // the whole test ran without a socket
 
   // The same text written again (truncated and rewritten in place).
   void writeList() { test::writeMachineList(dir / "machines.txt", kTwoHosts, 1); }

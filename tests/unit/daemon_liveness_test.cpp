@@ -11,9 +11,7 @@
 #include <memory>
 #include <string>
 
-#include "daemon_harness.h"
-#include "sim_cluster.h"
-#include "sim_host_launcher.h"
+#include "sim_daemon_harness.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
@@ -23,12 +21,11 @@ namespace {
 // One host with `slots` ranks (one stage, a replica per slot). Every rank of
 // the first generation starts with its progress frozen (connected, beating,
 // no step: rendezvous or loading) until thawed.
-struct LivenessFixture : test::DaemonHarness {
-  std::unique_ptr<sim::SimCluster> cluster;
+struct LivenessFixture : test::SimDaemonHarness {
   int slots;
 
   LivenessFixture(const std::string& name, int slots, const std::function<void(JobConfig&)>& tweak)
-      : DaemonHarness(name, 10000ms), slots(slots) {
+      : SimDaemonHarness(name, 10000ms), slots(slots) {
     test::writeMachineList(dir / "machines.txt", {"127.0.0.1"}, slots);
     JobConfig config = test::daemonTestConfig(dir, "daemon-test", slots);
     config.restartBackoffS = 0.05;
@@ -40,23 +37,16 @@ struct LivenessFixture : test::DaemonHarness {
     options.step = 200ms;
     options.agentGrace = 1000ms;
     options.globalStore = config.globalStore;
-    test::FakeClock& fake = useFakeClock();
-    options.localNetwork = localNetwork.get();  // in-memory streams to the daemon: no socket
-    cluster = std::make_unique<sim::SimCluster>(io, options, fake);
+    useFakeClock();  // and in-memory streams to the daemon: no socket
     sim::SimCluster::Callbacks callbacks;
     callbacks.onAllWorkersConnected = [this](int generation, int worldSize) {
       if (generation != 1) return;
       for (int rank = 0; rank < worldSize; ++rank) cluster->freezeProgress(rank);
     };
-    cluster->setCallbacks(std::move(callbacks));
-    startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
+    simulate(options).setCallbacks(std::move(callbacks));
+    startSimulated(config);
   }
-  ~LivenessFixture() {
-    CHECK(noSockets() == "");  // the whole test ran without a socket
-    cluster->shutdown();
-    daemon.reset();
-    cluster.reset();
-  }
+  ~LivenessFixture() { CHECK(noSockets() == ""); }  // the whole test ran without a socket
 
   // Generation 1, every rank connected (progress frozen).
   void waitConnected() {

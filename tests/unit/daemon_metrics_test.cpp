@@ -7,9 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include "daemon/job_metrics.h"
-#include "daemon_harness.h"
-#include "sim_cluster.h"
-#include "sim_host_launcher.h"
+#include "sim_daemon_harness.h"
 #include "varuna/manager/manager_daemon.h"
 
 using namespace varuna;
@@ -19,10 +17,8 @@ using sim::PeerKind;
 namespace {
 
 // run_varuna in-process on two hosts of 2 slots: 2 stages x 2 replicas.
-struct MetricsDaemon : test::DaemonHarness {
-  std::unique_ptr<sim::SimCluster> cluster;
-
-  explicit MetricsDaemon(const std::string& name) : DaemonHarness(name, 15s) {
+struct MetricsDaemon : test::SimDaemonHarness {
+  explicit MetricsDaemon(const std::string& name) : SimDaemonHarness(name, 15s) {
     test::writeMachineList(dir / "machines.txt", {"node-a", "node-b"}, 2);
     JobConfig config = test::daemonTestConfig(dir, "metrics", /*batchSize=*/4, /*nstages=*/2);
     config.heartbeatTimeoutS = 2;
@@ -33,17 +29,11 @@ struct MetricsDaemon : test::DaemonHarness {
     config.maxFailures = 5;
     auto options = sim::fastSimOptions(50ms, 200ms);
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    test::FakeClock& fake = useFakeClock();
-    options.localNetwork = localNetwork.get();  // in-memory streams to the daemon: no socket
-    cluster = std::make_unique<sim::SimCluster>(io, options, fake);
-    startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
+    useFakeClock();  // and in-memory streams to the daemon: no socket
+    simulate(options);
+    startSimulated(config);
   }
-  ~MetricsDaemon() {
-    CHECK(noSockets() == "");  // the whole test ran without a socket
-    cluster->shutdown();
-    daemon.reset();
-    cluster.reset();
-  }
+  ~MetricsDaemon() { CHECK(noSockets() == ""); }  // the whole test ran without a socket
 
   bool waitTraining(int generation, int64_t steps = 3) {
     return runUntil([&] {

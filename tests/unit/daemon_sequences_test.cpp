@@ -12,9 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "daemon_harness.h"
-#include "sim_cluster.h"
-#include "sim_host_launcher.h"
+#include "sim_daemon_harness.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/manager/manager_daemon.h"
 
@@ -32,12 +30,10 @@ struct Job {
 };
 
 // run_varuna in-process on `job`'s hosts, its agents and workers simulated.
-struct SimDaemon : test::DaemonHarness {
-  std::unique_ptr<sim::SimCluster> cluster;
-
+struct SimDaemon : test::SimDaemonHarness {
   SimDaemon(const std::string& name, const Job& job, const std::function<void(JobConfig&)>& tweak = {},
             sim::SimOptions simOptions = sim::fastSimOptions())
-      : DaemonHarness(name, 10s) {
+      : SimDaemonHarness(name, 10s) {
     test::writeMachineList(dir / "machines.txt", job.hosts, job.slots);
     // agentPath never runs: SimHostLauncher starts a simulated agent.
     JobConfig config = test::daemonTestConfig(dir, "sequences", job.batch, job.stages);
@@ -49,17 +45,11 @@ struct SimDaemon : test::DaemonHarness {
     config.maxFailures = 5;
     if (tweak) tweak(config);
     simOptions.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
-    test::FakeClock& fake = useFakeClock();
-    simOptions.localNetwork = localNetwork.get();  // in-memory streams to the daemon: no socket
-    cluster = std::make_unique<sim::SimCluster>(io, simOptions, fake);
-    startDaemon(config, std::make_unique<sim::SimHostLauncher>(*cluster));
+    useFakeClock();  // and in-memory streams to the daemon: no socket
+    simulate(simOptions);
+    startSimulated(config);
   }
-  ~SimDaemon() {
-    CHECK(noSockets() == "");  // the whole test ran without a socket
-    cluster->shutdown();  // first: a launch thread waiting for its agent gives up
-    daemon.reset();       // joins the launch threads
-    cluster.reset();
-  }
+  ~SimDaemon() { CHECK(noSockets() == ""); }  // the whole test ran without a socket
 
   // Every rank of `generation` has been welcomed and finished `steps` steps.
   bool training(int generation, int64_t steps = 2) const {

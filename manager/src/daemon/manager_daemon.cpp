@@ -77,9 +77,6 @@ ManagerDaemon::Impl::Impl(asio::io_context& io, JobConfig config, std::unique_pt
       launcher_(std::move(launcher)),
       machineList_(config_.machineList, config_.gpusPerNode),
       liveness_({config_.heartbeatTimeoutS, config_.startupTimeoutS, config_.hangTimeoutS}),
-      slowDetector_(config_.slowThreshold, config_.slowWindow),
-      progress_(config_.batchSize),
-      stateFile_(config_.stateDir),
       metrics_(config_.batchSize) {
   if (options.localConnections) listener_.listenLocal(*options.localConnections);
   tcpListening_ = !options.localConnections;
@@ -90,7 +87,7 @@ ManagerDaemon::Impl::~Impl() = default;
 // --- start-up -------------------------------------------------------------------
 
 void ManagerDaemon::Impl::start() {
-  startedAt_ = clock_.now();
+  const TimePoint startedAt = clock_.now();
   std::error_code ec;
   fs::create_directories(config_.stateDir, ec);
   if (ec) throw ConfigError(strCat("cannot create --state_dir ", config_.stateDir, ": ", ec.message()));
@@ -98,7 +95,7 @@ void ManagerDaemon::Impl::start() {
   token_ = loadOrCreateToken(config_.stateDir);
   events_ = std::make_unique<EventLog>((fs::path(config_.stateDir) / "events.jsonl").string());
   morph_.setEventLog(events_.get());
-  stepLog_ = std::make_unique<StepLog>((fs::path(config_.stateDir) / "steps.jsonl").string(), config_.batchSize);
+  auto stepLog = std::make_unique<StepLog>((fs::path(config_.stateDir) / "steps.jsonl").string(), config_.batchSize);
   if (!config_.envFile.empty()) env_ = parseEnvFile(ckpt::readFile(config_.envFile), config_.envFile);
   env_ = jobEnvironment(config_, std::move(env_));
   fs::create_directories(config_.globalStore, ec);
@@ -117,6 +114,7 @@ void ManagerDaemon::Impl::start() {
   pool_->setListed(listed);
   checkpoints_ = std::make_unique<CheckpointWatcher>(io_, guard_, *events_, config_.globalStore, storeScanner_, clock_);
   createController(first);
+  createReporter(startedAt, std::move(stepLog));
   checkpoints_->scanNow();  // before the loop runs (nothing is waiting on it yet)
 
   log::info("job '", config_.job, "': manager ",
@@ -126,13 +124,30 @@ void ManagerDaemon::Impl::start() {
   events_->write("manager_started", {{"address", advertisedAddress_}, {"pid", ::getpid()},
                                       {"hosts", listed.size()}, {"config", toJson(config_)},
                                       {"metrics", metricsServer_ ? json(metricsServer_->url()) : json()}});
+  createRouter();
   listener_.start(
       token_, *events_,
-      [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) { onHello(connection, hello); },
+      [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+        router_->route(connection, hello);
+      },
       [this] { return expectedHellos(); });
   for (const auto& m : listed) pool_->startAgent(m.host);
   scheduleTick();
   writeState();
+}
+
+void ManagerDaemon::Impl::createRouter() {
+  PeerRouter::Options options;
+  // How long a worker may go without hearing from us before it exits on its
+  // own: as long as its agent would wait (a silent agent is lost after the
+  // heartbeat timeout, its workers killed after the agents' grace).
+  options.lostManagerGrace = millis(config_.heartbeatTimeoutS + config_.agentGraceS);
+  // With salvage on, a worker that loses a peer waits for our order (twice
+  // the rounds' timeout at most) instead of exiting.
+  const bool salvage = !config_.noSalvage && !config_.noMorphing;
+  if (salvage) options.salvageTimeout = millis(config_.salvageTimeoutS);
+  PeerRouter::Sink& sink = *this;  // a private base: converted here, where it is accessible
+  router_ = std::make_unique<PeerRouter>(options, sink, *events_);
 }
 
 void ManagerDaemon::Impl::listen() {
@@ -238,18 +253,6 @@ std::chrono::milliseconds ManagerDaemon::Impl::lostManagerAfter() const {
 
 // --- hellos and what peers send -----------------------------------------------------
 
-void ManagerDaemon::Impl::onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
-  if (hello.role == "agent") {
-    pool_->admit(connection, hello);
-  } else if (hello.role == "worker") {
-    onWorkerHello(connection, hello);
-  } else if (hello.role == "notifier") {
-    onNotifierHello(connection);
-  } else {
-    throw proto::ProtocolError(strCat("unknown role '", hello.role, "'"));
-  }
-}
-
 size_t ManagerDaemon::Impl::backgroundJobs() const {
   return (pool_ ? pool_->launchThreads() : 0) + (checkpoints_ ? checkpoints_->pendingJobs() : 0) +
          (planWorker_ ? planWorker_->pending() : 0);
@@ -257,63 +260,23 @@ size_t ManagerDaemon::Impl::backgroundJobs() const {
 
 size_t ManagerDaemon::Impl::expectedHellos() const { return pool_->startingCount() + workers_.unconnected(); }
 
-void ManagerDaemon::Impl::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
-  if (hello.generation != controller_->generation() || !workers_.expects(hello.rank)) {
-    // A worker of a generation that is over or that this manager never
-    // launched (one an earlier manager left, or one written off as hung or
-    // lost): ordered out, not merely refused, so it stops training into the
-    // store at once.
-    const std::string reason = strCat("generation ", hello.generation, " is over: this manager expects no rank ",
-                                      hello.rank, " of it (current generation ", controller_->generation(), ")");
-    const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
-    log::warn("ordering rank ", hello.rank, " of generation ", hello.generation, " on ", host, " (",
-              connection->peer(), ") to exit: ", reason);
-    events_->write("stale_worker", {{"generation", hello.generation}, {"rank", hello.rank}, {"host", host},
-                                    {"peer", connection->peer()}});
-    connection->send(proto::ExitNow{hello.generation, reason});
-    connection->closeAfterSending("stale worker");
-    return;
-  }
-  const int rank = hello.rank;
+void ManagerDaemon::Impl::agentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+  pool_->admit(connection, hello);
+}
+
+bool ManagerDaemon::Impl::workerConnected(int rank, const std::shared_ptr<FramedConnection>& connection) {
+  return workers_.connect(rank, connection, clock_.now());
+}
+
+void ManagerDaemon::Impl::allWorkersConnected() {
   const auto now = clock_.now();
-  const bool all = workers_.connect(rank, connection, now);
-  connection->start([this, rank](const proto::Message& m) { onWorkerMessage(rank, m); },
-                    [rank](const std::string& reason) {
-                      // Exits are reported by the agents. A worker that exits
-                      // (_Exit) with a pong it has not read yet resets the
-                      // connection instead of closing it: that is an exit too.
-                      const bool exited = reason == "closed by peer" || reason == "Connection reset by peer";
-                      if (!exited) log::warn("connection of rank ", rank, " closed: ", reason);
-                    });
-  // How long it may go without hearing from us before it exits on its own:
-  // as long as its agent would wait (a silent agent is lost after the
-  // heartbeat timeout, its workers killed after the agents' grace).
-  // With salvage on, a worker that loses a peer waits for our order (twice
-  // the rounds' timeout at most) instead of exiting.
-  const bool salvage = !config_.noSalvage && !config_.noMorphing;
-  connection->send(proto::Welcome{hello.generation, millis(config_.heartbeatTimeoutS + config_.agentGraceS).count(),
-                                  salvage ? millis(config_.salvageTimeoutS).count() : 0});
-  if (!all) return;
   morph_.connected(now);
   log::info("all ", workers_.size(), " workers of generation ", controller_->generation(), " connected (",
             secondsBetween(liveness_.launchedAt(), now), " s after launch)");
 }
 
-void ManagerDaemon::Impl::onNotifierHello(const std::shared_ptr<FramedConnection>& connection) {
-  std::weak_ptr<FramedConnection> weak = connection;
-  connection->start(
-      [this, weak](const proto::Message& m) {
-        auto c = weak.lock();
-        if (!c) return;
-        if (const auto* notice = std::get_if<proto::PreemptNotice>(&m)) return onPreemptNotice(c, *notice);
-        c->send(proto::Ack{false, "expected a preempt notice"});
-        c->closeAfterSending("bad notifier");
-      },
-      [](const std::string&) {});
-}
-
-void ManagerDaemon::Impl::onPreemptNotice(const std::shared_ptr<FramedConnection>& connection,
-                                          const proto::PreemptNotice& notice) {
+void ManagerDaemon::Impl::preemptNotice(const std::shared_ptr<FramedConnection>& connection,
+                                        const proto::PreemptNotice& notice) {
   if (!pool_->known(notice.host)) {
     connection->send(proto::Ack{false, strCat("host '", notice.host, "' is not in the machine list")});
     connection->closeAfterSending("unknown host");
@@ -337,7 +300,7 @@ void ManagerDaemon::Impl::onPreemptNotice(const std::shared_ptr<FramedConnection
   apply(controller_->preemptNotice(notice.host, now, takenAt));
 }
 
-void ManagerDaemon::Impl::onWorkerMessage(int rank, const proto::Message& message) {
+void ManagerDaemon::Impl::workerMessage(int rank, const proto::Message& message) {
   WorkerState* worker = workers_.find(rank);
   if (!worker) return;
   const auto now = clock_.now();
@@ -348,9 +311,9 @@ void ManagerDaemon::Impl::onWorkerMessage(int rank, const proto::Message& messag
     liveness_.noteStep(*worker, report->step, /*report=*/true, now);
     reachedStep_ = std::max(reachedStep_, report->step);
     generationReached_ = std::max(generationReached_, report->step);
-    onStepReport(*report);
+    reporter_->onStepReport(*report, controller_->plan(), controller_->generation());
   } else if (const auto* failed = std::get_if<proto::CheckpointFailed>(&message)) {
-    onCheckpointFailed(rank, *failed);
+    reporter_->onCheckpointFailed(rank, *failed, controller_->plan());
   } else if (const auto* ping = std::get_if<proto::Ping>(&message)) {
     if (worker->connection) worker->connection->send(proto::Pong{ping->sequence, ping->sentNs});
   } else if (const auto* ready = std::get_if<proto::SalvageReady>(&message)) {
@@ -563,7 +526,7 @@ void ManagerDaemon::Impl::finishLaunch(action::Launch launch, const CheckpointWa
   const auto now = clock_.now();
   const auto latest = checkpoints_->read(prep.scan);
   checkpoints_->note(latest, now, prep.scan.latestAgeSeconds);
-  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
+  reporter_->checkpointSeen();
   launch.resumeStep = latest.value_or(-1);
   generationResume_ = launch.resumeStep;
   generationReached_ = -1;
@@ -571,9 +534,7 @@ void ManagerDaemon::Impl::finishLaunch(action::Launch launch, const CheckpointWa
   metrics_.launched(plan, launch.generation, launch.resumeStep, now);
   liveness_.launched(now);  // the startup timeout until its first step
   workers_.expect(plan);
-  stepLog_->flush();  // the last step of the generation before
-  progress_.newGeneration();
-  slowDetector_.reset(plan);
+  reporter_->onLaunch(plan);
   morph_.launched(now);
   log::info("generation ", launch.generation, ": ", plan.describe(),
             launch.resumeStep >= 0 ? strCat("; resuming from step ", launch.resumeStep) : std::string("; fresh start"));
@@ -606,10 +567,10 @@ void ManagerDaemon::Impl::doStop(const action::Stop& stop) {
   // The checkpoint the workers just wrote, if any (finishShutdown waits for it).
   checkpoints_->finalScan([this] {
     // The tick no longer runs.
-    metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
+    reporter_->checkpointSeen();
     writeState();
   });
-  stepLog_->flush();
+  reporter_->flushSteps();
   events_->write("stop", {{"reason", stop.reason}, {"exit_code", stop.exitCode}});
   orderWorkersOut("the job stopped: " + stop.reason);  // any still running (a job that finished has none)
   pool_->shutdownAll(stop.reason);
@@ -633,7 +594,7 @@ void ManagerDaemon::Impl::finishShutdown() {
     log::warn("the checkpoint store did not answer within ", std::chrono::duration<double>(kFinalScanWait).count(),
               " s: the last checkpoint may be missing from state.json");
   }
-  printSummary();
+  reporter_->printSummary();
   listener_.close();
   tickTimer_->cancel();
   pool_->closeAll("manager exiting");
@@ -694,9 +655,7 @@ void ManagerDaemon::Impl::onTick() {
     lastCheckpointPoll_ = now;
     checkpoints_->poll();
   }
-  metrics_.checkpointSeen(checkpoints_->latest(), checkpoints_->latestSeenAt(), checkpoints_->latestCompletedAt());
-  metrics_.tick(now);
-  if (stateFile_.due(now)) writeState();
+  reporter_->tick(now);  // the checkpoint and the metrics, state.json once a second
 }
 
 void ManagerDaemon::Impl::checkSilentRanks(TimePoint now) {
@@ -765,7 +724,7 @@ bool ManagerDaemon::Impl::readmitListedHosts(TimePoint now) {
   for (const auto& readmitted : pool_->readmitListed(now, &back)) {
     // Flagged slow again later, it is excluded again (a verdict equal to the
     // last one is otherwise not acted on).
-    if (readmitted.value("slow", false)) std::erase(slowHosts_, readmitted["host"].get<std::string>());
+    if (readmitted.value("slow", false)) reporter_->slowHostReadmitted(readmitted["host"].get<std::string>());
   }
   return back;
 }

@@ -5,18 +5,26 @@
 // beside it in manager/src/daemon/:
 //  - ControlListener: the TCP listener, connections before their hello
 //    (capped, with a deadline), the token check, accept backoff;
+//  - PeerRouter: where a connection goes after its hello (by role), stale
+//    workers ordered out, a worker's Welcome; it calls the daemon as its Sink;
 //  - AgentPool: the host agents (start-ups on launch threads, heartbeats both
 //    ways, losses) and HostAbsences, when hosts that are out come back;
 //  - WorkerRegistry: the running generation's workers and their exit orders;
 //  - LivenessWatchdog: silent and hung ranks;
 //  - CheckpointWatcher: the checkpoint store, looked at off the loop;
-//  - StepProgress, StepLog and StateFile: the progress line, steps.jsonl and state.json;
+//  - JobReporter: the reporting role: step reports (the progress line,
+//    steps.jsonl, the step metrics), slow-machine verdicts, checkpoint
+//    failures, host metrics, state.json and the final summary; it reads the
+//    daemon through a DaemonStatus that reportStatus() builds, nothing more;
 //  - MachineListWatcher: edits and rewrites of the machine list;
 //  - JobMetrics and MetricsServer: the job as Prometheus metrics, served on
 //    civetweb's threads (--metrics_port); the loop only sets them.
-// The daemon wires them: a hello goes to the pool or the registry, a lost
-// host's workers are ordered out, a verdict becomes a controller call, and
-// the controller's actions go out through the pool and the registry.
+// The daemon wires them: a hello the router hands it goes to the pool or the
+// registry, a lost host's workers are ordered out, a verdict becomes a
+// controller call, the controller's actions go out through the pool and the
+// registry, and what the people watching the job see goes through the
+// reporter. Its own role is what each of those means for the job, and
+// carrying out the controller's actions.
 //
 // Single-threaded: every member runs on the io_context's thread; launch
 // threads, the store's thread and AutoConfig's thread only post results back
@@ -39,7 +47,6 @@
 #include "varuna/manager/job_config.h"
 #include "varuna/manager/manager_daemon.h"
 #include "varuna/manager/morph_controller.h"
-#include "varuna/manager/slow_machine_detector.h"
 
 // The runtime's own parts (manager/src/).
 #include "daemon/agent_pool.h"
@@ -47,13 +54,12 @@
 #include "daemon/checkpoint_watcher.h"
 #include "daemon/control_listener.h"
 #include "daemon/job_metrics.h"
+#include "daemon/job_reporter.h"
 #include "daemon/liveness_watchdog.h"
 #include "daemon/machine_list_watcher.h"
 #include "daemon/metrics_server.h"
 #include "daemon/morph_tracker.h"
-#include "daemon/state_file.h"
-#include "daemon/step_log.h"
-#include "daemon/step_progress.h"
+#include "daemon/peer_router.h"
 #include "daemon/worker_registry.h"
 #include "loop/background_worker.h"
 #include "loop/event_log.h"
@@ -62,7 +68,7 @@
 
 namespace varuna {
 
-class ManagerDaemon::Impl : private AgentPool::Observer {
+class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sink {
  public:
   Impl(boost::asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
        DaemonOptions options = {});
@@ -91,7 +97,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   uint64_t tcpConnectionsAccepted() const { return listener_.tcpAccepted(); }
   uint64_t localConnectionsAccepted() const { return listener_.localAccepted(); }
   uint64_t handlerFailures() const { return guard_->failures(); }
-  bool stateWriteFailing() const { return stateFile_.failing(); }
+  bool stateWriteFailing() const { return reporter_ && reporter_->stateWriteFailing(); }
   // Work on other threads whose result the loop has not had yet: agent
   // start-ups and store or planning jobs (a test on a fake clock holds its
   // time still while there is any, as the real clock would barely move).
@@ -104,17 +110,22 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   void serveMetrics();
   void createController(int firstGeneration);
   void createPlanner(ControllerOptions& options);
+  void createRouter();
+  // Once the parts it reads exist; `stepLog` was opened earlier in start().
+  void createReporter(TimePoint startedAt, std::unique_ptr<StepLog> stepLog);
   std::string agentCommand(const std::string& host) const;
   // How long an agent that hears nothing from the manager waits before it
   // takes the manager as gone (its --lost_manager_ms).
   std::chrono::milliseconds lostManagerAfter() const;
 
-  // Hellos, by role (the listener checked the token).
-  void onHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
-  void onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
-  void onNotifierHello(const std::shared_ptr<FramedConnection>& connection);
-  void onPreemptNotice(const std::shared_ptr<FramedConnection>& connection, const proto::PreemptNotice& notice);
-  void onWorkerMessage(int rank, const proto::Message& message);
+  // PeerRouter::Sink: hellos and frames, routed by role (the listener checked the token).
+  void agentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) override;
+  int runningGeneration() const override { return controller_->generation(); }
+  bool expectsWorker(int rank) const override { return workers_.expects(rank); }
+  bool workerConnected(int rank, const std::shared_ptr<FramedConnection>& connection) override;
+  void allWorkersConnected() override;
+  void workerMessage(int rank, const proto::Message& message) override;
+  void preemptNotice(const std::shared_ptr<FramedConnection>& connection, const proto::PreemptNotice& notice) override;
   // A worker's heartbeat, from its own connection or relayed by its agent.
   void onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now);
   void onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats);
@@ -169,17 +180,15 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   // another chance now. True if one is back already.
   bool readmitListedHosts(TimePoint now);
 
-  // Reporting.
-  void onStepReport(const proto::StepReport& report);
-  void onCheckpointFailed(int rank, const proto::CheckpointFailed& failure);
-  void onSlowVerdict(const std::vector<SlowMachine>& slow);
+  // Reporting, through the reporter (none before start() made it).
+  JobReporter::DaemonStatus reportStatus() const;
   void updateHostMetrics(TimePoint now);
-  std::string checkpointText(TimePoint now) const;
+  // --exclude_slow: the reporter's verdict named `host`.
+  void excludeSlowHost(const std::string& host);
   // state.json now; on failure logged (rate-limited) and retried at every tick.
-  void writeState();
-  nlohmann::json stateJson();
-  const nlohmann::json& cachedPlanJson();
-  void printSummary();
+  void writeState() {
+    if (reporter_) reporter_->writeState();
+  }
 
   boost::asio::io_context& io_;
   Clock& clock_;
@@ -188,6 +197,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   // connections, which may outlive a handler).
   std::shared_ptr<HandlerGuard> guard_ = std::make_shared<HandlerGuard>();
   ControlListener listener_;
+  std::unique_ptr<PeerRouter> router_;  // made in start()
   bool tcpListening_ = true;  // false with DaemonOptions::localConnections: no control port
   std::unique_ptr<Timer> tickTimer_;
   std::unique_ptr<HostLauncher> launcher_;  // until start() hands it to the pool
@@ -196,16 +206,15 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   std::vector<std::pair<std::string, int64_t>> profiledPieces_;  // --profile's pieces (name, parameters), for the workers
   std::vector<std::pair<std::string, std::string>> env_;  // env_file
   std::unique_ptr<EventLog> events_;
-  std::unique_ptr<StepLog> stepLog_;  // steps.jsonl
   std::unique_ptr<MorphController> controller_;
   MachineListWatcher machineList_;
   WorkerRegistry workers_;  // the running generation's
   LivenessWatchdog liveness_;
-  SlowMachineDetector slowDetector_;
-  StepProgress progress_;
-  StateFile stateFile_;
   JobMetrics metrics_;  // set at the points where events are logged
   MorphTracker morph_{metrics_};  // the morph under way: its timing, metrics and event
+  // Made in start(). Reads checkpoints_ (declared below, destroyed first)
+  // only from handlers, never in its destructor.
+  std::unique_ptr<JobReporter> reporter_;
   // The highest step any rank said it finished (heartbeats, reports), over
   // the generations this manager ran: what a relaunch loses is measured from it.
   int64_t reachedStep_ = -1;
@@ -215,13 +224,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer {
   // before it got past its checkpoint leaves nothing to salvage.
   int64_t generationResume_ = -1;
   int64_t generationReached_ = -1;
-  std::vector<std::string> slowHosts_;
-  int checkpointFailures_ = 0;            // CheckpointFailed reports of every generation
-  nlohmann::json lastCheckpointFailure_;  // the newest one, for state.json
-  nlohmann::json planJson_;
-  int planJsonGeneration_ = -1;
 
-  TimePoint startedAt_{};
   TimePoint lastListPoll_{};
   TimePoint lastCheckpointPoll_{};
   TimePoint shutdownWaitSince_{};  // finishShutdown waits for the final scan from then (bounded)

@@ -1,0 +1,77 @@
+// PeerRouter: run_varuna's peer-routing role. The ControlListener hands it
+// every connection whose hello carried the job's token; it turns the hello
+// and the frames that follow into calls on its Sink (the daemon), by role:
+//  - an agent: Sink::agentHello (the AgentPool admits it);
+//  - a worker of the running launch: Sink::workerConnected, then the Welcome
+//    (how long it may go without hearing from the manager, the salvage
+//    timeout), its frames to Sink::workerMessage, and
+//    Sink::allWorkersConnected when it was the last rank the launch waited
+//    for. A worker of another generation, or one the launch no longer
+//    expects (written off as hung or lost), is ordered out (ExitNow, then
+//    closed) and recorded as a stale_worker event: a straggler of an earlier
+//    generation or an earlier manager must stop training into the store at
+//    once, not merely be refused;
+//  - a notifier (notify_manager_preempt): its PreemptNotice to
+//    Sink::preemptNotice, which answers it; anything else is refused;
+//  - any other role: refused (proto::ProtocolError, which the listener reports).
+// It decides nothing about the job: what a hello or a frame means is the Sink's.
+// Owned by ManagerDaemon::Impl, made in start(); runs on the daemon's
+// event-loop thread. The callbacks it gives a connection call the Sink
+// directly (never the router), so they need only the Sink alive.
+#pragma once
+
+#include <chrono>
+#include <memory>
+
+#include "varuna/common/protocol.h"
+#include "loop/event_log.h"
+#include "loop/framed_connection.h"
+
+namespace varuna {
+
+class PeerRouter {
+ public:
+  class Sink {
+   public:
+    virtual ~Sink() = default;
+    virtual void agentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) = 0;
+    // The running generation, and whether its launch waits for `rank`'s hello.
+    virtual int runningGeneration() const = 0;
+    virtual bool expectsWorker(int rank) const = 0;
+    // Rank `rank` of the running generation connected; true if it was the
+    // last one the launch waited for.
+    virtual bool workerConnected(int rank, const std::shared_ptr<FramedConnection>& connection) = 0;
+    virtual void allWorkersConnected() = 0;
+    virtual void workerMessage(int rank, const proto::Message& message) = 0;
+    // Answers the notifier (an Ack) and closes its connection.
+    virtual void preemptNotice(const std::shared_ptr<FramedConnection>& connection,
+                               const proto::PreemptNotice& notice) = 0;
+  };
+
+  // What a worker's Welcome says.
+  struct Options {
+    // A worker that hears nothing from the manager this long exits on its own.
+    std::chrono::milliseconds lostManagerGrace{0};
+    // With salvage on, how long a worker that lost a peer waits for the
+    // manager's order (0: salvage off, it exits).
+    std::chrono::milliseconds salvageTimeout{0};
+  };
+
+  // `sink` and `events` outlive the router and every connection it routes.
+  PeerRouter(Options options, Sink& sink, EventLog& events) : options_(options), sink_(sink), events_(events) {}
+
+  // A hello the listener accepted (the token checked). Throws
+  // proto::ProtocolError for a role it does not know.
+  void route(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+
+ private:
+  void onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  void orderOut(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  void onNotifierHello(const std::shared_ptr<FramedConnection>& connection);
+
+  Options options_;
+  Sink& sink_;
+  EventLog& events_;
+};
+
+}  // namespace varuna
