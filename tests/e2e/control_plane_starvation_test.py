@@ -29,7 +29,12 @@ While that goes on:
 - every attacking socket is closed by the manager within the hello deadline
   (5 s) plus a margin, and its descriptors go back to what they were;
 
-and afterwards the manager is alive, the job still trains (steps advance) and
+Then 10,000 small hellos with a wrong token, 16 connections at a time: the
+manager lives, a valid notice sent in the middle of them is acknowledged within
+2 s, and events.jsonl grows by a few lines (three refusals in full and the
+summaries that count the rest), not 10,000.
+
+Afterwards the manager is alive, the job still trains (steps advance) and
 stops cleanly on SIGTERM with nothing left behind.
 """
 import json
@@ -63,6 +68,8 @@ MAX_ACK_S = 2.0
 MAX_CPU = 0.30
 MAX_EVENT_GROWTH = 64 * 1024
 MAX_OUTPUT_GROWTH = 256 * 1024
+MANY_BAD_HELLOS, BAD_HELLO_SENDERS = 10_000, 16
+MAX_EVENT_LINES_FOR_MANY = 8
 
 
 def cpu_seconds(pid):
@@ -164,6 +171,47 @@ class Attack:
             s.close()
 
 
+def send_bad_hellos(port, count, refused):
+    """`count` hellos with a wrong token, one connection each, each read until
+    the manager closes it; appends the refusals' acks to `refused`."""
+    body = frame(json.dumps({"type": "hello", "version": 2, "token": "1" * 48, "role": "worker",
+                             "host": "127.0.0.1", "rank": 0, "generation": 1}).encode())
+    for _ in range(count):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(body)
+            reply = b""
+            try:
+                while chunk := s.recv(65536):
+                    reply += chunk
+            except ConnectionResetError:
+                pass
+            if b'"ok":false' in reply.replace(b" ", b""):
+                refused.append(1)
+
+
+def many_bad_hellos(m, port):
+    """MANY_BAD_HELLOS wrong-token hellos from BAD_HELLO_SENDERS threads, a
+    valid notice in the middle; returns (seconds to the notice's ack, its
+    result, refusals acknowledged, events.jsonl lines added)."""
+    events_path = m.state_dir / "events.jsonl"
+    lines_before = len(events_path.read_text().splitlines())
+    refused = []
+    senders = [threading.Thread(target=send_bad_hellos, args=(port, MANY_BAD_HELLOS // BAD_HELLO_SENDERS, refused))
+               for _ in range(BAD_HELLO_SENDERS)]
+    started = time.monotonic()
+    for t in senders:
+        t.start()
+    wait_for("half of the bad hellos refused", lambda: len(refused) >= MANY_BAD_HELLOS // 2, 300)
+    t0 = time.monotonic()
+    result = m.notify_preempt(SPARE, "--in_seconds", "600", "--timeout_s", "10")
+    ack_s = time.monotonic() - t0
+    for t in senders:
+        t.join()
+    log("%d bad hellos refused in %.1f s; a notice in their middle acknowledged after %.3f s"
+        % (len(refused), time.monotonic() - started, ack_s))
+    return ack_s, result, len(refused), len(events_path.read_text().splitlines()) - lines_before
+
+
 def test_control_plane_survives_a_connection_flood():
     # The attacker needs ~600 descriptors of its own.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -255,6 +303,17 @@ def test_control_plane_survives_a_connection_flood():
     assert settled, "the manager still holds %d descriptors (%d before the attack)" % (open_fds(pid), fds_before)
     recorded = m.events("preempt_notice")
     assert len(recorded) == 2 and all(e["host"] == SPARE for e in recorded), recorded
+
+    ack_s, result, refused, event_lines = many_bad_hellos(m, port)
+    assert m.proc.poll() is None, "run_varuna died:\n" + m.tail()
+    assert result.returncode == 0, result.stderr
+    assert ack_s < MAX_ACK_S, "a notice among the bad hellos took %.2f s to be acknowledged" % ack_s
+    assert refused == MANY_BAD_HELLOS, "%d of %d bad hellos were refused with an ack" % (refused, MANY_BAD_HELLOS)
+    log("events.jsonl: +%d lines for %d bad hellos: %s" % (event_lines, MANY_BAD_HELLOS,
+                                                         m.events("connections_dropped")[-1:]))
+    assert event_lines <= MAX_EVENT_LINES_FOR_MANY, "events.jsonl grew by %d lines" % event_lines
+    # Counted all the same: state.json's running totals (the event summary comes once a minute).
+    wait_for("state.json's refusal count", lambda: m.state()["connections"]["refused"] >= MANY_BAD_HELLOS, 30)
 
     # The job trained through it and goes on.
     step_after = m.step()

@@ -534,10 +534,10 @@ def test_prometheus_scrapes_the_metrics_through_a_preemption_morph():
     assert_nothing_left(m.job)
 
 
-def test_a_bad_metrics_port_is_a_clear_error():
+def test_a_bad_metrics_or_control_port_is_a_clear_error():
     """Out of range: refused before anything starts. In use: run_varuna exits
     at start-up (code 2) naming --metrics_port and the fix, with no agent
-    left behind."""
+    left behind; a control port in use exits 69 (retryable)."""
     m = manager("metrics-range", extra_args=["--metrics_port", "70000"]).start()
     assert m.wait_exit(60) == 2
     assert "--metrics_port must be 0..65535" in m.output(), m.tail()
@@ -551,6 +551,18 @@ def test_a_bad_metrics_port_is_a_clear_error():
     out = m.output()
     assert "--metrics_port %d: cannot serve metrics on 127.0.0.1:%d" % (port, port) in out, m.tail()
     assert "Pick a free --metrics_port, or 0 for any free port" in out, m.tail()
+    assert not m.events("launch"), m.events()
+    assert_nothing_left(m.job)
+    # The control port in use is worth a retry (the previous run_varuna may
+    # still be exiting): its own exit code, 69, which systemd restarts.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        m = manager("control-in-use", extra_args=["--manager_ip", "127.0.0.1", "--port", str(port)]).start()
+        assert m.wait_exit(60) == 69, m.tail()
+    assert "cannot listen on 127.0.0.1:%d" % port in m.output(), m.tail()
+    assert "retry" in m.output(), m.tail()
     assert not m.events("launch"), m.events()
     assert_nothing_left(m.job)
 
@@ -623,7 +635,7 @@ if __name__ == "__main__":
         test_autoconfig_plans_from_a_profile_and_replans_after_a_morph,
         test_python_profiler_then_autoconfig_trains_the_cutpoint_example,
         test_bad_inputs_are_clear_errors,
-        test_a_bad_metrics_port_is_a_clear_error,
+        test_a_bad_metrics_or_control_port_is_a_clear_error,
         test_prometheus_scrapes_the_metrics_through_a_preemption_morph,
         test_report_draws_the_timeline_of_a_preemption,
     ])

@@ -58,8 +58,8 @@ class Manager:
         self.argv = [*prefix, str(BIN / "run_varuna"), "--job", job, "--machine_list", str(self.machine_list),
                      "--batch_size", str(batch), *plan,
                      "--global_store", str(self.store), "--state_dir", str(self.state_dir),
-                     "--code_dir", str(code_dir or TRAIN_DIR), "--port", "0",
-                     *extra_args, "--", *([program] if isinstance(program, str) else program),
+                     "--code_dir", str(code_dir or TRAIN_DIR),
+                     *([] if "--port" in extra_args else ["--port", "0"]), *extra_args, "--", *([program] if isinstance(program, str) else program),
                      "--steps", str(steps), *TINY_MODEL,
                      "--dump_dir", str(self.dump), *train_args]
         self.proc = None

@@ -141,6 +141,21 @@ TEST_CASE("daemon: a preempted host is tried again after the notice's deadline",
   REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts && f.launches() >= 3; }));
 }
 
+TEST_CASE("daemon: a notice whose deadline lies at the end of time counts a day ahead", "[daemon][hosts]") {
+  ReturnFixture f("daemon_preempted_far_deadline");
+  REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts; }));
+  REQUIRE(f.preemptNotice("127.0.0.2", INT64_MAX));  // no overflow: acknowledged like any notice
+  REQUIRE(f.runUntil([&] { return f.launches() == 2 && !f.cluster->agentUp("127.0.0.2"); }));
+  CHECK(f.launchedOn() == std::vector<std::string>{"127.0.0.1"});
+  const auto out = f.state()["hosts"]["127.0.0.2"]["out"];
+  CHECK(out["why"] == "preempted");
+  // Out for at most a day (24 h from now, not the year 292277026596).
+  const double backIn = out["deadline_in_s"].get<double>();
+  CHECK(backIn > 23 * 3600.0);
+  CHECK(backIn <= 24 * 3600.0);
+  CHECK(f.state()["phase"] != "finished");
+}
+
 TEST_CASE("daemon: the manager heartbeats its agents and hands them the lost-manager deadline", "[daemon][hosts]") {
   ReturnFixture f("daemon_agent_heartbeats", [](JobConfig& c) {
     c.heartbeatTimeoutS = 4;

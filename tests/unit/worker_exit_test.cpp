@@ -68,4 +68,10 @@ TEST_CASE("time conversions") {
   CHECK(millis(2.5) == 2500ms);
   CHECK(millis(0.0004) == 0ms);
   CHECK(seconds(1250ms) == Approx(1.25));
+  // A peer's deadline: never negative, never past the bound, no overflow at the extremes.
+  CHECK(clampedUntil(10'500, 10'000, 1h) == 500ms);
+  CHECK(clampedUntil(9'000, 10'000, 1h) == 0ms);
+  CHECK(clampedUntil(INT64_MAX, 10'000, 24h) == 24h);
+  CHECK(clampedUntil(INT64_MAX, -1, 24h) == 24h);
+  CHECK(clampedUntil(INT64_MIN, 10'000, 24h) == 0ms);
 }

@@ -20,16 +20,16 @@ ControlListener::~ControlListener() {
   if (local_) local_->stopListening();
 }
 
-std::string ControlListener::listen(const asio::ip::tcp::endpoint& endpoint) {
+boost::system::error_code ControlListener::listen(const asio::ip::tcp::endpoint& endpoint) {
   boost::system::error_code ec;
   acceptor_.open(endpoint.protocol(), ec);
   if (!ec) acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true), ec);
   if (!ec) acceptor_.bind(endpoint, ec);
   if (!ec) acceptor_.listen(1024, ec);
-  if (ec) return ec.message();
+  if (ec) return ec;
   ::fcntl(acceptor_.native_handle(), F_SETFD, FD_CLOEXEC);
   port_ = acceptor_.local_endpoint().port();
-  return "";
+  return {};
 }
 
 void ControlListener::start(std::string token, EventLog& events, OnHello onHello, ExpectedHellos expected) {

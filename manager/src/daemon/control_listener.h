@@ -54,8 +54,8 @@ class ControlListener {
   ControlListener(const ControlListener&) = delete;
   ControlListener& operator=(const ControlListener&) = delete;
 
-  // Binds and listens; an empty string, or why it could not.
-  std::string listen(const boost::asio::ip::tcp::endpoint& endpoint);
+  // Binds and listens; no error, or why it could not.
+  boost::system::error_code listen(const boost::asio::ip::tcp::endpoint& endpoint);
   uint16_t port() const { return port_; }
   // Before start(): accept from `network` too (it outlives the listener).
   void listenLocal(LocalNetwork& network) { local_ = &network; }

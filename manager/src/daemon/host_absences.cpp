@@ -96,7 +96,10 @@ nlohmann::json HostAbsences::describe(const std::string& host, bool agentStartin
           {"attempts", absence->attempts},
           {"back_when", backWhen},
           {"retry_in_s",
-           absence->retryAt ? nlohmann::json(std::max(0.0, secondsBetween(now, *absence->retryAt))) : nlohmann::json()}};
+           absence->retryAt ? nlohmann::json(std::max(0.0, secondsBetween(now, *absence->retryAt))) : nlohmann::json()},
+          {"deadline_in_s", absence->preemptedUntil
+                                ? nlohmann::json(std::max(0.0, secondsBetween(now, *absence->preemptedUntil)))
+                                : nlohmann::json()}};
 }
 
 }  // namespace varuna

@@ -27,6 +27,9 @@ constexpr auto kHelloDeadline = std::chrono::seconds(10);
 constexpr auto kFinalScanWait = std::chrono::seconds(10);
 // A preempted host whose notice gave no deadline is not expected back before this.
 constexpr auto kPreemptedWithoutDeadline = std::chrono::seconds(120);
+// A notice's deadline counts up to a day ahead: a host announced as taken
+// next year is out for a day, then tried like a lost one.
+constexpr auto kMaxNoticeAhead = std::chrono::hours(24);
 // A failed worker's last lines as its agent sent them: printed, but not
 // megabytes of one runaway line.
 constexpr size_t kMaxLoggedLogTailBytes = 4096;
@@ -158,10 +161,15 @@ void ManagerDaemon::Impl::listen() {
   } catch (const std::exception&) {
     throw ConfigError(strCat("--manager_ip '", config_.managerIp, "' is not an IP address of this machine"));
   }
-  if (const std::string error = listener_.listen(endpoint); !error.empty()) {
-    throw ConfigError(strCat("cannot listen on ", ip, ":", config_.port, ": ", error,
-                             " (another run_varuna? pick another --port)"));
+  const boost::system::error_code error = listener_.listen(endpoint);
+  if (error == asio::error::address_in_use) {
+    // Often the previous run_varuna still exiting: worth a retry (systemd's
+    // Restart=on-failure does), unlike a configuration error.
+    throw Error(strCat("cannot listen on ", ip, ":", config_.port, ": ", error.message(),
+                       " (another run_varuna, or the previous one still exiting? pick another --port, or retry)"),
+                kExitAddressInUse);
   }
+  if (error) throw ConfigError(strCat("cannot listen on ", ip, ":", config_.port, ": ", error.message()));
 }
 
 void ManagerDaemon::Impl::serveMetrics() {
@@ -285,7 +293,7 @@ void ManagerDaemon::Impl::preemptNotice(const std::shared_ptr<FramedConnection>&
   const auto now = clock_.now();
   std::optional<TimePoint> takenAt;
   if (notice.deadlineUnixMs > 0) {
-    takenAt = now + std::chrono::milliseconds(std::max<int64_t>(0, notice.deadlineUnixMs - unixMillisNow()));
+    takenAt = now + clampedUntil(notice.deadlineUnixMs, unixMillisNow(), kMaxNoticeAhead);
   }
   log::warn("preemption notice for ", notice.host,
             takenAt ? strCat(" (taken in ", secondsBetween(now, *takenAt), " s)") : std::string(" (no deadline given)"));

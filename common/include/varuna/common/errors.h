@@ -29,6 +29,10 @@ inline constexpr int kExitCheckpointed = 75;     // on-demand checkpoint written
 // This worker lost a peer and wrote its stage's share of the salvaged
 // checkpoint the manager ordered (docs/salvage.md).
 inline constexpr int kExitSalvaged = 77;
+// run_varuna's control port is in use (another manager, or the previous one
+// still exiting): a retry can work, unlike a configuration error (2). The
+// value is sysexits' EX_UNAVAILABLE.
+inline constexpr int kExitAddressInUse = 69;
 
 // Base of every expected failure. `exitCode()` is what a worker should exit with.
 class Error : public std::runtime_error {

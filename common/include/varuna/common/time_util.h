@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 
 namespace varuna {
 
@@ -19,6 +20,16 @@ inline std::chrono::milliseconds millis(double seconds) {
 }
 
 inline double seconds(std::chrono::milliseconds duration) { return static_cast<double>(duration.count()) / 1000; }
+
+// From `nowUnixMs` until `deadlineUnixMs` (milliseconds since 1970), at
+// least 0 and at most `most`: a deadline a peer sent may lie far in the
+// future, where adding it to a time point would overflow.
+inline std::chrono::milliseconds clampedUntil(int64_t deadlineUnixMs, int64_t nowUnixMs,
+                                              std::chrono::milliseconds most) {
+  if (deadlineUnixMs <= nowUnixMs) return std::chrono::milliseconds(0);
+  const uint64_t ahead = static_cast<uint64_t>(deadlineUnixMs) - static_cast<uint64_t>(nowUnixMs);
+  return std::chrono::milliseconds(static_cast<int64_t>(std::min<uint64_t>(ahead, most.count())));
+}
 
 // A wait that doubles after each failure, from `first` up to `most`; reset()
 // after a success starts it over.
