@@ -242,6 +242,35 @@ TEST_CASE("framed connection over memory: frames to a peer that stops reading wa
   server->close("test over");
 }
 
+TEST_CASE("framed connection over memory: a peer that never reads is closed at the queue's cap, not buffered "
+          "without bound", "[byte_stream]") {
+  asio::io_context io;
+  auto [c, s] = memoryStreamPair(io, "client", "server", 1024);  // the client never reads
+  auto server = std::make_shared<FramedConnection>(std::move(s));
+  server->limitQueuedBytes(64 * 1024);
+  std::string closed;
+  server->start([](const proto::Message&) {}, [&](const std::string& why) { closed = why; });
+  int sent = 0;
+  for (; sent < 100000 && server->open(); ++sent) {
+    server->send(proto::Heartbeat{0, sent, false});
+    CHECK(server->queuedBytes() <= 64 * 1024);
+    drain(io);
+  }
+  CHECK_FALSE(server->open());
+  CHECK(sent < 100000);
+  CHECK_THAT(closed, Catch::StartsWith("the peer does not read: ") && Catch::Contains("(at most 65536)"));
+  CHECK(server->queuedBytes() == 0);
+  // A peer that reads is never closed by the cap: the queue drains as it goes.
+  FramedPair pair(256 * 1024);
+  pair.server->limitQueuedBytes(4096);
+  for (int step = 0; step < 2000; ++step) {
+    pair.server->send(proto::Heartbeat{0, step, false});
+    pair.run();
+  }
+  CHECK(pair.server->open());
+  CHECK(pair.atClient.size() == 2000);
+}
+
 TEST_CASE("framed connection over memory: the first frame is held to limitFirstFrame", "[byte_stream]") {
   FramedPair pair(256 * 1024, /*firstFrameLimit=*/64);
   proto::WorkerExited exited;

@@ -60,6 +60,7 @@ struct Peer {
 };
 
 struct RouterFixture {
+  static constexpr PeerRouter::TimePoint t0{std::chrono::hours(1)};
   boost::asio::io_context io;
   std::filesystem::path dir;
   EventLog events;
@@ -70,7 +71,7 @@ struct RouterFixture {
   explicit RouterFixture(const std::string& name)
       : dir(test::scratchDir(name)),
         events((dir / "events.jsonl").string()),
-        router(PeerRouter::Options{12000ms, 30000ms}, sink, events) {}
+        router(PeerRouter::Options{12000ms, 30000ms, 5000ms}, sink, events) {}
   ~RouterFixture() {
     for (auto& p : peers) {
       p->manager->close("test over");
@@ -94,7 +95,7 @@ struct RouterFixture {
     p->peer->start([&ref](const proto::Message& m) { ref.received.push_back(m); },
                    [&ref](const std::string& reason) { ref.closed = reason; });
     peers.push_back(std::move(p));
-    router.route(ref.manager, hello);
+    router.route(ref.manager, hello, t0);
     run();
     return ref;
   }
@@ -122,7 +123,7 @@ TEST_CASE("router: an agent's hello goes to the sink; an unknown role is refused
   RouterFixture f("router_roles");
   f.connect(RouterFixture::hello("agent"));
   CHECK(f.sink.agents == std::vector<std::string>{"host-a"});
-  CHECK_THROWS_AS(f.router.route(f.peers.back()->manager, RouterFixture::hello("spy")), proto::ProtocolError);
+  CHECK_THROWS_AS(f.router.route(f.peers.back()->manager, RouterFixture::hello("spy"), RouterFixture::t0), proto::ProtocolError);
 }
 
 TEST_CASE("router: a worker of the running launch is welcomed and its frames reach the sink") {
@@ -173,4 +174,22 @@ TEST_CASE("router: a notifier's notice goes to the sink; anything else is refuse
   CHECK_FALSE(std::get<proto::Ack>(bad.received[0]).ok);
   CHECK_FALSE(bad.closed.empty());
   CHECK(f.sink.notices.size() == 1);
+}
+
+TEST_CASE("router: a notifier that sends nothing is closed at its deadline; one that sent its notice is only dropped") {
+  RouterFixture f("router_idle_notifier");
+  Peer& silent = f.connect(RouterFixture::hello("notifier"));
+  Peer& good = f.connect(RouterFixture::hello("notifier"));
+  f.send(good, proto::PreemptNotice{"host-b", 0});
+  CHECK(f.router.waitingNotifiers() == 2);
+  f.router.closeIdleNotifiers(RouterFixture::t0 + 4999ms);
+  f.run();
+  CHECK(silent.closed.empty());  // not yet
+  f.router.closeIdleNotifiers(RouterFixture::t0 + 5000ms);
+  f.run();
+  CHECK(silent.closed == "closed by peer");
+  CHECK(f.router.waitingNotifiers() == 0);
+  CHECK(f.sink.notices == std::vector<std::string>{"host-b"});
+  REQUIRE(good.received.size() == 1);
+  CHECK(std::get<proto::Ack>(good.received[0]).ok);
 }

@@ -131,7 +131,7 @@ void ManagerDaemon::Impl::start() {
   listener_.start(
       token_, *events_,
       [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
-        router_->route(connection, hello);
+        router_->route(connection, hello, clock_.now());
       },
       [this] { return expectedHellos(); });
   for (const auto& m : listed) pool_->startAgent(m.host);
@@ -634,6 +634,7 @@ void ManagerDaemon::Impl::scheduleTick() {
 void ManagerDaemon::Impl::onTick() {
   const auto now = clock_.now();
   listener_.tick(now);
+  router_->closeIdleNotifiers(now);
   // Agents before workers: when a host is cut off, its agent's and its
   // workers' silences end in the same tick, and the host's loss (not
   // counted towards --max_failures) must be what the controller hears first,

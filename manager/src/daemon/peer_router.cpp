@@ -4,13 +4,14 @@
 
 namespace varuna {
 
-void PeerRouter::route(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+void PeerRouter::route(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello,
+                       TimePoint now) {
   if (hello.role == "agent") {
     sink_.agentHello(connection, hello);
   } else if (hello.role == "worker") {
     onWorkerHello(connection, hello);
   } else if (hello.role == "notifier") {
-    onNotifierHello(connection);
+    onNotifierHello(connection, now);
   } else {
     throw proto::ProtocolError(strCat("unknown role '", hello.role, "'"));
   }
@@ -51,8 +52,9 @@ void PeerRouter::orderOut(const std::shared_ptr<FramedConnection>& connection, c
   connection->closeAfterSending("stale worker");
 }
 
-void PeerRouter::onNotifierHello(const std::shared_ptr<FramedConnection>& connection) {
+void PeerRouter::onNotifierHello(const std::shared_ptr<FramedConnection>& connection, TimePoint now) {
   std::weak_ptr<FramedConnection> weak = connection;
+  notifiers_.emplace_back(weak, now);
   connection->start(
       [&sink = sink_, weak](const proto::Message& m) {
         auto c = weak.lock();
@@ -62,6 +64,20 @@ void PeerRouter::onNotifierHello(const std::shared_ptr<FramedConnection>& connec
         c->closeAfterSending("bad notifier");
       },
       [](const std::string&) {});
+}
+
+void PeerRouter::closeIdleNotifiers(TimePoint now) {
+  // Oldest first: the front is the first to reach its deadline. A notifier
+  // that sent its notice was answered and closes itself: only dropped here.
+  while (!notifiers_.empty()) {
+    auto& [weak, since] = notifiers_.front();
+    auto connection = weak.lock();
+    if (connection && connection->open()) {
+      if (now - since < options_.notifierDeadline) break;
+      connection->close(strCat("a notifier that sent no notice within ", options_.notifierDeadline.count(), " ms"));
+    }
+    notifiers_.pop_front();
+  }
 }
 
 }  // namespace varuna

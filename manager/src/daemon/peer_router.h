@@ -12,7 +12,9 @@
 //    generation or an earlier manager must stop training into the store at
 //    once, not merely be refused;
 //  - a notifier (notify_manager_preempt): its PreemptNotice to
-//    Sink::preemptNotice, which answers it; anything else is refused;
+//    Sink::preemptNotice, which answers it; anything else is refused, and a
+//    notifier that sends nothing is closed at closeIdleNotifiers once
+//    Options::notifierDeadline has passed (it holds a descriptor otherwise);
 //  - any other role: refused (proto::ProtocolError, which the listener reports).
 // It decides nothing about the job: what a hello or a frame means is the Sink's.
 // Owned by ManagerDaemon::Impl, made in start(); runs on the daemon's
@@ -21,7 +23,9 @@
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <memory>
+#include <utility>
 
 #include "varuna/common/protocol.h"
 #include "loop/event_log.h"
@@ -55,23 +59,32 @@ class PeerRouter {
     // With salvage on, how long a worker that lost a peer waits for the
     // manager's order (0: salvage off, it exits).
     std::chrono::milliseconds salvageTimeout{0};
+    // A notifier sends its notice with its hello: one silent this long is closed.
+    std::chrono::milliseconds notifierDeadline{5000};
   };
+  using TimePoint = std::chrono::steady_clock::time_point;
 
   // `sink` and `events` outlive the router and every connection it routes.
   PeerRouter(Options options, Sink& sink, EventLog& events) : options_(options), sink_(sink), events_(events) {}
 
-  // A hello the listener accepted (the token checked). Throws
+  // A hello the listener accepted (the token checked) at `now`. Throws
   // proto::ProtocolError for a role it does not know.
-  void route(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  void route(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello, TimePoint now);
+  // Closes the notifiers that said hello before now - notifierDeadline and
+  // sent nothing since (the daemon's tick).
+  void closeIdleNotifiers(TimePoint now);
+  size_t waitingNotifiers() const { return notifiers_.size(); }
 
  private:
   void onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
   void orderOut(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
-  void onNotifierHello(const std::shared_ptr<FramedConnection>& connection);
+  void onNotifierHello(const std::shared_ptr<FramedConnection>& connection, TimePoint now);
 
   Options options_;
   Sink& sink_;
   EventLog& events_;
+  // Notifiers that said hello, oldest first, until their notice or deadline.
+  std::deque<std::pair<std::weak_ptr<FramedConnection>, TimePoint>> notifiers_;
 };
 
 }  // namespace varuna

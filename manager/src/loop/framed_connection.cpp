@@ -88,7 +88,13 @@ void FramedConnection::deliver(const proto::Message& message) {
 
 void FramedConnection::send(const proto::Message& message) {
   if (!open_ || closeWhenDrained_) return;
-  writeQueue_.push_back(proto::encode(message));
+  std::string frame = proto::encode(message);
+  if (queuedBytes_ + frame.size() > maxQueuedBytes_) {
+    close(strCat("the peer does not read: ", queuedBytes_, " bytes wait to be sent (at most ", maxQueuedBytes_, ")"));
+    return;
+  }
+  queuedBytes_ += frame.size();
+  writeQueue_.push_back(std::move(frame));
   if (writeQueue_.size() == 1) doWrite();
 }
 
@@ -104,6 +110,7 @@ void FramedConnection::onWrite(const boost::system::error_code& ec) {
     close(ec.message());
     return;
   }
+  queuedBytes_ -= writeQueue_.front().size();
   writeQueue_.pop_front();
   if (!writeQueue_.empty()) {
     doWrite();
@@ -126,6 +133,7 @@ void FramedConnection::close(const std::string& reason) {
   if (!open_) return;
   open_ = false;
   writeQueue_.clear();  // a stream never touches a closed end's write buffer again
+  queuedBytes_ = 0;
   stream_->close();
   if (!onClose_) return;
   auto callback = std::move(onClose_);

@@ -16,7 +16,9 @@
 // What a peer can make it buffer: a frame up to proto::kMaxFrameBytes, refused
 // as soon as its 4-byte header announces more; with limitFirstFrame, the
 // first frame (a hello) is held to a smaller bound the same way. After
-// closeAfterSending nothing more is read or dispatched.
+// closeAfterSending nothing more is read or dispatched. What it buffers for a
+// peer that does not read is capped too (maxQueuedBytes): past the cap the
+// connection is closed, not grown without bound.
 #pragma once
 
 #include <utility>  // before Asio: its headers miss it with this GCC
@@ -60,6 +62,12 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   // `maxBytes` long; a header announcing more closes the connection before
   // any of the body is buffered.
   void limitFirstFrame(size_t maxBytes) { firstFrameLimit_ = maxBytes; }
+  // Frames queued for sending, in bytes, at most this (default 16 MiB, 16
+  // frames of the protocol's largest); one more closes the connection ("the
+  // peer does not read").
+  static constexpr size_t kDefaultMaxQueuedBytes = 16u << 20;
+  void limitQueuedBytes(size_t maxBytes) { maxQueuedBytes_ = maxBytes; }
+  size_t queuedBytes() const { return queuedBytes_; }
   // Callbacks run under `guard` (which the connection keeps alive).
   void setGuard(std::shared_ptr<HandlerGuard> guard) { guard_ = std::move(guard); }
 
@@ -77,6 +85,8 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   proto::FrameDecoder decoder_;
   std::array<char, 16384> readBuffer_{};
   std::deque<std::string> writeQueue_;
+  size_t queuedBytes_ = 0;  // in writeQueue_
+  size_t maxQueuedBytes_ = kDefaultMaxQueuedBytes;
   OnMessage onMessage_;
   OnMessage replacedOnMessage_;  // start() from inside onMessage_: kept alive until it returns
   OnClose onClose_;
