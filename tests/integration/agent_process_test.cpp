@@ -320,3 +320,32 @@ TEST_CASE("agent: the default run root is shared and sticky, its own folders pri
   CHECK(mode(dir / "varuna" / "rootjob") == fs::perms::owner_all);
   CHECK(mode(dir / "varuna" / "rootjob" / "127.0.0.1") == fs::perms::owner_all);
 }
+
+TEST_CASE("agent: a default run root planted as a link, or owned by another user, is refused", "[agent][security]") {
+  const auto startWithTmp = [](const fs::path& tmp) {
+    test::FakeManager manager;
+    test::ChildProcess agent({(test::buildDir() / "bin" / "varuna_agent").string(), "--manager", manager.address(),
+                              "--host", "127.0.0.1", "--job", "rootjob", "--code_dir", tmp.string(), "--grace_s", "1"},
+                             {{"VARUNA_JOB_TOKEN", "t0k"}, {"TMPDIR", tmp.string()}}, tmp / "agent");
+    const auto code = agent.wait(20s);
+    return std::pair{code, agent.stderrText()};
+  };
+  // Another user's sticky, world-writable folder, linked where the root goes.
+  const fs::path linked = test::scratchDir("agent-root-linked");
+  fs::create_directories(linked / "theirs");
+  fs::permissions(linked / "theirs", fs::perms::all | fs::perms::sticky_bit);
+  fs::create_directory_symlink(linked / "theirs", linked / "varuna");
+  const auto [linkCode, linkErr] = startWithTmp(linked);
+  CHECK(linkCode == kExitConfigError);
+  CHECK(linkErr.find("is a symbolic link") != std::string::npos);
+  CHECK(fs::is_empty(linked / "theirs"));  // nothing made through the link
+
+  const fs::path foreign = test::scratchDir("agent-root-foreign");
+  fs::create_directories(foreign / "varuna");
+  fs::permissions(foreign / "varuna", fs::perms::all | fs::perms::sticky_bit);
+  REQUIRE(::chown((foreign / "varuna").c_str(), 65534, 65534) == 0);  // nobody (the tests run as root)
+  const auto [foreignCode, foreignErr] = startWithTmp(foreign);
+  CHECK(foreignCode == kExitConfigError);
+  CHECK(foreignErr.find("belongs to uid 65534, neither root nor this user") != std::string::npos);
+  CHECK(fs::is_empty(foreign / "varuna"));
+}

@@ -56,7 +56,12 @@ grep -q "^StateDirectory=varuna" "$manager" || fail "varuna-manager@.service lac
 # Connections (agents, workers, connections before their hello) each hold a descriptor.
 grep -Eq "^LimitNOFILE=[0-9]{4,}$" "$manager" || fail "varuna-manager@.service lacks LimitNOFILE= (at least 1000)"
 grep -q "^ExecStart=/usr/local/lib/varuna/pollers/%i" "$poller" || fail "poller unit ExecStart"
+grep -qx "AmbientCapabilities=CAP_DAC_READ_SEARCH" "$poller" || fail "the poller lacks its one capability"
 for unit in "$manager" "$poller"; do
+  # Least privilege: a dedicated user, never root; 69 (port in use) is retried.
+  grep -qx "User=varuna" "$unit" || fail "$(basename "$unit") does not run as User=varuna"
+  grep -Eq "^User=(root|0)?$" "$unit" && fail "$(basename "$unit") runs as root"
+  grep -Eq "^RestartPreventExitStatus=.*\b69\b" "$unit" && fail "$(basename "$unit") does not retry exit code 69"
   # SSH and the control connections need the host's network; the poller needs the real /tmp.
   grep -Eq "^(PrivateNetwork|PrivateTmp)=(yes|true|1)" "$unit" && fail "$(basename "$unit") sets PrivateNetwork/PrivateTmp"
   grep -q "^After=.*network-online.target" "$unit" || fail "$(basename "$unit") not after network-online.target"

@@ -57,6 +57,27 @@ void checkPrivate(const fs::path& dir) {
   }
 }
 
+// A --run_dir's root may be a link the administrator set up (stat, not
+// lstat): what matters is that others cannot move our folders out of it.
+struct stat ownRootStat(const fs::path& root) {
+  struct stat st {};
+  if (::stat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    throw ConfigError(strCat("the agent's run root ", root.string(), " is not a folder"));
+  }
+  return st;
+}
+
+// The default root (/tmp/varuna) is anyone's to create first: a link there,
+// or a folder another user owns (the owner of a sticky folder may still
+// rename what is in it), would hand them our folders.
+struct stat sharedRootStat(const fs::path& root) {
+  const struct stat st = lstatOrRefuse(root);
+  if (st.st_uid != 0 && st.st_uid != ::geteuid()) {
+    refuse(root, strCat("belongs to uid ", st.st_uid, ", neither root nor this user (uid ", ::geteuid(), ")"));
+  }
+  return st;
+}
+
 }  // namespace
 
 void prepareRunDir(const fs::path& runDir, bool sharedRoot) {
@@ -69,12 +90,7 @@ void prepareRunDir(const fs::path& runDir, bool sharedRoot) {
     fs::create_directories(root.parent_path(), ec);
     makeFolder(root, sharedRoot ? 01777 : 0700);
   }
-  // The root may be a link the administrator set up (stat, not lstat): what
-  // matters is that others cannot move our folders out of it.
-  struct stat rootStat {};
-  if (::stat(root.c_str(), &rootStat) != 0 || !S_ISDIR(rootStat.st_mode)) {
-    throw ConfigError(strCat("the agent's run root ", root.string(), " is not a folder"));
-  }
+  const struct stat rootStat = sharedRoot ? sharedRootStat(root) : ownRootStat(root);
   if ((rootStat.st_mode & S_IWOTH) && !(rootStat.st_mode & S_ISVTX)) {
     refuse(root, strCat("is writable by everyone without the sticky bit (mode ", octal(rootStat.st_mode), ")"));
   }
