@@ -30,6 +30,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   python3 python3-venv
   libboost-dev libssh-dev nlohmann-json3-dev libcli11-dev catch2 libspdlog-dev
+  libssl-dev            # OpenSSL libcrypto: HMAC-SHA256 for the credentials per role
   libgloo-dev           # Gloo's headers: libtorch has Gloo inside but ships no headers
   prometheus-cpp-dev    # run_varuna --metrics_port (prometheus-cpp 1.0: metrics and its civetweb exposer)
   prometheus            # the metrics e2e test scrapes run_varuna with a real Prometheus (its own instance)

@@ -10,6 +10,7 @@
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/control_client.h"
 #include "varuna/common/errors.h"
+#include "varuna/manager/credentials.h"
 
 namespace varuna::sim {
 
@@ -114,8 +115,7 @@ void SimCluster::shutdown() {
   notifiers_.clear();
 }
 
-void SimCluster::setManager(const std::string& managerAddress, const std::string& token) {
-  token_ = token;
+void SimCluster::setManager(const std::string& managerAddress) {
   if (options_.localNetwork) return;  // dialled in memory: the daemon has no port to name
   const auto [ip, port] = proto::splitHostPort(managerAddress, "the manager address");
   manager_ = tcp::endpoint(asio::ip::make_address(ip), static_cast<uint16_t>(port));
@@ -135,7 +135,7 @@ void SimCluster::startAgent(const std::string& host, const std::string& managerA
   };
   if (shutDown_) return answer(false, "the simulated cluster is shut down");
   try {
-    setManager(managerAddress, token);
+    setManager(managerAddress);
   } catch (const std::exception& e) {
     return answer(false, e.what());
   }
@@ -145,13 +145,14 @@ void SimCluster::startAgent(const std::string& host, const std::string& managerA
     killAgentWorkers(*old, /*report=*/false);
     closeAgent(*old);
   }
+  credentials_[host] = token;  // the host's agent credential, as varuna_agent holds it
   auto agent = std::make_shared<Agent>();
   agent->host = host;
   agent->peer = std::make_shared<SimPeer>(io_, options_.localNetwork);
   agents_[host] = agent;
   std::weak_ptr<Agent> weak = agent;
   agent->peer->connect(
-      manager_, proto::Hello{proto::kVersion, token_, "agent", host, -1, -1},
+      manager_, proto::Hello{proto::kVersion, token, "agent", host, -1, -1},
       [this, weak](const proto::Message& m) {
         if (auto a = weak.lock()) onAgentMessage(a, m);
       },
@@ -297,7 +298,9 @@ void SimCluster::connectWorker(const std::shared_ptr<Worker>& worker) {
   worker->peer = std::make_shared<SimPeer>(io_, options_.localNetwork);
   std::weak_ptr<Worker> weak = worker;
   worker->peer->connect(
-      manager_, proto::Hello{proto::kVersion, token_, "worker", worker->host, worker->rank, worker->generation},
+      manager_,
+      proto::Hello{proto::kVersion, credentials::worker(credentials_[worker->host], worker->rank, worker->generation),
+                   "worker", worker->host, worker->rank, worker->generation},
       [this, weak](const proto::Message& m) {
         if (auto w = weak.lock()) onWorkerMessage(w, m);
       },
@@ -628,7 +631,7 @@ void SimCluster::sendPreemptNotice(const std::string& host, int64_t deadlineUnix
   notifiers_.push_back(notifier);
   std::weak_ptr<SimPeer> weak = notifier;
   notifier->connect(
-      manager_, proto::Hello{proto::kVersion, token_, "notifier", host, -1, -1},
+      manager_, proto::Hello{proto::kVersion, credentials::notifier(credentials_[host]), "notifier", host, -1, -1},
       [this, host](const proto::Message& m) {
         record(PeerKind::kNotifier, host, -1, -1, m);
         if (callbacks_.onOrder) callbacks_.onOrder(orders_.back());

@@ -4,10 +4,10 @@
 // agent command), over the daemon's LocalNetwork (SimOptions::localNetwork:
 // in-memory streams, no socket; the fake-clock tests) or loopback TCP; or a
 // run_varuna process over loopback TCP (bench/manager_scale: a shim hands
-// each host, address and token over).
+// each host, address and agent credential over).
 //
 // What a simulated agent does, as varuna_agent does it:
-//  - hello {role agent, host, job token}, then Heartbeat{-1} every
+//  - hello {role agent, host, the host's agent credential}, then Heartbeat{-1} every
 //    `agentHeartbeat`;
 //  - LaunchWorkers: kills what still runs of an earlier launch (reported as
 //    signal 9), then starts one simulated worker per rank;
@@ -172,7 +172,8 @@ class SimCluster {
   const SimOptions& options() const { return options_; }
 
   // Starts the agent of `host`: dials `managerAddress` ("ip:port") and says
-  // hello with `token`. An agent of the host still running is replaced (its
+  // hello with `token`, the host's agent credential (its workers' and its
+  // notifier's are derived from it). An agent of the host still running is replaced (its
   // workers die unreported, as the real agent kills an earlier one through
   // agent.pid). onResult(ok, error) once connected or failed.
   void startAgent(const std::string& host, const std::string& managerAddress, const std::string& token,
@@ -309,7 +310,7 @@ class SimCluster {
   std::shared_ptr<Worker> find(int rank, int generation) const;
   std::shared_ptr<Agent> findAgent(const std::string& host) const;
   Generation* generationOf(int generation);
-  void setManager(const std::string& managerAddress, const std::string& token);
+  void setManager(const std::string& managerAddress);
 
   boost::asio::io_context& io_;
   varuna::Clock& clock_;
@@ -318,7 +319,9 @@ class SimCluster {
   std::unique_ptr<varuna::Timer> tickTimer_;
   TimePoint tickDue_{};  // the tick's cadence: a late one catches up
   boost::asio::ip::tcp::endpoint manager_;
-  std::string token_;
+  // Each host's agent credential (what its agent was started with): its
+  // workers' and notifier's credentials derive from it (credentials.h).
+  std::map<std::string, std::string> credentials_;
   std::shared_ptr<LaunchGate> gate_;
   bool shutDown_ = false;
 

@@ -14,6 +14,7 @@
 #include "loop/handler_guard.h"
 #include "test_env.h"
 #include "varuna/manager/byte_stream.h"
+#include "varuna/manager/credentials.h"
 #include "varuna/manager/local_network.h"
 
 using namespace varuna;
@@ -310,7 +311,7 @@ TEST_CASE("local network: a dial with no listener is refused; the listener gets 
   CHECK(read.ec == asio::error::eof);
 }
 
-TEST_CASE("control listener on a local network: the same admission as TCP (token check, refusal, hand-over)",
+TEST_CASE("control listener on a local network: the same admission as TCP (credential check, refusal, hand-over)",
           "[byte_stream]") {
   asio::io_context io;
   test::FakeClock clock;
@@ -336,8 +337,10 @@ TEST_CASE("control listener on a local network: the same admission as TCP (token
   };
   std::vector<proto::Message> goodReplies, badReplies;
   std::string goodClosed, badClosed;
-  auto good = dialAndSay("the-token", goodReplies, goodClosed);
-  auto bad = dialAndSay("wrong", badReplies, badClosed);
+  // Rank 0 of generation 1 on host h carries its own credential, derived
+  // from h's agent credential; the job's secret itself is not a worker's.
+  auto good = dialAndSay(credentials::worker(credentials::agent("the-token", "h"), 0, 1), goodReplies, goodClosed);
+  auto bad = dialAndSay("the-token", badReplies, badClosed);
   while (drain(io) > 0) {
   }
   REQUIRE(hellos.size() == 1);
@@ -355,6 +358,83 @@ TEST_CASE("control listener on a local network: the same admission as TCP (token
   CHECK(network.dial("after") == nullptr);
   good->close("test over");
   bad->close("test over");
+  while (drain(io) > 0) {
+  }
+}
+
+TEST_CASE("credentials: HMAC-SHA256 as specified (known answers), one per host, rank and generation", "[byte_stream]") {
+  // Computed with Python's hmac module from credentials.h's definitions.
+  const std::string a = credentials::agent("secret", "host-a");
+  CHECK(a == "1b6cf88e98fba05e8ec16ca1907e7ca5269f72e22bdabba6fb64e5c66b027348");
+  CHECK(credentials::notifier(a) == "dec968a2eb3b785eb0395c3ed2308ad5be5f1177036cd884f9e7eae5b34b347a");
+  CHECK(credentials::worker(a, 3, 7) == "8fc3d2a8f7feb145af90714f0787e0bd70b6909da39fb891a1fe32e05eb00bf1");
+  CHECK(credentials::agent("secret", "host-b") != a);
+  CHECK(credentials::worker(a, 3, 8) != credentials::worker(a, 3, 7));
+  CHECK(credentials::worker(a, 4, 7) != credentials::worker(a, 3, 7));
+  CHECK(credentials::expected("secret", "worker", "host-a", 3, 7) == credentials::worker(a, 3, 7));
+  CHECK(credentials::expected("secret", "spy", "host-a", 3, 7).empty());
+}
+
+TEST_CASE("control listener: a credential speaks only for its own role, host, rank and generation", "[byte_stream]") {
+  asio::io_context io;
+  test::FakeClock clock;
+  LocalNetwork network(io);
+  const auto dir = test::scratchDir("byte_stream_credentials");
+  EventLog events((dir / "events.jsonl").string());
+  ControlListener listener(io, std::make_shared<HandlerGuard>(), PendingLimits{}, clock);
+  listener.listenLocal(network);
+  std::vector<proto::Hello> admitted;
+  listener.start(
+      "job-secret", events,
+      [&](const std::shared_ptr<FramedConnection>&, const proto::Hello& hello) { admitted.push_back(hello); },
+      [] { return size_t{0}; });
+  const std::string agentA = credentials::agent("job-secret", "host-a");
+  // Each attempt: (credential, role, host, rank, generation, admitted?).
+  struct Attempt {
+    std::string credential, role, host;
+    int rank, generation;
+    bool admitted;
+  };
+  const std::vector<Attempt> attempts = {
+      {agentA, "agent", "host-a", -1, -1, true},
+      {agentA, "agent", "host-b", -1, -1, false},                                  // another host's agent
+      {credentials::notifier(agentA), "notifier", "host-a", -1, -1, true},
+      {credentials::notifier(agentA), "notifier", "host-b", -1, -1, false},        // host A's notifier as B's
+      {credentials::notifier(agentA), "agent", "host-a", -1, -1, false},           // a notifier as the agent
+      {"job-secret", "notifier", "head", -1, -1, true},                            // the operator's
+      {credentials::worker(agentA, 1, 4), "worker", "host-a", 1, 4, true},
+      {credentials::worker(agentA, 1, 4), "worker", "host-a", 0, 4, false},        // rank 1 claiming rank 0
+      {credentials::worker(agentA, 1, 3), "worker", "host-a", 1, 4, false},        // generation 3's, replayed in 4
+      {credentials::worker(agentA, 1, 4), "agent", "host-a", -1, -1, false},       // a worker as its agent
+      {credentials::worker(agentA, 1, 4), "notifier", "host-a", -1, -1, false},    // a worker as a notifier
+      {"job-secret", "worker", "host-a", 1, 4, false},                             // the secret is no worker's
+  };
+  std::vector<std::shared_ptr<FramedConnection>> connections;
+  std::vector<std::vector<proto::Message>> replies(attempts.size());
+  for (size_t i = 0; i < attempts.size(); ++i) {
+    const auto& a = attempts[i];
+    auto connection = std::make_shared<FramedConnection>(network.dial(a.host));
+    connection->start([&replies, i](const proto::Message& m) { replies[i].push_back(m); }, [](const std::string&) {});
+    connection->send(proto::Hello{proto::kVersion, a.credential, a.role, a.host, a.rank, a.generation});
+    connections.push_back(connection);
+    while (drain(io) > 0) {
+    }
+  }
+  size_t expectedAdmitted = 0;
+  for (size_t i = 0; i < attempts.size(); ++i) {
+    INFO("attempt " << i << ": " << attempts[i].role << " " << attempts[i].host << " rank " << attempts[i].rank);
+    if (attempts[i].admitted) {
+      ++expectedAdmitted;
+      CHECK(replies[i].empty());
+    } else {
+      REQUIRE(replies[i].size() == 1);
+      CHECK_FALSE(std::get<proto::Ack>(replies[i][0]).ok);
+    }
+  }
+  CHECK(admitted.size() == expectedAdmitted);
+  CHECK(listener.stats()["refused"] == attempts.size() - expectedAdmitted);
+  listener.close();
+  for (auto& c : connections) c->close("test over");
   while (drain(io) > 0) {
   }
 }

@@ -18,6 +18,7 @@
 #include "loop/event_log.h"
 #include "loop/framed_connection.h"
 #include "loop/handler_guard.h"
+#include "varuna/manager/credentials.h"
 #include "varuna/manager/host_launcher.h"
 #include "loop/pending_connections.h"
 
@@ -235,14 +236,14 @@ TEST_CASE("agent helpers: program resolution, log tails, connection file", "[run
   AgentOptions options;
   options.host = "10.0.0.5";
   options.job = "j";
-  options.token = "secret";
+  options.credential = "secret";
   writeConnectionFile(dir.string(), "10.0.0.1:29400", options);
   const auto status = std::filesystem::status(dir / "connection.json");
   CHECK((status.permissions() & std::filesystem::perms::group_read) == std::filesystem::perms::none);
   std::ifstream in(dir / "connection.json");
   const auto connection = nlohmann::json::parse(in);
   CHECK(connection["manager"] == "10.0.0.1:29400");
-  CHECK(connection["token"] == "secret");
+  CHECK(connection["token"] == credentials::notifier("secret"));  // the notifier's, not the agent's
   CHECK(connection["host"] == "10.0.0.5");
 }
 

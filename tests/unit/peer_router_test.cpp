@@ -37,6 +37,7 @@ struct RecordingSink : PeerRouter::Sink {
   }
   int runningGeneration() const override { return generation; }
   bool expectsWorker(int rank) const override { return expected.count(rank) > 0; }
+  std::string hostOf(int rank) const override { return rank == 1 ? "host-b" : "host-a"; }
   bool workerConnected(int rank, const std::shared_ptr<FramedConnection>&) override {
     connected.insert(rank);
     return connected == expected;
@@ -71,7 +72,7 @@ struct RouterFixture {
   explicit RouterFixture(const std::string& name)
       : dir(test::scratchDir(name)),
         events((dir / "events.jsonl").string()),
-        router(PeerRouter::Options{12000ms, 30000ms, 5000ms}, sink, events) {}
+        router(PeerRouter::Options{12000ms, 30000ms, 5000ms, "job-secret"}, sink, events) {}
   ~RouterFixture() {
     for (auto& p : peers) {
       p->manager->close("test over");
@@ -99,8 +100,9 @@ struct RouterFixture {
     run();
     return ref;
   }
-  static proto::Hello hello(const std::string& role, int rank = -1, int generation = -1) {
-    return proto::Hello{proto::kVersion, "token", role, "host-a", rank, generation};
+  static proto::Hello hello(const std::string& role, int rank = -1, int generation = -1,
+                            const std::string& host = "host-a", const std::string& token = "token") {
+    return proto::Hello{proto::kVersion, token, role, host, rank, generation};
   }
   void send(Peer& p, const proto::Message& message) {
     p.peer->send(message);
@@ -138,9 +140,28 @@ TEST_CASE("router: a worker of the running launch is welcomed and its frames rea
   f.send(rank0, proto::Heartbeat{0, 5, false});
   f.send(rank0, proto::StepReport{0, 0, 0, 6, 2.0, 0.5, 0.1});
   CHECK(f.sink.messages == std::vector<std::pair<int, std::string>>{{0, "heartbeat"}, {0, "step_report"}});
-  f.connect(RouterFixture::hello("worker", 1, 3));
+  f.connect(RouterFixture::hello("worker", 1, 3, "host-b"));
   CHECK(f.sink.allConnected == 1);  // the last rank the launch waited for
   CHECK(f.staleEvents().empty());
+  CHECK(f.router.refusedMessages() == 0);
+}
+
+TEST_CASE("router: a worker speaks only for its own rank and host") {
+  RouterFixture f("router_worker_identity");
+  // Rank 1 runs on host-b: a hello for it from host-a is refused, not admitted.
+  CHECK_THROWS_AS(f.connect(RouterFixture::hello("worker", 1, 3, "host-a")), proto::ProtocolError);
+  CHECK(f.sink.connected.empty());
+  // Rank 0's connection reporting rank 1's step, checkpoint failure or salvage state: dropped and counted.
+  Peer& rank0 = f.connect(RouterFixture::hello("worker", 0, 3));
+  f.send(rank0, proto::StepReport{1, 1, 0, 6, 2.0, 0.5, 0.1});
+  f.send(rank0, proto::CheckpointFailed{1, 6, "disk full"});
+  proto::SalvageReady ready;
+  ready.rank = 1;
+  f.send(rank0, ready);
+  CHECK(f.sink.messages.empty());
+  CHECK(f.router.refusedMessages() == 3);
+  f.send(rank0, proto::StepReport{0, 0, 0, 6, 2.0, 0.5, 0.1});  // its own: through
+  CHECK(f.sink.messages == std::vector<std::pair<int, std::string>>{{0, "step_report"}});
 }
 
 TEST_CASE("router: a worker of another generation or one not expected is ordered out and recorded") {
@@ -164,8 +185,8 @@ TEST_CASE("router: a worker of another generation or one not expected is ordered
 TEST_CASE("router: a notifier's notice goes to the sink; anything else is refused") {
   RouterFixture f("router_notifier");
   Peer& good = f.connect(RouterFixture::hello("notifier"));
-  f.send(good, proto::PreemptNotice{"host-b", 0});
-  CHECK(f.sink.notices == std::vector<std::string>{"host-b"});
+  f.send(good, proto::PreemptNotice{"host-a", 0});
+  CHECK(f.sink.notices == std::vector<std::string>{"host-a"});
   REQUIRE(good.received.size() == 1);
   CHECK(std::get<proto::Ack>(good.received[0]).ok);
   Peer& bad = f.connect(RouterFixture::hello("notifier"));
@@ -174,13 +195,25 @@ TEST_CASE("router: a notifier's notice goes to the sink; anything else is refuse
   CHECK_FALSE(std::get<proto::Ack>(bad.received[0]).ok);
   CHECK_FALSE(bad.closed.empty());
   CHECK(f.sink.notices.size() == 1);
+  // A host's notifier announcing another host: refused and counted.
+  Peer& other = f.connect(RouterFixture::hello("notifier"));
+  f.send(other, proto::PreemptNotice{"host-b", 0});
+  REQUIRE(other.received.size() == 1);
+  CHECK_FALSE(std::get<proto::Ack>(other.received[0]).ok);
+  CHECK_THAT(std::get<proto::Ack>(other.received[0]).error, Catch::Contains("may announce only that host"));
+  CHECK(f.sink.notices.size() == 1);
+  CHECK(f.router.refusedMessages() == 1);
+  // The operator's notifier (the job's secret) may announce any host.
+  Peer& op = f.connect(RouterFixture::hello("notifier", -1, -1, "head", "job-secret"));
+  f.send(op, proto::PreemptNotice{"host-b", 0});
+  CHECK(f.sink.notices == std::vector<std::string>{"host-a", "host-b"});
 }
 
 TEST_CASE("router: a notifier that sends nothing is closed at its deadline; one that sent its notice is only dropped") {
   RouterFixture f("router_idle_notifier");
   Peer& silent = f.connect(RouterFixture::hello("notifier"));
   Peer& good = f.connect(RouterFixture::hello("notifier"));
-  f.send(good, proto::PreemptNotice{"host-b", 0});
+  f.send(good, proto::PreemptNotice{"host-a", 0});
   CHECK(f.router.waitingNotifiers() == 2);
   f.router.closeIdleNotifiers(RouterFixture::t0 + 4999ms);
   f.run();
@@ -189,7 +222,7 @@ TEST_CASE("router: a notifier that sends nothing is closed at its deadline; one 
   f.run();
   CHECK(silent.closed == "closed by peer");
   CHECK(f.router.waitingNotifiers() == 0);
-  CHECK(f.sink.notices == std::vector<std::string>{"host-b"});
+  CHECK(f.sink.notices == std::vector<std::string>{"host-a"});
   REQUIRE(good.received.size() == 1);
   CHECK(std::get<proto::Ack>(good.received[0]).ok);
 }

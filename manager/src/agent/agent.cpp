@@ -21,6 +21,7 @@
 #include "varuna/common/launch_contract.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
+#include "varuna/manager/credentials.h"
 
 extern char** environ;
 
@@ -53,7 +54,7 @@ LaunchArgs workerLaunch(const proto::LaunchWorkers& launch, const proto::WorkerS
   args.masterAddr = launch.masterAddr;
   args.masterPort = launch.masterPort;
   args.managerAddr = managerAddress;
-  args.jobToken = options.token;
+  args.jobToken = credentials::worker(options.credential, spec.rank, launch.generation);  // this rank's only
   args.job = options.job;
   args.hostAddr = options.host;
   args.generation = launch.generation;
@@ -100,7 +101,8 @@ std::string defaultAgentRunDir(const std::string& job, const std::string& host) 
 
 void writeConnectionFile(const std::string& runDir, const std::string& managerAddress, const AgentOptions& options) {
   const nlohmann::json connection = {
-      {"manager", managerAddress}, {"token", options.token}, {"host", options.host}, {"job", options.job}};
+      {"manager", managerAddress}, {"token", credentials::notifier(options.credential)}, {"host", options.host},
+      {"job", options.job}};
   const auto old = ::umask(077);  // the token is a secret: owner only
   ckpt::writeFileAtomic(runDir, "connection.json", connection.dump(2) + "\n");
   ::umask(old);
@@ -179,7 +181,7 @@ void Agent::start() {
   waitSignals();
   manager_->start([this](const proto::Message& m) { onMessage(m); },
                   [this](const std::string& reason) { onManagerLost(reason); });
-  manager_->send(proto::Hello{proto::kVersion, options_.token, "agent", options_.host, -1, -1});
+  manager_->send(proto::Hello{proto::kVersion, options_.credential, "agent", options_.host, -1, -1});
   scheduleHeartbeat();
   scheduleBeatForward();
   lastFrame_ = std::chrono::steady_clock::now();

@@ -45,7 +45,9 @@ namespace varuna {
 struct AgentOptions {
   std::string host;        // as named in the machine list
   std::string job;
-  std::string token;
+  // This host's agent credential (credentials.h), from run_varuna: its hello
+  // carries it; its notifier's and its workers' credentials derive from it.
+  std::string credential;
   std::string runDir;      // logs, pid file, connection.json
   std::chrono::milliseconds grace{5000};
   // No frame (heartbeat, order, ack, pong) from the manager for this long:
@@ -126,7 +128,8 @@ class Agent {
 };
 
 // The agent's run folder layout and the connection file notify_manager_preempt
-// reads: {"manager", "token", "host", "job"} (mode 0600).
+// reads: {"manager", "token" (the host's notifier credential), "host", "job"}
+// (mode 0600).
 std::string defaultAgentRunDir(const std::string& job, const std::string& host);
 void writeConnectionFile(const std::string& runDir, const std::string& managerAddress, const AgentOptions& options);
 

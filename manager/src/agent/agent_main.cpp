@@ -31,9 +31,10 @@ struct MainOptions {
   std::string logLevel = "info";
 };
 
-// The job token: from stdin's first line (run_varuna's way: neither a command
-// line nor an environment that `ps` shows) or from VARUNA_JOB_TOKEN (starting
-// an agent by hand). Workers get it explicitly, never by inheritance.
+// The agent's credential (its host's, credentials.h): from stdin's first line
+// (run_varuna's way: neither a command line nor an environment that `ps`
+// shows) or from VARUNA_JOB_TOKEN (starting an agent by hand). Workers get
+// their own credentials, derived from it, never it.
 std::string readJobToken(bool fromStdin) {
   std::string token;
   if (fromStdin) {
@@ -128,7 +129,7 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : kExitConfigError;
   }
   try {
-    options.agent.token = readJobToken(tokenFromStdin);
+    options.agent.credential = readJobToken(tokenFromStdin);
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
     options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
     const bool defaultRunDir = options.agent.runDir.empty();

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "varuna/common/log.h"
+#include "varuna/manager/credentials.h"
 #include "varuna/manager/job_config.h"
 #include "varuna/common/time_util.h"
 
@@ -85,9 +86,11 @@ void AgentPool::startAgent(const std::string& host) {
   log::debug("starting the agent on ", host);
   HostLauncher* launcher = launcher_.get();
   const uint64_t id = nextLaunchThread_++;
-  // The token travels on the command's stdin, never in the command (the
-  // remote shell's command line is visible to `ps`).
-  launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input = settings_.token + "\n"] {
+  // The agent's credential (its host's only, credentials.h) travels on the
+  // command's stdin, never in the command (the remote shell's command line
+  // is visible to `ps`).
+  const std::string input = credentials::agent(settings_.token, host) + "\n";
+  launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
     HostCommandResult result;
     try {
       result = launcher->run(host, command, input);

@@ -55,7 +55,7 @@ class AgentPool {
 
   struct Settings {
     std::string advertisedAddress;  // host:port agents dial
-    std::string token;              // sent on the agent command's stdin
+    std::string token;              // the job secret: each agent gets its host's credential from it (stdin)
     std::chrono::milliseconds heartbeatTimeout{10000};  // an agent silent this long is closed
     std::chrono::milliseconds helloWait{10000};  // after a reported start-up, the wait for its hello
     RetryPolicy retry;

@@ -3,6 +3,8 @@
 #include <fcntl.h>
 
 #include "varuna/common/log.h"
+#include "varuna/common/secrets.h"
+#include "varuna/manager/credentials.h"
 #include "loop/tcp_stream.h"
 
 namespace varuna {
@@ -142,7 +144,7 @@ void ControlListener::onFirstMessage(const std::shared_ptr<FramedConnection>& co
                                      const proto::Message& message) {
   pending_.erase(connection);
   try {
-    onHello_(connection, proto::checkHello(message, token_));
+    onHello_(connection, checkCredential(message));
   } catch (const proto::ProtocolError& e) {
     // What a refused peer sent is its own: bounded and valid UTF-8 before it
     // reaches the log and the event log (checkHello bounds the host it quotes).
@@ -159,6 +161,21 @@ void ControlListener::recordRefusal(const std::shared_ptr<FramedConnection>& con
   const TimePoint now = clock_.now();
   if (refusalLog_.allow(now)) log::warn("refused a connection from ", connection->peer(), ": ", reason);
   if (refusalEvents_.allow(now)) events_->write("connection_refused", {{"peer", connection->peer()}, {"reason", reason}});
+}
+
+const proto::Hello& ControlListener::checkCredential(const proto::Message& message) const {
+  const auto* hello = std::get_if<proto::Hello>(&message);
+  if (!hello) return proto::checkHello(message, token_);  // refuses it, naming what came instead
+  std::string expected;
+  if (hello->role == "notifier" && constantTimeEquals(hello->token, token_)) {
+    expected = token_;  // the operator's notifier (--token_file): any host
+  } else {
+    expected = credentials::expected(token_, hello->role, hello->host, hello->rank, hello->generation);
+  }
+  if (expected.empty()) {
+    throw proto::ProtocolError(strCat("unknown role '", proto::boundedText(hello->role, 64), "'"));
+  }
+  return proto::checkHello(message, expected);  // the version, then the credential in constant time
 }
 
 void ControlListener::tick(TimePoint now) {

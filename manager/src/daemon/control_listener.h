@@ -84,6 +84,10 @@ class ControlListener {
   // lack of descriptors or memory.
   void onAcceptFailed(const boost::system::error_code& ec);
   void onFirstMessage(const std::shared_ptr<FramedConnection>& connection, const proto::Message& message);
+  // The first message as a hello whose version and credential hold (the
+  // credential its role, host, rank and generation must carry: credentials.h);
+  // throws proto::ProtocolError otherwise.
+  const proto::Hello& checkCredential(const proto::Message& message) const;
   // A refused hello: the first few of a window in full, the rest counted
   // for reportDrops' summary (a flood of bad hellos must not fill the disk).
   void recordRefusal(const std::shared_ptr<FramedConnection>& connection, const std::string& reason);
@@ -98,7 +102,7 @@ class ControlListener {
   uint16_t port_ = 0;
   LocalNetwork* local_ = nullptr;
   uint64_t tcpAccepted_ = 0, localAccepted_ = 0;
-  std::string token_;
+  std::string token_;  // the job's secret, from which every role's credential is derived
   EventLog* events_ = nullptr;
   OnHello onHello_;
   ExpectedHellos expected_;

@@ -149,6 +149,7 @@ void ManagerDaemon::Impl::createRouter() {
   // the rounds' timeout at most) instead of exiting.
   const bool salvage = !config_.noSalvage && !config_.noMorphing;
   if (salvage) options.salvageTimeout = millis(config_.salvageTimeoutS);
+  options.jobSecret = token_;  // the operator's notifier may announce any host
   PeerRouter::Sink& sink = *this;  // a private base: converted here, where it is accessible
   router_ = std::make_unique<PeerRouter>(options, sink, *events_);
 }
@@ -272,6 +273,11 @@ void ManagerDaemon::Impl::agentHello(const std::shared_ptr<FramedConnection>& co
   pool_->admit(connection, hello);
 }
 
+std::string ManagerDaemon::Impl::hostOf(int rank) const {
+  const auto& placement = controller_->plan().placement;
+  return rank >= 0 && static_cast<size_t>(rank) < placement.size() ? placement[static_cast<size_t>(rank)].host : "";
+}
+
 bool ManagerDaemon::Impl::workerConnected(int rank, const std::shared_ptr<FramedConnection>& connection) {
   return workers_.connect(rank, connection, clock_.now());
 }
@@ -359,6 +365,11 @@ void ManagerDaemon::Impl::agentMessage(const std::string& host, const proto::Mes
 
 void ManagerDaemon::Impl::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {
   if (exited.generation != controller_->generation()) return;  // a straggler of an earlier launch
+  if (hostOf(exited.rank) != host) {  // an agent speaks only for its own host's workers
+    log::warn("ignored the agent of ", host, " reporting the exit of rank ", exited.rank, ", which runs on ",
+              hostOf(exited.rank).empty() ? std::string("no host") : hostOf(exited.rank));
+    return;
+  }
   const WorkerExit exit{exited.exitCode, exited.signal};
   const std::string how = exit.describe();
   // A salvage's writers exit with 77 and the ranks it ordered out with 76.

@@ -122,6 +122,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sin
   void agentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) override;
   int runningGeneration() const override { return controller_->generation(); }
   bool expectsWorker(int rank) const override { return workers_.expects(rank); }
+  std::string hostOf(int rank) const override;
   bool workerConnected(int rank, const std::shared_ptr<FramedConnection>& connection) override;
   void allWorkersConnected() override;
   void workerMessage(int rank, const proto::Message& message) override;

@@ -35,6 +35,7 @@ JobReporter::DaemonStatus ManagerDaemon::Impl::reportStatus() const {
   status.hosts = pool_->describe(clock_.now());
   status.absences = &pool_->absences();
   status.connections = listener_.stats();
+  if (router_) status.connections["refused_messages"] = router_->refusedMessages();
   status.connections["handler_failures"] = guard_->failures();
   status.stopReason = stopReason_;
   return status;

@@ -1,8 +1,22 @@
 #include "daemon/peer_router.h"
 
+#include <optional>
+
 #include "varuna/common/log.h"
+#include "varuna/common/secrets.h"
 
 namespace varuna {
+namespace {
+
+// The rank a worker's frame speaks for, if it names one.
+std::optional<int> rankClaimed(const proto::Message& message) {
+  if (const auto* m = std::get_if<proto::StepReport>(&message)) return m->rank;
+  if (const auto* m = std::get_if<proto::CheckpointFailed>(&message)) return m->rank;
+  if (const auto* m = std::get_if<proto::SalvageReady>(&message)) return m->rank;
+  return std::nullopt;
+}
+
+}  // namespace
 
 void PeerRouter::route(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello,
                        TimePoint now) {
@@ -11,7 +25,7 @@ void PeerRouter::route(const std::shared_ptr<FramedConnection>& connection, cons
   } else if (hello.role == "worker") {
     onWorkerHello(connection, hello);
   } else if (hello.role == "notifier") {
-    onNotifierHello(connection, now);
+    onNotifierHello(connection, hello, now);
   } else {
     throw proto::ProtocolError(strCat("unknown role '", hello.role, "'"));
   }
@@ -21,9 +35,24 @@ void PeerRouter::onWorkerHello(const std::shared_ptr<FramedConnection>& connecti
   if (hello.generation != sink_.runningGeneration() || !sink_.expectsWorker(hello.rank)) {
     return orderOut(connection, hello);
   }
+  if (const std::string placed = sink_.hostOf(hello.rank); placed != hello.host) {
+    throw proto::ProtocolError(strCat("rank ", hello.rank, " of generation ", hello.generation, " runs on ", placed,
+                                      ", not on '", proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes),
+                                      "'"));
+  }
   const int rank = hello.rank;
   const bool all = sink_.workerConnected(rank, connection);
-  connection->start([&sink = sink_, rank](const proto::Message& m) { sink.workerMessage(rank, m); },
+  std::weak_ptr<FramedConnection> weak = connection;
+  connection->start([&sink = sink_, refusals = refusals_, weak, rank](const proto::Message& m) {
+                      if (const auto claimed = rankClaimed(m); claimed && *claimed != rank) {
+                        if (auto c = weak.lock()) {
+                          refusals->record(c->peer(), strCat("rank ", rank, " sent a ", proto::typeName(m),
+                                                             " for rank ", *claimed));
+                        }
+                        return;
+                      }
+                      sink.workerMessage(rank, m);
+                    },
                     [rank](const std::string& reason) {
                       // Exits are reported by the agents. A worker that exits
                       // (_Exit) with a pong it has not read yet resets the
@@ -52,18 +81,36 @@ void PeerRouter::orderOut(const std::shared_ptr<FramedConnection>& connection, c
   connection->closeAfterSending("stale worker");
 }
 
-void PeerRouter::onNotifierHello(const std::shared_ptr<FramedConnection>& connection, TimePoint now) {
+void PeerRouter::onNotifierHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello,
+                                 TimePoint now) {
   std::weak_ptr<FramedConnection> weak = connection;
   notifiers_.emplace_back(weak, now);
+  // The operator's notifier holds the job's secret; a host's, that host's credential.
+  const bool anyHost = !options_.jobSecret.empty() && constantTimeEquals(hello.token, options_.jobSecret);
   connection->start(
-      [&sink = sink_, weak](const proto::Message& m) {
+      [&sink = sink_, refusals = refusals_, weak, anyHost, host = hello.host](const proto::Message& m) {
         auto c = weak.lock();
         if (!c) return;
-        if (const auto* notice = std::get_if<proto::PreemptNotice>(&m)) return sink.preemptNotice(c, *notice);
-        c->send(proto::Ack{false, "expected a preempt notice"});
+        const auto* notice = std::get_if<proto::PreemptNotice>(&m);
+        if (notice && (anyHost || notice->host == host)) return sink.preemptNotice(c, *notice);
+        std::string why = "expected a preempt notice";
+        if (notice) {
+          why = strCat("the notifier of ", proto::boundedText(host, proto::kMaxLoggedPeerTextBytes),
+                       " may announce only that host, not '",
+                       proto::boundedText(notice->host, proto::kMaxLoggedPeerTextBytes), "'");
+          refusals->record(c->peer(), why);
+        }
+        c->send(proto::Ack{false, why});
         c->closeAfterSending("bad notifier");
       },
       [](const std::string&) {});
+}
+
+void PeerRouter::Refusals::record(const std::string& peer, const std::string& why) {
+  ++count;
+  if (!limit.allow(std::chrono::steady_clock::now())) return;
+  log::warn("refused a message from ", peer, ": ", why, " (", count, " refused so far)");
+  events.write("message_refused", {{"peer", peer}, {"reason", why}, {"refused", count}});
 }
 
 void PeerRouter::closeIdleNotifiers(TimePoint now) {

@@ -1,0 +1,33 @@
+// Credentials per role, derived from the job's secret (run_varuna's
+// <state_dir>/token) so that each peer holds only what lets it speak for
+// itself (docs/deployment.md, "Credentials"):
+//
+//   agent of host H          A(H)      = HMAC-SHA256(secret, "agent\n" H)
+//   notifier of host H       N(H)      = HMAC-SHA256(A(H), "notifier")
+//   worker rank R of gen. G  W(H,R,G)  = HMAC-SHA256(A(H), "worker\n" R "\n" G)
+//
+// run_varuna sends an agent only A(H) (on the SSH command's stdin); the agent
+// derives its notifier's credential (connection.json) and each of its
+// workers' (their environment) from it. So a worker's credential cannot say
+// hello as another rank, another generation, an agent or a notifier; a
+// notifier's cannot announce another host; an agent's cannot speak for
+// another host. The manager recomputes what a hello must carry from the
+// secret and the hello's own role, host, rank and generation. The secret
+// itself also passes as a notifier of any host (the operator's
+// `notify_manager_preempt --token_file`). Hex strings, 64 characters.
+#pragma once
+
+#include <string>
+
+namespace varuna::credentials {
+
+std::string agent(const std::string& jobSecret, const std::string& host);
+std::string notifier(const std::string& agentCredential);
+std::string worker(const std::string& agentCredential, int rank, int generation);
+
+// What a hello of `role` from `host` (rank and generation for a worker) must
+// carry; empty for a role that has none.
+std::string expected(const std::string& jobSecret, const std::string& role, const std::string& host, int rank,
+                     int generation);
+
+}  // namespace varuna::credentials
