@@ -638,7 +638,9 @@ std::string defaultRunVaruna() {
   return (self.parent_path().parent_path() / "bin" / "run_varuna").string();  // <build>/bench -> <build>/bin
 }
 
-// Each side of 1000+ connections needs a descriptor per connection.
+// Each side of 1000+ connections needs a descriptor per connection: this
+// process one per simulated agent and worker, run_varuna (a process of its
+// own, which raises its soft limit to the hard one at start) as many again.
 void raiseFileLimit(int needed) {
   rlimit limit{};
   ::getrlimit(RLIMIT_NOFILE, &limit);
@@ -648,7 +650,9 @@ void raiseFileLimit(int needed) {
   }
   if (limit.rlim_cur < static_cast<rlim_t>(needed)) {
     throw BenchError(strCat("the open-file limit (", limit.rlim_cur, ") is below the ", needed,
-                            " descriptors this run needs: raise `ulimit -n` or use fewer --hosts/--slots"));
+                            " descriptors each side of this run needs (one per simulated agent and worker, "
+                            "in this process and in run_varuna): raise the hard limit (`ulimit -Hn`, "
+                            "LimitNOFILE=) or use fewer --hosts/--slots"));
   }
 }
 
@@ -702,7 +706,7 @@ int main(int argc, char** argv) {
   Results r;
   int status = 0;
   try {
-    raiseFileLimit(2 * options.hosts * (options.slots + 1) + 64);
+    raiseFileLimit(options.hosts * (options.slots + 1) + 256);
     r = bench.run();
   } catch (const std::exception& e) {
     bench.killManager();

@@ -220,9 +220,13 @@ def test_no_morphing_stops_on_the_first_failure():
     env_file.write_text("# from the env file\nVARUNA_E2E_MARK=from-env-file\n")
     m = manager("no-morphing", steps=100000, extra_args=["--no_morphing", "--env_file", str(env_file)]).start()
     m.wait_step(10)
-    workers = [p for p, cmd in processes_of_job(m.job) if "train_gpt" in cmd]
+    # The workers, not their agents (whose command line names the program too).
+    workers = [p for p, cmd in processes_of_job(m.job) if "train_gpt" in cmd and "varuna_agent" not in cmd]
     environ = Path("/proc/%d/environ" % workers[0]).read_bytes()
     assert b"VARUNA_E2E_MARK=from-env-file\0" in environ, "the env file did not reach the workers"
+    # It travelled on the agents' stdin, not on a command line (`ps` shows those to everyone).
+    for pid, cmd in processes_of_job(m.job):
+        assert "from-env-file" not in cmd, cmd
     os.kill(workers[0], signal.SIGKILL)
     assert m.wait_exit(60) == 1, m.tail()
     assert "morphing is off" in m.output(), m.tail()

@@ -62,6 +62,7 @@ HostCommandResult SimHostLauncher::run(const std::string& host, const std::strin
   {
     std::lock_guard<std::mutex> lock(mutex_);
     commands_.push_back(command);
+    inputs_.push_back(input);
   }
   // The token as varuna_agent takes it (agent_main.cpp, readJobToken): the
   // first line of stdin with --token_stdin.

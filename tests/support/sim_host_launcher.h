@@ -39,6 +39,11 @@ class SimHostLauncher : public HostLauncher {
     std::lock_guard<std::mutex> lock(mutex_);
     return commands_;
   }
+  // Their stdin, in the same order.
+  std::vector<std::string> inputs() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return inputs_;
+  }
   // From now on, start-ups of `host` wait on their launch thread until
   // release(host) (or the cluster shuts down: they fail). Any thread.
   void hold(const std::string& host);
@@ -58,6 +63,7 @@ class SimHostLauncher : public HostLauncher {
   mutable std::mutex mutex_;
   std::condition_variable released_;
   std::vector<std::string> commands_;
+  std::vector<std::string> inputs_;
   std::set<std::string> held_;
   std::map<std::string, size_t> calls_;
 };

@@ -170,3 +170,26 @@ TEST_CASE("daemon: the manager heartbeats its agents and hands them the lost-man
   REQUIRE(commands.size() == 2);
   for (const auto& command : commands) CHECK_THAT(command, Catch::Contains(" --lost_manager_ms 6500 "));
 }
+
+TEST_CASE("daemon: an agent's credential and the env_file's values go on its stdin, never its command line",
+          "[daemon][hosts][security]") {
+  ReturnFixture f("daemon_agent_stdin", [](JobConfig& c) {
+    const auto envFile = std::filesystem::path(c.stateDir).parent_path() / "job.env";
+    std::ofstream(envFile) << "SECRET_KEY=s3cr3t value\n";
+    c.envFile = envFile.string();
+  });
+  REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts; }));
+  const auto commands = f.launcher->commands();
+  const auto inputs = f.launcher->inputs();
+  REQUIRE(commands.size() == 2);
+  REQUIRE(inputs.size() == 2);
+  for (size_t i = 0; i < commands.size(); ++i) {
+    CHECK_THAT(commands[i], !Catch::Contains("s3cr3t") && Catch::Contains(" --token_stdin --env_stdin "));
+    const auto firstLine = inputs[i].substr(0, inputs[i].find('\n'));
+    CHECK(firstLine.size() == 64);  // the host's credential, not the job's secret
+    CHECK_THAT(commands[i], !Catch::Contains(firstLine));
+    const auto env = nlohmann::json::parse(inputs[i].substr(firstLine.size() + 1));
+    CHECK(std::find(env.begin(), env.end(), nlohmann::json::array({"SECRET_KEY", "s3cr3t value"})) != env.end());
+  }
+  CHECK(inputs[0].substr(0, 64) != inputs[1].substr(0, 64));  // one credential per host
+}

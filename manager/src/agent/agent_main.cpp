@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -101,6 +102,21 @@ int run(const MainOptions& options, int verdictFd) {
   return agent.exitCode();
 }
 
+// run_varuna's env_file variables, on stdin's line after the token (never on
+// the command line, which `ps` shows): set for the agent and what it starts.
+void setEnvironmentFromStdin() {
+  std::string line;
+  std::getline(std::cin, line);
+  const auto pairs = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (!pairs.is_array()) throw ConfigError("--env_stdin: stdin's second line is not a JSON list of [name, value] pairs");
+  for (const auto& pair : pairs) {
+    if (!pair.is_array() || pair.size() != 2 || !pair[0].is_string() || !pair[1].is_string()) {
+      throw ConfigError("--env_stdin: every entry must be a [name, value] pair of strings");
+    }
+    ::setenv(pair[0].get<std::string>().c_str(), pair[1].get<std::string>().c_str(), 1);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -119,10 +135,13 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--daemonize", options.daemonize, "detach, and return once connected to the manager");
   app.add_option("--log_level", options.logLevel, "debug, info, warn or error");
-  bool tokenFromStdin = false;
+  bool tokenFromStdin = false, envFromStdin = false;
   app.add_flag("--token_stdin", tokenFromStdin,
                "read the job token from the first line of stdin (how run_varuna passes it) instead of "
                "VARUNA_JOB_TOKEN");
+  app.add_flag("--env_stdin", envFromStdin,
+               "after the token, read the job's env_file variables from stdin's next line (a JSON list of "
+               "[name, value] pairs: how run_varuna passes them, off any command line) and set them");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -130,6 +149,7 @@ int main(int argc, char** argv) {
   }
   try {
     options.agent.credential = readJobToken(tokenFromStdin);
+    if (envFromStdin) setEnvironmentFromStdin();
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
     options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
     const bool defaultRunDir = options.agent.runDir.empty();

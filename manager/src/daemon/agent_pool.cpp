@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <nlohmann/json.hpp>
+
 #include "varuna/common/log.h"
 #include "varuna/manager/credentials.h"
 #include "varuna/manager/job_config.h"
@@ -89,7 +91,8 @@ void AgentPool::startAgent(const std::string& host) {
   // The agent's credential (its host's only, credentials.h) travels on the
   // command's stdin, never in the command (the remote shell's command line
   // is visible to `ps`).
-  const std::string input = credentials::agent(settings_.token, host) + "\n";
+  std::string input = credentials::agent(settings_.token, host) + "\n";
+  if (!settings_.agentEnvironment.empty()) input += nlohmann::json(settings_.agentEnvironment).dump() + "\n";
   launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
     HostCommandResult result;
     try {

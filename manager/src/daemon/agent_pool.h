@@ -56,6 +56,9 @@ class AgentPool {
   struct Settings {
     std::string advertisedAddress;  // host:port agents dial
     std::string token;              // the job secret: each agent gets its host's credential from it (stdin)
+    // The env_file's variables: on the agent's stdin after its credential
+    // (with --env_stdin, one line of JSON), never on its command line.
+    std::vector<std::pair<std::string, std::string>> agentEnvironment;
     std::chrono::milliseconds heartbeatTimeout{10000};  // an agent silent this long is closed
     std::chrono::milliseconds helloWait{10000};  // after a reported start-up, the wait for its hello
     RetryPolicy retry;

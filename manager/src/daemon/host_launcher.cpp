@@ -73,13 +73,15 @@ HostCommandResult runLocalCommand(const std::string& command, std::chrono::milli
     ::close(pipeFds[1]);
     return result;
   }
-  // The input is a line or two, so it fits in the pipe's buffer: written
-  // before the fork it can neither block nor raise SIGPIPE (a child that
-  // exits at once).
-  if (input.size() > 4096 ||
+  // The input is a line or two (a credential, the env_file's variables), so
+  // it fits in the pipe's buffer (64 KiB on Linux): written before the fork
+  // it can neither block nor raise SIGPIPE (a child that exits at once).
+  constexpr size_t kMaxInput = 32 * 1024;
+  if (input.size() > kMaxInput ||
       (!input.empty() && ::write(inputFds[1], input.data(), input.size()) != static_cast<ssize_t>(input.size()))) {
     for (int fd : {pipeFds[0], pipeFds[1], inputFds[0], inputFds[1]}) ::close(fd);
-    result.message = strCat("cannot pass ", input.size(), " bytes of input to a local command (at most 4096)");
+    result.message = strCat("cannot pass ", input.size(), " bytes of input to a local command (at most ", kMaxInput,
+                            ": is the env_file that large?)");
     return result;
   }
   const pid_t pid = ::fork();

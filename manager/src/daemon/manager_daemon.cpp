@@ -57,10 +57,12 @@ JobMetrics::Failure exitFailure(const WorkerExit& exit) {
   }
 }
 
-AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string address, std::string token) {
+AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string address, std::string token,
+                                     const std::vector<std::pair<std::string, std::string>>& env) {
   AgentPool::Settings settings;
   settings.advertisedAddress = std::move(address);
   settings.token = std::move(token);
+  settings.agentEnvironment = env;
   settings.heartbeatTimeout = millis(std::max(config.heartbeatTimeoutS, 3.0));
   settings.helloWait = kHelloDeadline;
   settings.retry = {config.hostRetryS > 0 ? millis(config.hostRetryS) : std::chrono::milliseconds(0),
@@ -112,7 +114,7 @@ void ManagerDaemon::Impl::start() {
   advertisedAddress_ = advertisedAddress(config_, listed, listener_.port());
   AgentPool::Observer& observer = *this;  // a private base: converted here, where it is accessible
   pool_ = std::make_unique<AgentPool>(io_, guard_, *events_, std::move(launcher_),
-                                      agentPoolSettings(config_, advertisedAddress_, token_), observer, clock_);
+                                      agentPoolSettings(config_, advertisedAddress_, token_, env_), observer, clock_);
   pool_->setAgentCommand([this](const std::string& host) { return agentCommand(host); });
   pool_->setListed(listed);
   checkpoints_ = std::make_unique<CheckpointWatcher>(io_, guard_, *events_, config_.globalStore, storeScanner_, clock_);
@@ -239,12 +241,11 @@ void ManagerDaemon::Impl::createPlanner(ControllerOptions& options) {
 }
 
 std::string ManagerDaemon::Impl::agentCommand(const std::string& host) const {
-  // The token travels on the command's stdin (AgentPool), never in the
-  // command. The env_file's variables reach the agent as well as (through
-  // LaunchWorkers) every worker.
-  std::string environment;
-  for (const auto& [key, value] : env_) environment += key + "=" + shellQuote(value) + " ";
-  return strCat(environment, "exec ", shellQuote(config_.agentPath), " --daemonize --token_stdin --manager ",
+  // The agent's credential and the env_file's variables travel on the
+  // command's stdin (AgentPool), never in the command, which `ps` shows. The
+  // variables reach the agent as well as (through LaunchWorkers) every worker.
+  return strCat("exec ", shellQuote(config_.agentPath), " --daemonize --token_stdin",
+                env_.empty() ? "" : " --env_stdin", " --manager ",
                 shellQuote(advertisedAddress_), " --host ", shellQuote(host), " --job ", shellQuote(config_.job),
                 " --code_dir ", shellQuote(config_.codeDir), " --program ", shellQuote(config_.program.front()),
                 " --grace_s ", config_.agentGraceS,
