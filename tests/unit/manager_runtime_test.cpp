@@ -182,10 +182,14 @@ TEST_CASE("local commands: the input arrives on stdin, then EOF", "[runtime]") {
   CHECK(echoed.ok);
   CHECK(echoed.output == "<s3cr3t>more\nend\n");
   // A command that exits without reading its input is no problem (no SIGPIPE).
-  CHECK(runLocalCommand("exit 0", std::chrono::seconds(10), std::string(4000, 'x')).ok);
-  auto tooLong = runLocalCommand("cat", std::chrono::seconds(10), std::string(5000, 'x'));
+  CHECK(runLocalCommand("exit 0", std::chrono::seconds(10), std::string(32 * 1024, 'x')).ok);
+  // A credential and an env file of up to 32 KiB fit (written before the fork); more is refused.
+  auto large = runLocalCommand("wc -c", std::chrono::seconds(10), std::string(32 * 1024, 'x'));
+  CHECK(large.ok);
+  CHECK(large.output == "32768\n");
+  auto tooLong = runLocalCommand("cat", std::chrono::seconds(10), std::string(32 * 1024 + 1, 'x'));
   CHECK_FALSE(tooLong.ok);
-  CHECK_THAT(tooLong.message, Catch::Contains("at most 4096"));
+  CHECK_THAT(tooLong.message, Catch::Contains("at most 32768"));
 }
 
 TEST_CASE("shell quoting survives the shell; local hosts are recognised", "[runtime]") {
