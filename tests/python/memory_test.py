@@ -45,9 +45,13 @@ def test_peak_growth_within_a_generous_bound_of_the_floor():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for mode, bound in (("fast", 2.5), ("compact", 1.5)):
         for rank in result[mode]["ranks"]:
-            # None: that rank's heap could not tell (host_memory_test checks
-            # the setting itself).
-            if rank["large_blocks_mapped"] not in (None, mode == "compact"):
+            # Compact must give large blocks mappings of their own. Fast
+            # leaves glibc's defaults, under which the probe's block is
+            # mapped or not depending on the heap's history (its dynamic
+            # threshold; a CI run on 2026-11-26 saw a mapped block once):
+            # reported by the bench, not judged. None: that rank's heap could not tell
+            # (host_memory_test checks the setting itself).
+            if mode == "compact" and rank["large_blocks_mapped"] not in (None, True):
                 failures.append("host memory %s: rank %d's large host blocks are %s their own mappings" % (
                     mode, rank["rank"], "in" if rank["large_blocks_mapped"] else "not in"))
             if rank["ratio"] > bound:
