@@ -275,6 +275,12 @@ void SimCluster::closeAgent(Agent& agent) {
   if (agent.peer) agent.peer->closeAfterSending();
 }
 
+bool SimCluster::reportAsAgentOf(const std::string& host, const proto::WorkerExited& exited) {
+  auto agent = findAgent(host);
+  if (!agent || agent->state != Agent::State::kUp) return false;
+  return send(*agent->peer, proto::encode(exited));
+}
+
 void SimCluster::report(Agent& agent, const proto::WorkerExited& exited) {
   switch (agent.state) {
     case Agent::State::kUp:

@@ -209,6 +209,9 @@ class SimCluster {
   void connectStaleWorker(const std::string& host, int rank, int generation);
   // notify_manager_preempt: role notifier, one PreemptNotice (deadline 0: unknown).
   void sendPreemptNotice(const std::string& host, int64_t deadlineUnixMs = 0);
+  // The agent of `host` reports `exited` as it is, whoever's rank it names
+  // (a misbehaving agent). False if that agent is not up.
+  bool reportAsAgentOf(const std::string& host, const proto::WorkerExited& exited);
   // For SimHostLauncher: an unreachable host's agent command fails (no agent starts).
   void setHostReachable(const std::string& host, bool reachable);
   bool hostReachable(const std::string& host) const { return !unreachable_.count(host); }

@@ -156,6 +156,30 @@ TEST_CASE("daemon: a notice whose deadline lies at the end of time counts a day 
   CHECK(f.state()["phase"] != "finished");
 }
 
+TEST_CASE("daemon: an agent's report of another host's worker exit is ignored", "[daemon][hosts][security]") {
+  ReturnFixture f("daemon_foreign_exit");
+  REQUIRE(f.runUntil([&] { return f.launchedOn() == kTwoHosts; }));
+  const auto placement = f.state()["plan"]["placement"];
+  int foreignRank = -1;  // a rank of 127.0.0.2
+  for (const auto& p : placement) {
+    if (p["host"] == "127.0.0.2") foreignRank = p["rank"].get<int>();
+  }
+  REQUIRE(foreignRank >= 0);
+  proto::WorkerExited exited;
+  exited.host = "127.0.0.2";  // what it claims; the connection is 127.0.0.1's agent
+  exited.rank = foreignRank;
+  exited.exitCode = 1;
+  exited.generation = f.cluster->generation();
+  REQUIRE(f.cluster->reportAsAgentOf("127.0.0.1", exited));
+  const auto launchesSent = f.cluster->count(PeerKind::kAgent, "launch_workers");
+  // The job goes on: no failure handled, no relaunch, while time passes.
+  const auto until = f.now() + 3s;
+  f.runUntil([&] { return f.now() >= until; });
+  CHECK(f.launches() == 1);
+  CHECK(f.cluster->count(PeerKind::kAgent, "launch_workers") == launchesSent);
+  CHECK(f.events("worker_exited").empty());
+}
+
 TEST_CASE("daemon: the manager heartbeats its agents and hands them the lost-manager deadline", "[daemon][hosts]") {
   ReturnFixture f("daemon_agent_heartbeats", [](JobConfig& c) {
     c.heartbeatTimeoutS = 4;

@@ -366,9 +366,9 @@ void ManagerDaemon::Impl::agentMessage(const std::string& host, const proto::Mes
 
 void ManagerDaemon::Impl::onWorkerExited(const std::string& host, const proto::WorkerExited& exited) {
   if (exited.generation != controller_->generation()) return;  // a straggler of an earlier launch
-  if (hostOf(exited.rank) != host) {  // an agent speaks only for its own host's workers
+  if (const std::string placed = hostOf(exited.rank); placed != host) {  // an agent speaks for its own host only
     log::warn("ignored the agent of ", host, " reporting the exit of rank ", exited.rank, ", which runs on ",
-              hostOf(exited.rank).empty() ? std::string("no host") : hostOf(exited.rank));
+              placed.empty() ? std::string("no host") : placed);
     return;
   }
   const WorkerExit exit{exited.exitCode, exited.signal};
