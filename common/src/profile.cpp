@@ -144,6 +144,7 @@ json toJson(const Profile& p) {
                                      {"output_bytes", s.outputBytes},
                                      {"saved_activation_bytes", s.savedActivationBytes},
                                      {"peak_bytes", s.peakBytes}};
+      if (s.backwardInput.samples > 0) sizes[std::to_string(size)]["backward_input"] = toJson(s.backwardInput);
     }
     pieces.push_back({{"name", piece.name}, {"param_count", piece.paramCount}, {"param_bytes", piece.paramBytes},
                       {"micro_batch", sizes}});
@@ -204,6 +205,7 @@ Profile fromJson(const json& j, const std::string& source) {
         pp.bySize[m] = PieceAtSize{timingFromJson(s.at("forward")), timingFromJson(s.at("backward")),
                                    timingFromJson(s.at("recompute")), s.at("output_bytes"),
                                    s.at("saved_activation_bytes"), s.at("peak_bytes")};
+        if (s.contains("backward_input")) pp.bySize[m].backwardInput = timingFromJson(s.at("backward_input"));
       }
       p.pieces.push_back(std::move(pp));
     }

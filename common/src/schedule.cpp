@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "schedule_zero_bubble.h"
 #include "varuna/common/errors.h"
 
 namespace varuna {
@@ -13,7 +14,8 @@ ScheduleKind parseScheduleKind(std::string_view name) {
   if (name == "varuna") return ScheduleKind::kVaruna;
   if (name == "1f1b" || name == "1F1B") return ScheduleKind::k1F1B;
   if (name == "gpipe" || name == "GPipe") return ScheduleKind::kGPipe;
-  throw ConfigError(strCat("unknown schedule '", name, "': use varuna, 1f1b or gpipe"));
+  if (name == "zb-h1" || name == "ZB-H1" || name == "zbh1") return ScheduleKind::kZeroBubbleH1;
+  throw ConfigError(strCat("unknown schedule '", name, "': use varuna, 1f1b, gpipe or zb-h1"));
 }
 
 std::string toString(ScheduleKind kind) {
@@ -21,11 +23,30 @@ std::string toString(ScheduleKind kind) {
     case ScheduleKind::kVaruna: return "varuna";
     case ScheduleKind::k1F1B: return "1f1b";
     case ScheduleKind::kGPipe: return "gpipe";
+    case ScheduleKind::kZeroBubbleH1: return "zb-h1";
   }
   return "?";
 }
 
+bool splitsBackward(ScheduleKind kind) { return kind == ScheduleKind::kZeroBubbleH1; }
+
+const std::vector<std::string>& scheduleNames() {
+  static const std::vector<std::string> names{"varuna", "1f1b", "gpipe", "zb-h1"};
+  return names;
+}
+
 namespace {
+
+char taskLetter(TaskType type) {
+  switch (type) {
+    case TaskType::kForward: return 'f';
+    case TaskType::kRecompute: return 'r';
+    case TaskType::kBackward: return 'b';
+    case TaskType::kBackwardInput: return 'B';
+    case TaskType::kBackwardWeight: return 'W';
+  }
+  return '?';
+}
 
 Schedule gpipe(int stages, int m) {
   Schedule schedule(stages);
@@ -186,6 +207,7 @@ Schedule generateSchedule(ScheduleKind kind, int stages, int microbatches) {
     case ScheduleKind::kGPipe: return gpipe(stages, microbatches);
     case ScheduleKind::k1F1B: return oneFOneB(stages, microbatches);
     case ScheduleKind::kVaruna: return VarunaScheduleBuilder(stages, microbatches).build();
+    case ScheduleKind::kZeroBubbleH1: return zeroBubbleH1Schedule(stages, microbatches);
   }
   VARUNA_CHECK(false, "unknown schedule kind");
   return {};
@@ -196,7 +218,7 @@ std::string describe(const StageSchedule& stage) {
   for (size_t k = 0; k < stage.size(); ++k) {
     if (k) out << ' ';
     const Task& t = stage[k];
-    out << (t.type == TaskType::kForward ? 'f' : t.type == TaskType::kRecompute ? 'r' : 'b') << t.microbatch;
+    out << taskLetter(t.type) << t.microbatch;
   }
   return out.str();
 }
@@ -206,7 +228,14 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCo
   ReplayCosts costs;
   costs.taskSeconds = [&stageCosts](int s, const Task& t) {
     const TaskCosts& c = stageCosts[s];
-    return t.type == TaskType::kForward ? c.forward : t.type == TaskType::kRecompute ? c.recompute : c.backward;
+    switch (t.type) {
+      case TaskType::kForward: return c.forward;
+      case TaskType::kRecompute: return c.recompute;
+      case TaskType::kBackward: return c.backward;
+      case TaskType::kBackwardInput: return c.backwardInput;
+      case TaskType::kBackwardWeight: return c.backwardWeight;
+    }
+    return 0.0;
   };
   // One figure per boundary: stageCosts[s].transfer is the s <-> s+1 link, both ways.
   costs.transferSeconds = [&stageCosts](int from, int to, int) { return stageCosts[std::min(from, to)].transfer; };
@@ -227,7 +256,8 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
   // Completion times of forwards and backwards, and which forwards kept activations.
   std::vector<std::vector<double>> fEnd(P, std::vector<double>(m, kUnknown));
   std::vector<std::vector<double>> bEnd(P, std::vector<double>(m, kUnknown));
-  std::vector<std::vector<int>> state(P, std::vector<int>(m, 0));  // 0 none, 1 forward w/o acts, 2 acts ready
+  // 0 none (or done), 1 forward w/o acts, 2 acts ready, 3 input gradient done, W pending.
+  std::vector<std::vector<int>> state(P, std::vector<int>(m, 0));
   ScheduleTiming timing;
   timing.start.assign(P, {});
   timing.end.assign(P, {});
@@ -246,10 +276,15 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
                                                              " without a prior activation-free forward"));
         return 0.0;
       case TaskType::kBackward:
+      case TaskType::kBackwardInput:
         if (state[s][i] != 2) throw std::logic_error(strCat("stage ", s, " runs backward of micro-batch ", i,
                                                              " without activations"));
         if (s == P - 1) return 0.0;
         return bEnd[s + 1][i] < 0 ? kUnknown : bEnd[s + 1][i] + transfer(s + 1, s, i);
+      case TaskType::kBackwardWeight:
+        if (state[s][i] != 3) throw std::logic_error(strCat("stage ", s, " runs the weight gradient of micro-batch ",
+                                                             i, " before its input gradient"));
+        return 0.0;
     }
     return kUnknown;
   };
@@ -276,9 +311,11 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
           state[s][i] = t.keepActivations ? 2 : 1;
         } else if (t.type == TaskType::kRecompute) {
           state[s][i] = 2;
+        } else if (t.type == TaskType::kBackwardWeight) {
+          state[s][i] = 0;
         } else {
           bEnd[s][i] = end;
-          state[s][i] = 0;
+          state[s][i] = t.type == TaskType::kBackwardInput ? 3 : 0;
         }
         ++pos[s];
         ++done;
@@ -290,6 +327,9 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
   for (int s = 0; s < P; ++s) {
     for (int i = 0; i < m; ++i) {
       if (bEnd[s][i] < 0) throw std::logic_error(strCat("stage ", s, " never runs backward of micro-batch ", i));
+      if (state[s][i] == 3) {
+        throw std::logic_error(strCat("stage ", s, " never runs the weight gradient of micro-batch ", i));
+      }
     }
     timing.makespan = std::max(timing.makespan, freeAt[s]);
   }

@@ -36,13 +36,16 @@ void requireSize(const profile::Profile& profile, int64_t microBatch) {
 struct Figures {
   double forward = 0, backward = 0, recompute = 0;
   int64_t outputBytes = 0, savedBytes = 0, peakBytes = 0;
+  double backwardInput = 0;  // of `backward`
 };
 
 Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
   auto exact = piece.bySize.find(b);
   auto from = [](const profile::PieceAtSize& s) {
-    return Figures{s.forward.median, s.backward.median, s.recompute.median, s.outputBytes, s.savedActivationBytes,
-                   s.peakBytes};
+    // Without a measured split, half each: the usual figure for a stage of matrix products.
+    const double input = s.backwardInput.samples > 0 ? s.backwardInput.median : s.backward.median / 2;
+    return Figures{s.forward.median,     s.backward.median,        s.recompute.median, s.outputBytes,
+                   s.savedActivationBytes, s.peakBytes, std::min(input, s.backward.median)};
   };
   if (exact != piece.bySize.end()) return from(exact->second);
   VARUNA_CHECK(!piece.bySize.empty(), "piece ", piece.name, " has no profiled sizes");
@@ -54,7 +57,8 @@ Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
     };
     return Figures{mix(a.forward, c.forward),         mix(a.backward, c.backward),
                    mix(a.recompute, c.recompute),     mixBytes(a.outputBytes, c.outputBytes),
-                   mixBytes(a.savedBytes, c.savedBytes), mixBytes(a.peakBytes, c.peakBytes)};
+                   mixBytes(a.savedBytes, c.savedBytes), mixBytes(a.peakBytes, c.peakBytes),
+                   mix(a.backwardInput, c.backwardInput)};
   };
   if (hi == piece.bySize.begin()) {  // below the smallest profiled size: proportional
     const Figures zero{};
@@ -72,12 +76,28 @@ Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
 // A stage's figures at one micro-batch size.
 struct StageFigures {
   double forward = 0, backward = 0, recompute = 0;
+  double backwardInput = 0, backwardWeight = 0;  // a split backward's halves
   int64_t inBytes = 0;   // the activation arriving from the previous stage (0 on stage 0)
   int64_t outBytes = 0;  // the activation leaving for the next stage (0 on the last)
   int64_t savedBytes = 0;
   int64_t transientBytes = 0;  // CUDA peak above the saved activations, the largest piece's
   std::vector<double> pieceBackward;  // by piece, in piece order
+  std::vector<double> pieceWeight;    // by piece, the weight-gradient half
 };
+
+double taskSeconds(const StageFigures& f, TaskType type) {
+  switch (type) {
+    case TaskType::kForward: return f.forward;
+    case TaskType::kRecompute: return f.recompute;
+    case TaskType::kBackward: return f.backward;
+    case TaskType::kBackwardInput: return f.backwardInput;
+    case TaskType::kBackwardWeight: return f.backwardWeight;
+  }
+  return 0.0;
+}
+
+// The task after which a stage's gradients are final.
+bool finalisesGradients(TaskType type) { return type == TaskType::kBackward || type == TaskType::kBackwardWeight; }
 
 std::vector<StageFigures> stageFigures(const profile::Profile& profile, const std::vector<int>& firstPiece, int64_t b) {
   const int P = static_cast<int>(firstPiece.size()) - 1;
@@ -92,6 +112,9 @@ std::vector<StageFigures> stageFigures(const profile::Profile& profile, const st
       f.savedBytes += piece.savedBytes;
       f.transientBytes = std::max(f.transientBytes, piece.peakBytes - piece.savedBytes);
       f.pieceBackward.push_back(piece.backward);
+      f.backwardInput += piece.backwardInput;
+      f.backwardWeight += piece.backward - piece.backwardInput;
+      f.pieceWeight.push_back(piece.backward - piece.backwardInput);
       if (k == firstPiece[s + 1] - 1 && s + 1 < P) f.outBytes = piece.outputBytes;
     }
     if (s > 0) f.inBytes = out[s - 1].outBytes;
@@ -261,7 +284,7 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
     ReplayCosts costs;
     costs.taskSeconds = [&](int s, const Task& t) {
       const StageFigures& f = figures(t.microbatch)[s];
-      return t.type == TaskType::kForward ? f.forward : t.type == TaskType::kRecompute ? f.recompute : f.backward;
+      return taskSeconds(f, t.type);
     };
     costs.transferSeconds = [&](int from, int to, int i) {
       return (i == M - 1 ? tailTransfer : fullTransfer)[std::min(from, to)];
@@ -274,17 +297,20 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
       int finalBackward = -1;
       for (size_t k = 0; k < tasks.size(); ++k) {
         const Task& t = tasks[k];
-        if (t.type == TaskType::kBackward) finalBackward = static_cast<int>(k);
-        const bool sends = (t.type == TaskType::kForward && s + 1 < P) || (t.type == TaskType::kBackward && s > 0);
+        if (finalisesGradients(t.type)) finalBackward = static_cast<int>(k);
+        const bool sendsGradient = t.type == TaskType::kBackward || t.type == TaskType::kBackwardInput;
+        const bool sends = (t.type == TaskType::kForward && s + 1 < P) || (sendsGradient && s > 0);
         if (sends) {
           const int to = t.type == TaskType::kForward ? s + 1 : s - 1;
           w.lastSendArrival = std::max(w.lastSendArrival, timing.end[s][k] + costs.transferSeconds(s, to, t.microbatch));
         }
       }
-      // The last backward walks the stage's pieces last-to-first; each piece's
-      // gradients are final when its part of that backward ends.
+      // The last backward (or W) walks the stage's pieces last-to-first; each
+      // piece's gradients are final when its part of that task ends.
       const Task& lastBackward = tasks[finalBackward];
-      const auto& pieceBackward = figures(lastBackward.microbatch)[s].pieceBackward;
+      const StageFigures& lastFigures = figures(lastBackward.microbatch)[s];
+      const auto& pieceBackward =
+          lastBackward.type == TaskType::kBackwardWeight ? lastFigures.pieceWeight : lastFigures.pieceBackward;
       double t = timing.start[s][finalBackward];
       for (int k = static_cast<int>(pieceBackward.size()) - 1; k >= 0; --k) {
         t += pieceBackward[k];
@@ -382,8 +408,14 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
           peak = std::max(peak, boundary + live);
           break;
         case TaskType::kBackward:
+        case TaskType::kBackwardInput:
           boundary += f.inBytes;
           peak = std::max(peak, boundary + live);
+          if (t.type == TaskType::kBackwardInput) break;  // held until the W
+          live -= f.savedBytes;
+          --liveCount;
+          break;
+        case TaskType::kBackwardWeight:
           live -= f.savedBytes;
           --liveCount;
           break;

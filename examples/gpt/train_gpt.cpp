@@ -22,6 +22,7 @@
 #include "gpt_options.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
+#include "varuna/common/schedule.h"
 #include "varuna/worker/tensor_file.h"
 #include "varuna/worker/varuna.h"
 
@@ -102,7 +103,8 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--momentum", o.momentum, "SGD momentum");
   app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)");
   app.add_option("--precision", o.precision, "fp32, bf16 or fp16")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_option("--schedule", o.schedule, "varuna, 1f1b or gpipe")->check(CLI::IsMember({"varuna", "1f1b", "gpipe"}));
+  app.add_option("--schedule", o.schedule, "varuna, 1f1b, gpipe or zb-h1 (docs/worker-api.md: which pays when)")
+      ->check(CLI::IsMember(varuna::scheduleNames()));
   app.add_option("--nonfinite", o.nonFinite,
                  "fp32/bf16 step with non-finite gradients: skip (read the step's exchange before the optimizer) "
                  "or stop (queue the optimizer first, faster on GPUs; exit 1 on a non-finite step)")

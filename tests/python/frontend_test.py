@@ -75,7 +75,7 @@ def compare(what, losses, params, ref_losses, ref_params):
 def test_equivalence():
     ref_losses, ref_params, ref_eval = frontend_model.reference(STEPS, GLOBAL_BATCH, "sgd", MICRO)
     for stages, replicas in [(1, 1), (2, 1), (2, 2), (3, 1)]:
-        for schedule in ["varuna", "1f1b", "gpipe"]:
+        for schedule in ["varuna", "1f1b", "gpipe", "zb-h1"]:
             with tempfile.TemporaryDirectory() as tmp:
                 run_job(tmp, stages, replicas, "--steps", STEPS, "--optimizer", "sgd", "--schedule", schedule)
                 losses, params = gathered(tmp, stages * replicas)

@@ -105,7 +105,8 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
   automatic.profile = (dir / "profile.json").string();
   automatic.schedules = "all";
   REQUIRE_NOTHROW(validateJobConfig(automatic, "/x/run_varuna"));
-  CHECK(parseScheduleList("all").size() == 3);
+  CHECK(parseScheduleList("all").size() == 4);
+  CHECK(parseScheduleList("all").back() == ScheduleKind::kZeroBubbleH1);
   CHECK(parseScheduleList("1f1b, gpipe") == std::vector<ScheduleKind>{ScheduleKind::k1F1B, ScheduleKind::kGPipe});
 
   struct Case {

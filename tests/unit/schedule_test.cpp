@@ -142,3 +142,57 @@ TEST_CASE("replay with per-task costs and per-message transfers", "[schedule]") 
   CHECK(timing.makespan == 9.5);
   CHECK_THROWS_AS(replaySchedule(generateSchedule(ScheduleKind::kGPipe, 1, 1), ReplayCosts{}), std::logic_error);
 }
+
+TEST_CASE("zb-h1: golden orders, B before W, every dependency met", "[schedule]") {
+  auto two = generateSchedule(ScheduleKind::kZeroBubbleH1, 2, 4);
+  CHECK(describe(two[0]) == "f0 f1 f2 B0 W0 B1 f3 W1 B2 W2 B3 W3");
+  CHECK(describe(two[1]) == "f0 B0 f1 B1 W0 f2 B2 W1 f3 B3 W2 W3");
+  auto three = generateSchedule(ScheduleKind::kZeroBubbleH1, 3, 4);
+  CHECK(describe(three[0]) == "f0 f1 f2 f3 B0 W0 B1 W1 B2 W2 B3 W3");
+  CHECK(describe(three[1]) == "f0 f1 f2 B0 W0 B1 f3 W1 B2 W2 B3 W3");
+  CHECK(describe(three[2]) == "f0 B0 f1 B1 W0 f2 B2 W1 f3 B3 W2 W3");
+  for (int P : {1, 2, 3, 4, 7}) {
+    for (int m : {1, 2, 3, 4, 8, 13}) {
+      INFO("P=" << P << " m=" << m);
+      auto schedule = generateSchedule(ScheduleKind::kZeroBubbleH1, P, m);
+      for (int s = 0; s < P; ++s) {
+        CHECK(countType(schedule[s], TaskType::kForward) == m);
+        CHECK(countType(schedule[s], TaskType::kBackwardInput) == m);
+        CHECK(countType(schedule[s], TaskType::kBackwardWeight) == m);
+        CHECK(countType(schedule[s], TaskType::kBackward) == 0);
+        // In flight (forward done, W not yet): at most P - s + 1.
+        int inFlight = 0, peak = 0;
+        for (const Task& t : schedule[s]) {
+          inFlight += t.type == TaskType::kForward ? 1 : t.type == TaskType::kBackwardWeight ? -1 : 0;
+          peak = std::max(peak, inFlight);
+        }
+        CHECK(peak <= P - s + 1);
+      }
+      CHECK_NOTHROW(replaySchedule(schedule, uniformCosts(P)));
+    }
+  }
+}
+
+TEST_CASE("zb-h1's replayed bubble is the analytic (P-1)(F+B) - W, below 1F1B's", "[schedule]") {
+  // Equal costs F = B = W = 1, free transfers: 1F1B takes (m + P - 1)(F + B + W).
+  TaskCosts c{.forward = 1, .recompute = 1, .backward = 2, .backwardInput = 1, .backwardWeight = 1};
+  for (int P : {2, 3, 4}) {
+    for (int m : {P, 8, 16}) {
+      INFO("P=" << P << " m=" << m);
+      const auto zb = replaySchedule(generateSchedule(ScheduleKind::kZeroBubbleH1, P, m), uniformCosts(P, c));
+      const auto ofob = replaySchedule(generateSchedule(ScheduleKind::k1F1B, P, m), uniformCosts(P, c));
+      CHECK(zb.makespan == Approx(3.0 * m + (P - 1) * 2.0 - 1.0));
+      CHECK(ofob.makespan == Approx(3.0 * (m + P - 1)));
+    }
+  }
+  // P = 2, m = 8: busy 24 of 25 (0.96) against 1F1B's 24 of 27 (0.889).
+  const auto zb = replaySchedule(generateSchedule(ScheduleKind::kZeroBubbleH1, 2, 8), uniformCosts(2, c));
+  CHECK(zb.busy[0] / zb.makespan == Approx(0.96));
+}
+
+TEST_CASE("the replay refuses a W before its B and a B never followed by its W", "[schedule]") {
+  const Schedule early{{{TaskType::kForward, 0}, {TaskType::kBackwardWeight, 0}, {TaskType::kBackwardInput, 0}}};
+  CHECK_THROWS_WITH(replaySchedule(early, uniformCosts(1)), Catch::Contains("before its input gradient"));
+  const Schedule missing{{{TaskType::kForward, 0}, {TaskType::kBackwardInput, 0}}};
+  CHECK_THROWS_WITH(replaySchedule(missing, uniformCosts(1)), Catch::Contains("never runs the weight gradient"));
+}

@@ -187,7 +187,7 @@ TEST_CASE("buffers move as in single-process training under every layout and sch
     std::string schedule;
   };
   std::vector<Layout> layouts = {{1, 1, "varuna"}, {1, 2, "varuna"}};
-  for (const std::string schedule : {"varuna", "1f1b", "gpipe"}) {
+  for (const std::string schedule : {"varuna", "1f1b", "gpipe", "zb-h1"}) {
     for (int stages : {2, 4}) {
       for (int replicas : {1, 2}) layouts.push_back({stages, replicas, schedule});
     }

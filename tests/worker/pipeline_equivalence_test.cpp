@@ -1,6 +1,6 @@
 // Pipeline x data-parallel training must equal single-process training:
 // same losses and same parameters after several SGD steps with gradient
-// clipping, for every schedule and several (P, D), within fp32 rounding
+// clipping, for every schedule (zero-bubble included) and several (P, D), within fp32 rounding
 // (relative 1e-5, absolute 1e-6 for values near zero).
 
 #include <cmath>
@@ -57,8 +57,8 @@ TEST_CASE("pipeline and data-parallel training equal single-process training", "
   // The clip must actually bite, or clipping would go untested.
   REQUIRE(reference.gradNorms.front() > rc.clip);
 
-  const std::vector<Layout> layouts = {{2, 1, ""}, {2, 2, ""}, {4, 1, ""}, {1, 2, ""}, {3, 1, "1,1,4,1,1,1"}};
-  for (const std::string schedule : {"varuna", "1f1b", "gpipe"}) {
+  const std::vector<Layout> layouts = {{2, 1, ""}, {2, 2, ""}, {4, 1, ""}, {1, 2, ""}, {3, 1, "1,1,4,1,1,1"}, {3, 2, ""}};
+  for (const std::string schedule : {"varuna", "1f1b", "gpipe", "zb-h1"}) {
     for (const auto& layout : layouts) {
       DYNAMIC_SECTION(schedule << " P=" << layout.stages << " D=" << layout.replicas) {
         WorkerJobSpec spec;

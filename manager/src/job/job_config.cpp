@@ -89,7 +89,7 @@ const std::vector<Field>& fields() {
       {"log_level", &JobConfig::logLevel, "debug, info, warn or error"},
       {"profile", &JobConfig::profile, "the Profiler's profile.json: AutoConfig plans every launch"},
       {"memory_per_device_gb", &JobConfig::memoryPerDeviceGb, "AutoConfig's memory limit per worker (default 0: unlimited)"},
-      {"schedules", &JobConfig::schedules, "schedules AutoConfig may use: varuna,1f1b,gpipe or all (default varuna)"},
+      {"schedules", &JobConfig::schedules, "schedules AutoConfig may use: varuna,1f1b,gpipe,zb-h1 or all (default varuna)"},
       {"dry_run", &JobConfig::dryRun, "print the plan for the machine list and exit"},
       {"program", &JobConfig::program, ""},
   };
@@ -343,7 +343,11 @@ std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int
 }
 
 std::vector<ScheduleKind> parseScheduleList(const std::string& text) {
-  if (text == "all") return {ScheduleKind::kVaruna, ScheduleKind::k1F1B, ScheduleKind::kGPipe};
+  if (text == "all") {
+    std::vector<ScheduleKind> all;
+    for (const auto& name : scheduleNames()) all.push_back(parseScheduleKind(name));
+    return all;
+  }
   std::vector<ScheduleKind> kinds;
   for (size_t start = 0; start <= text.size();) {
     const auto end = std::min(text.find(',', start), text.size());
@@ -351,7 +355,7 @@ std::vector<ScheduleKind> parseScheduleList(const std::string& text) {
     try {
       kinds.push_back(parseScheduleKind(name));
     } catch (const std::exception&) {
-      throw ConfigError(strCat("--schedules '", text, "': '", name, "' is not varuna, 1f1b or gpipe (or use all)"));
+      throw ConfigError(strCat("--schedules '", text, "': '", name, "' is not varuna, 1f1b, gpipe or zb-h1 (or use all)"));
     }
     start = end + 1;
   }

@@ -182,4 +182,26 @@ torch::Tensor StageModel::backward(MicrobatchState& state, const torch::Tensor& 
   return grad;
 }
 
+torch::Tensor StageModel::backwardInput(MicrobatchState& state, const torch::Tensor& gradOutput) {
+  VARUNA_CHECK(state.hasGraph && state.splits.empty(), "input gradient without a graph, or twice");
+  state.splits.resize(numPieces());
+  torch::Tensor grad = gradOutput;
+  for (int k = numPieces() - 1; k >= 0; --k) {
+    const torch::Tensor& in = state.inputs[k];
+    state.splits[k] = std::make_unique<SplitBackward>(state.outputs[k], grad, in, pieceParams(k));
+    state.splits[k]->inputGradient();
+    if (!in.defined()) return torch::Tensor();
+    grad = in.grad().defined() ? in.grad() : torch::zeros_like(in);
+  }
+  return grad;
+}
+
+void StageModel::backwardWeight(MicrobatchState& state, const std::function<void(int)>& onPieceDone) {
+  VARUNA_CHECK(static_cast<int>(state.splits.size()) == numPieces(), "weight gradient before the input gradient");
+  for (int k = numPieces() - 1; k >= 0; --k) {
+    if (state.splits[k]) state.splits[k]->weightGradient();
+    if (onPieceDone) onPieceDone(k);
+  }
+}
+
 }  // namespace varuna

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "pipeline/split_backward.h"
 #include "varuna/worker/model.h"
 
 namespace varuna {
@@ -29,6 +30,8 @@ struct MicrobatchState {
   torch::Tensor rngState;              // generator state before an activation-free forward
   std::vector<torch::Tensor> buffersBefore;  // the changing buffers before that forward
   bool hasGraph = false;
+  // Per piece, a split backward between its B and its W (zero-bubble schedules).
+  std::vector<std::unique_ptr<SplitBackward>> splits;
 };
 
 class StageModel : public torch::nn::Module {
@@ -77,6 +80,12 @@ class StageModel : public torch::nn::Module {
   // `onPieceDone(local)` after each; returns the gradient of the stage input.
   torch::Tensor backward(MicrobatchState& state, const torch::Tensor& gradOutput,
                          const std::function<void(int)>& onPieceDone);
+  // The two halves of backward() (SplitBackward): backwardInput returns the
+  // gradient of the stage input and keeps what the weights need;
+  // backwardWeight then accumulates the parameters' gradients piece by piece
+  // (last first), calling `onPieceDone(local)` after each, and frees the graph.
+  torch::Tensor backwardInput(MicrobatchState& state, const torch::Tensor& gradOutput);
+  void backwardWeight(MicrobatchState& state, const std::function<void(int)>& onPieceDone);
 
  private:
   torch::Tensor runPieces(MicrobatchState* state, const torch::Tensor& input, const Batch& batch,

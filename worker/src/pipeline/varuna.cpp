@@ -509,7 +509,7 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   }
   int finalBackward = -1;
   for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
-    if (tasks[k].type == TaskType::kBackward) finalBackward = k;
+    if (tasks[k].type == TaskType::kBackward || tasks[k].type == TaskType::kBackwardWeight) finalBackward = k;
   }
   torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
   const std::function<void(int)> onPieceDone = [this](int piece) { buckets_.markPieceDone(piece); };
@@ -522,7 +522,8 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
     const int i = task.microbatch;
     // Waits for inputs are outside the timed region: only compute counts.
     if (task.type == TaskType::kForward && !first()) comm_->waitFor(activationRecv[i], "receiving an activation");
-    if (task.type == TaskType::kBackward && !last()) comm_->waitFor(gradientRecv[i], "receiving a gradient");
+    const bool inputGradient = task.type == TaskType::kBackward || task.type == TaskType::kBackwardInput;
+    if (inputGradient && !last()) comm_->waitFor(gradientRecv[i], "receiving a gradient");
     const auto taskStart = Clock::now();
     switch (task.type) {
       case TaskType::kForward: {
@@ -543,7 +544,8 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
         model_->recompute(states[i], micro[i], bsize(i), last());
         break;
       }
-      case TaskType::kBackward: {
+      case TaskType::kBackward:
+      case TaskType::kBackwardInput: {
         torch::Tensor grad;
         if (last()) {
           // d(global mean loss)/d(micro-batch mean loss) = b_i / B, times the fp16 scale.
@@ -552,14 +554,20 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
         } else {
           grad = gradientIn[i];
         }
-        torch::Tensor gradInput = model_->backward(states[i], grad, k == finalBackward ? onPieceDone : noCallback);
+        const bool whole = task.type == TaskType::kBackward;
+        torch::Tensor gradInput = whole ? model_->backward(states[i], grad, k == finalBackward ? onPieceDone : noCallback)
+                                        : model_->backwardInput(states[i], grad);
         if (!first()) {
           auto payload = gradInput.contiguous();
           sends.emplace_back(comm_->send(payload, prevRank(), tagFor(kGradientTag, i)), payload);
         }
-        states[i] = MicrobatchState{};
+        if (whole) states[i] = MicrobatchState{};
         break;
       }
+      case TaskType::kBackwardWeight:
+        model_->backwardWeight(states[i], k == finalBackward ? onPieceDone : noCallback);
+        states[i] = MicrobatchState{};
+        break;
     }
     computeTime += Clock::now() - taskStart;
   }

@@ -14,6 +14,16 @@
 //      stage 0: f0 f1 f2 r0 b0 r1 b1 r2 b2      stage 1: f0 b0 f1 b1 f2 b2
 //  - k1F1B: warm-up forwards, then one forward one backward, no recompute.
 //  - kGPipe: all forwards, then all backwards, no recompute.
+//  - kZeroBubbleH1 ("zb-h1", Qi et al., ICLR 2024): the backward split in two,
+//    an input-gradient task B (what the previous stage waits for) and a
+//    weight-gradient task W (what nobody waits for), each W deferred to fill
+//    time a stage would otherwise wait. With equal F, B and W the bubble is
+//    (P-1)(F+B) - W against 1F1B's (P-1)(F+B+W). Stage s holds at most P-s+1
+//    micro-batches between their forward and their W (1F1B: P-s), and a
+//    micro-batch keeps what its W needs from B to W (docs/worker-api.md).
+//    2 stages, 4 micro-batches:
+//      stage 0: f0 f1 f2 B0 W0 B1 f3 W1 B2 W2 B3 W3
+//      stage 1: f0 B0 f1 B1 W0 f2 B2 W1 f3 B3 W2 W3
 #pragma once
 
 #include <functional>
@@ -23,10 +33,14 @@
 
 namespace varuna {
 
-enum class ScheduleKind { kVaruna, k1F1B, kGPipe };
-enum class TaskType { kForward, kRecompute, kBackward };
+enum class ScheduleKind { kVaruna, k1F1B, kGPipe, kZeroBubbleH1 };
+// kBackward is the whole backward of a micro-batch; kBackwardInput and
+// kBackwardWeight are its two halves (zero-bubble schedules): the gradient of
+// the stage's input, sent on at once, and the parameters' gradients, later.
+enum class TaskType { kForward, kRecompute, kBackward, kBackwardInput, kBackwardWeight };
 
-ScheduleKind parseScheduleKind(std::string_view name);  // "varuna", "1f1b", "gpipe"
+// "varuna", "1f1b", "gpipe", "zb-h1"
+ScheduleKind parseScheduleKind(std::string_view name);
 std::string toString(ScheduleKind kind);
 
 struct Task {
@@ -46,7 +60,13 @@ using Schedule = std::vector<StageSchedule>;
 // Throws ConfigError for stages < 1 or microbatches < 1.
 Schedule generateSchedule(ScheduleKind kind, int stages, int microbatches);
 
-// "f0 f1 r0 b0 ..." (f = forward without kept activations is still "f").
+// Whether the kind splits the backward into B and W tasks.
+bool splitsBackward(ScheduleKind kind);
+// Every kind's name, in the order the help texts list them.
+const std::vector<std::string>& scheduleNames();
+
+// "f0 f1 r0 b0 ..." (f = forward without kept activations is still "f"; B and
+// W are the input- and weight-gradient halves of a split backward).
 std::string describe(const StageSchedule& stage);
 
 // Relative costs used to replay a schedule.
@@ -54,6 +74,10 @@ struct TaskCosts {
   double forward = 1.0;
   double recompute = 1.0;
   double backward = 2.0;
+  // A split backward's halves (they add up to `backward` for the usual
+  // equal-cost comparison).
+  double backwardInput = 1.0;
+  double backwardWeight = 1.0;
   double transfer = 0.0;  // activation/gradient transfer between neighbouring stages
 };
 

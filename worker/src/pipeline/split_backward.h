@@ -1,0 +1,68 @@
+// SplitBackward: one piece's backward for one micro-batch, in the two halves
+// the zero-bubble schedules run at different times: B, the gradient of the
+// piece's input (what the previous stage waits for), and W, the gradients of
+// its parameters (what nobody waits for).
+//
+// How W avoids a second pass through the piece: before B, the piece's
+// autograd graph is walked once. B runs the nodes on the input's path (those
+// from which the input's gradient accumulator is reachable). Where a
+// parameter's gradient branches off that path (a node on the path with an
+// edge to a node off it that leads to parameters: the matrix product of a
+// Linear, a batch norm, an embedding's add), a pre-hook keeps the gradient
+// arriving at the node during B. W starts autograd's engine at those nodes
+// with the kept gradients and asks for the parameters only, so the engine
+// computes just the branches (for a Linear, input^T x grad) and never the
+// input's path again. Parameters whose branch points share nodes form one
+// engine call; the rest are separate calls.
+//
+// Memory: B keeps the graph, so every activation of the piece stays until
+// W, and the kept gradients (one per branch point, the size of that node's
+// output) are held from B to W as well.
+//
+// Where the split could not be exact, the whole backward runs in B and W
+// only marks the piece done: a parameter whose gradient never crosses the
+// input's path, or a parameter reached from two branch points one of which
+// lies below the other on the path (a weight used twice inside the piece:
+// W's engine would go down the path from the upper one and count the lower
+// one's gradient twice). A piece without an input (the model's first)
+// does its whole backward in W: nothing waits for it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+namespace varuna {
+
+class SplitBackward {
+ public:
+  // `input` is the piece's input leaf (undefined for the model's first piece);
+  // `params` the piece's parameters. The graph from `output` must be intact.
+  SplitBackward(torch::Tensor output, torch::Tensor gradOutput, torch::Tensor input,
+                const std::vector<torch::Tensor>& params);
+  ~SplitBackward();
+  SplitBackward(const SplitBackward&) = delete;
+  SplitBackward& operator=(const SplitBackward&) = delete;
+
+  // B: the input's gradient accumulates into input.grad(). Once.
+  void inputGradient();
+  // W: the parameters' gradients accumulate into their grad(); the graph is
+  // released. Once, after inputGradient().
+  void weightGradient();
+
+  // How this piece was split (tests and docs).
+  enum class Mode { kSplit, kAllInB, kAllInW, kNothing };
+  Mode mode() const { return mode_; }
+
+ private:
+  struct Plan;
+  void plan(const std::vector<torch::Tensor>& params);
+
+  torch::Tensor output_, gradOutput_, input_;
+  Mode mode_ = Mode::kNothing;
+  std::unique_ptr<Plan> plan_;
+  bool inputDone_ = false, weightDone_ = false;
+};
+
+}  // namespace varuna
