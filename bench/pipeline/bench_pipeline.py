@@ -17,9 +17,10 @@ then as its last line one JSON object:
    "medium": {...}}
 
 efficiency = single-process step time / (P x pipelined step time), for the best
-of our schedules; bubble_bound = m / (m + P - 1), 1F1B's. busy_fraction (per
+of our schedules; bubble_bound = m / (m + P - 1), 1F1B's; busy_bound, per
+schedule, its busy fraction with equal task costs. busy_fraction (per
 schedule of ours): each stage's compute time inside a step (forward,
-recompute and backward, as the runtime measures them; no waits, no
+recompute, backward or its B and W halves, as the runtime measures them; no waits, no
 optimizer) over its step time, averaged over stages: the schedule's own
 bubble, however well the machine runs P processes at once (which
 efficiency also measures). For the Python front end,
@@ -28,7 +29,7 @@ step_time_over_cpp = its step time over the C++ example's with the same
 (the Python side's best) schedule.
 
 This machine's speed drifts by tens of percent within minutes (shared VM), so
-every configuration (ours x 3 schedules in C++ and in Python, single process,
+every configuration (ours x 4 schedules in C++ and in Python, single process,
 peer x 6) runs once per round, the rounds interleave them, and each figure is
 the best of the rounds' median step times. Each schedule's C++ and Python runs
 are next to each other in time, their order alternating by round.
@@ -67,7 +68,16 @@ SIZES = {
     "tiny": dict(d_model=32, layers=2, heads=2, seq_len=16, chunk=1, warmup=1, steps=2),
 }
 P, M = 2, 8
-SCHEDULES = ["varuna", "1f1b", "gpipe"]  # ours; 1f1b must be there: the peer loads its initial weights
+SCHEDULES = ["varuna", "1f1b", "gpipe", "zb-h1"]  # ours; 1f1b must be there: the peer loads its initial weights
+
+
+def busy_bound(schedule):
+    """The schedule's busy fraction with equal task costs and free transfers (None: no closed form)."""
+    if schedule in ("1f1b", "gpipe"):
+        return M / (M + P - 1)  # forward F, backward 2F: (P-1)(F+B) idle
+    if schedule == "zb-h1":
+        return 3 * M / (3 * M + 2 * (P - 1) - 1)  # F = B = W: (P-1)(F+B) - W idle (common/schedule.h)
+    return None  # varuna: recompute changes the work per stage
 PEER_SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 PYTHON_TRAINER = os.path.join(ROOT, "examples", "python", "train_gpt.py")
 
@@ -229,12 +239,18 @@ def main():
             "bubble_bound": M / (M + P - 1),
             "efficiency": single / (P * ours[best]),
             "busy_fraction": busy,
+            "busy_bound": {s: busy_bound(s) for s in busy},
+            "targets": {"busy_fraction>=0.95": max((v for v in busy.values() if v is not None), default=0) >= 0.95,
+                        "ratio_vs_peer>=1.05": peer[best_peer] / ours[best] >= 1.05},
         }
         r = result[size]
         print(f"[{size}] tokens/s ours {r['tokens_per_s']:.0f} ({best}) vs peer {r['peer_tokens_per_s']:.0f} "
               f"({best_peer}, the best of its {len(peer)} schedules): ratio {r['ratio_vs_peer']:.2f}; efficiency "
-              f"{r['efficiency']:.3f} (bubble bound {r['bubble_bound']:.3f}); busy fraction "
-              + ", ".join(f"{k} {v:.3f}" for k, v in busy.items() if v is not None), flush=True)
+              f"{r['efficiency']:.3f} (bubble bound {r['bubble_bound']:.3f}); busy fraction (analytic bound) "
+              + ", ".join(f"{k} {v:.3f} ({r['busy_bound'][k] or float('nan'):.3f})" for k, v in busy.items()
+                          if v is not None), flush=True)
+        if args.smoke:
+            del r["targets"]
         if python:
             best_py = min(python, key=python.get)
             r["python"] = py = {
