@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bench/pipeline: Varuna's pipeline runtime against torch.distributed.pipelining.
 
-Runs the example GPT at P=2 stages, D=1, m=8 micro-batches, one thread per
+Runs the example GPT at P=2 stages (--stages), D=1, m=8 micro-batches, one thread per
 process, at two sizes, and in the same run the peer (every schedule of
 torch.distributed.pipelining in the same torch wheel: 1F1B, GPipe,
 Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, the last
@@ -127,8 +127,9 @@ def run_peer(size, schedule, weights):
     cfg = SIZES[size]
     port = free_port()
     procs = []
-    for rank in range(2):
-        cmd = [sys.executable, os.path.join(HERE, "peer_pipelining.py"), "--rank", str(rank), "--port", str(port),
+    for rank in range(P):
+        cmd = [sys.executable, os.path.join(HERE, "peer_pipelining.py"), "--rank", str(rank), "--ranks", str(P),
+               "--port", str(port),
                "--schedule", schedule, "--d_model", str(cfg["d_model"]), "--layers", str(cfg["layers"]),
                "--heads", str(cfg["heads"]), "--seq_len", str(cfg["seq_len"]), "--batch", str(cfg["chunk"] * M),
                "--microbatches", str(M), "--warmup", str(cfg["warmup"]), "--steps", str(cfg["steps"]),
@@ -175,6 +176,8 @@ def main():
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stages", type=int, default=2,
+                        help="pipeline stages P (one process each, one thread: P=4 wants 4 free cores)")
     parser.add_argument("--small_chunk", type=int, default=None,
                         help="micro-batch size of the small model (default 4; 1 stresses per-micro-batch overhead)")
     parser.add_argument("--smoke", action="store_true",
@@ -182,6 +185,8 @@ def main():
     parser.add_argument("--no_python", action="store_true",
                         help="leave out the Python front end (a build without the varuna package)")
     args = parser.parse_args()
+    global P
+    P = args.stages
     if not args.no_python:
         check_python_package(args.build)
     if args.smoke:
@@ -209,7 +214,7 @@ def main():
                             busy[schedule] = busy_fraction(dump, P, cfg["warmup"])
                         table[schedule] = min(table.get(schedule, t), t)
                         label = "ours" if front_end == "cpp" else "ours Python"
-                        print(f"[{size} round {rnd}] {label:11s} {schedule:7s} P=2: {t*1e3:8.1f} ms/step", flush=True)
+                        print(f"[{size} round {rnd}] {label:11s} {schedule:7s} P={P}: {t*1e3:8.1f} ms/step", flush=True)
                     if "python" in times:
                         paired[schedule].append(times["python"] / times["cpp"])
                         if rnd == 0:
@@ -219,7 +224,7 @@ def main():
                         for peer_schedule in PEER_SCHEDULES:
                             t = run_peer(size, peer_schedule, os.path.join(tmp, "1f1b"))
                             peer[peer_schedule] = min(peer.get(peer_schedule, t), t)
-                            print(f"[{size} round {rnd}] peer {peer_schedule:6s} P=2: {t*1e3:8.1f} ms/step", flush=True)
+                            print(f"[{size} round {rnd}] peer {peer_schedule:6s} P={P}: {t*1e3:8.1f} ms/step", flush=True)
                 t = run_ours(args.build, size, 1, "1f1b", os.path.join(tmp, "single"))
                 single = min(single, t)
                 print(f"[{size} round {rnd}] ours single process: {t*1e3:8.1f} ms/step", flush=True)

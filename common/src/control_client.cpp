@@ -172,4 +172,18 @@ std::optional<Message> ControlClient::receive(std::chrono::milliseconds timeout)
   }
 }
 
+void notifyPreemption(const std::string& address, const std::string& credential, const std::string& host,
+                      int64_t deadlineUnixMs, std::chrono::milliseconds timeout) {
+  auto client = ControlClient::connect(address, timeout);
+  client.send(Hello{kVersion, credential, "notifier", host, -1, -1}, timeout);
+  client.send(PreemptNotice{host, deadlineUnixMs}, timeout);
+  const auto reply = client.receive(timeout);
+  const auto* ack = reply ? std::get_if<Ack>(&*reply) : nullptr;
+  if (!ack) {
+    throw ConnectionError(strCat("the manager at ", address, " did not acknowledge within ",
+                                 std::chrono::duration<double>(timeout).count(), " s"));
+  }
+  if (!ack->ok) throw ConnectionError(strCat("the manager refused the notice: ", ack->error));
+}
+
 }  // namespace varuna::proto

@@ -144,7 +144,10 @@ json toJson(const Profile& p) {
                                      {"output_bytes", s.outputBytes},
                                      {"saved_activation_bytes", s.savedActivationBytes},
                                      {"peak_bytes", s.peakBytes}};
-      if (s.backwardInput.samples > 0) sizes[std::to_string(size)]["backward_input"] = toJson(s.backwardInput);
+      if (s.backwardInput.samples > 0 && s.backwardWeight.samples > 0) {
+        sizes[std::to_string(size)]["backward_input"] = toJson(s.backwardInput);
+        sizes[std::to_string(size)]["backward_weight"] = toJson(s.backwardWeight);
+      }
     }
     pieces.push_back({{"name", piece.name}, {"param_count", piece.paramCount}, {"param_bytes", piece.paramBytes},
                       {"micro_batch", sizes}});
@@ -205,7 +208,10 @@ Profile fromJson(const json& j, const std::string& source) {
         pp.bySize[m] = PieceAtSize{timingFromJson(s.at("forward")), timingFromJson(s.at("backward")),
                                    timingFromJson(s.at("recompute")), s.at("output_bytes"),
                                    s.at("saved_activation_bytes"), s.at("peak_bytes")};
-        if (s.contains("backward_input")) pp.bySize[m].backwardInput = timingFromJson(s.at("backward_input"));
+        if (s.contains("backward_input") && s.contains("backward_weight")) {
+          pp.bySize[m].backwardInput = timingFromJson(s.at("backward_input"));
+          pp.bySize[m].backwardWeight = timingFromJson(s.at("backward_weight"));
+        }
       }
       p.pieces.push_back(std::move(pp));
     }

@@ -36,16 +36,22 @@ void requireSize(const profile::Profile& profile, int64_t microBatch) {
 struct Figures {
   double forward = 0, backward = 0, recompute = 0;
   int64_t outputBytes = 0, savedBytes = 0, peakBytes = 0;
-  double backwardInput = 0;  // of `backward`
+  double backwardInput = 0, backwardWeight = 0;  // a split backward's halves
 };
 
 Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
   auto exact = piece.bySize.find(b);
   auto from = [](const profile::PieceAtSize& s) {
     // Without a measured split, half each: the usual figure for a stage of matrix products.
-    const double input = s.backwardInput.samples > 0 ? s.backwardInput.median : s.backward.median / 2;
-    return Figures{s.forward.median,     s.backward.median,        s.recompute.median, s.outputBytes,
-                   s.savedActivationBytes, s.peakBytes, std::min(input, s.backward.median)};
+    const bool measured = s.backwardInput.samples > 0 && s.backwardWeight.samples > 0;
+    return Figures{s.forward.median,
+                   s.backward.median,
+                   s.recompute.median,
+                   s.outputBytes,
+                   s.savedActivationBytes,
+                   s.peakBytes,
+                   measured ? s.backwardInput.median : s.backward.median / 2,
+                   measured ? s.backwardWeight.median : s.backward.median / 2};
   };
   if (exact != piece.bySize.end()) return from(exact->second);
   VARUNA_CHECK(!piece.bySize.empty(), "piece ", piece.name, " has no profiled sizes");
@@ -58,7 +64,7 @@ Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
     return Figures{mix(a.forward, c.forward),         mix(a.backward, c.backward),
                    mix(a.recompute, c.recompute),     mixBytes(a.outputBytes, c.outputBytes),
                    mixBytes(a.savedBytes, c.savedBytes), mixBytes(a.peakBytes, c.peakBytes),
-                   mix(a.backwardInput, c.backwardInput)};
+                   mix(a.backwardInput, c.backwardInput), mix(a.backwardWeight, c.backwardWeight)};
   };
   if (hi == piece.bySize.begin()) {  // below the smallest profiled size: proportional
     const Figures zero{};
@@ -113,8 +119,8 @@ std::vector<StageFigures> stageFigures(const profile::Profile& profile, const st
       f.transientBytes = std::max(f.transientBytes, piece.peakBytes - piece.savedBytes);
       f.pieceBackward.push_back(piece.backward);
       f.backwardInput += piece.backwardInput;
-      f.backwardWeight += piece.backward - piece.backwardInput;
-      f.pieceWeight.push_back(piece.backward - piece.backwardInput);
+      f.backwardWeight += piece.backwardWeight;
+      f.pieceWeight.push_back(piece.backwardWeight);
       if (k == firstPiece[s + 1] - 1 && s + 1 < P) f.outBytes = piece.outputBytes;
     }
     if (s > 0) f.inBytes = out[s - 1].outBytes;
@@ -255,8 +261,9 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
   if (!givenSchedule) generated = generateSchedule(in.schedule, P, M);
   const Schedule& schedule = givenSchedule ? *givenSchedule : generated;
   VARUNA_CHECK(static_cast<int>(schedule.size()) == P, "schedule for ", schedule.size(), " stages, plan has ", P);
-  VARUNA_CHECK(static_cast<int>(schedule.back().size()) == 2 * M, "schedule of the last stage has ",
-               schedule.back().size(), " tasks, ", M, " micro-batches need ", 2 * M);
+  const int tasksPerMicrobatch = splitsBackward(in.schedule) ? 3 : 2;  // the last stage never recomputes
+  VARUNA_CHECK(static_cast<int>(schedule.back().size()) == tasksPerMicrobatch * M, "schedule of the last stage has ",
+               schedule.back().size(), " tasks, ", M, " micro-batches need ", tasksPerMicrobatch * M);
 
   auto host = [&](int rank) -> const std::string& {
     static const std::string kOneHost;

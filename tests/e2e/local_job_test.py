@@ -197,6 +197,62 @@ def test_preempted_host_comes_back_when_the_list_is_written_again():
     assert_nothing_left(m.job)
 
 
+def agent_of(m, host):
+    """The pid of the agent of `host` in m's job, or None."""
+    found = [pid for pid, cmd in processes_of_job(m.job) if "varuna_agent" in cmd and ("--host %s " % host) in cmd + " "]
+    return found[0] if found else None
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path("/proc/%d/status" % pid)
+    try:
+        return "zombie" not in status.read_text()
+    except OSError:
+        return False
+
+
+def test_an_agents_sigterm_is_a_preemption_notice_each_time_the_host_comes_back():
+    """Schedulers announce a machine's end with SIGTERM to the job's processes
+    there and SIGKILL a grace time later (Slurm's preemption GraceTime and
+    --signal, Kubernetes' terminationGracePeriodSeconds). With
+    --agent_sigterm_notice_s G the agent takes its SIGTERM as a notice that its
+    host goes in G s: the job morphs onto the other host with no step lost and
+    the agent leaves long before G. Then, as a requeued task would, the host
+    comes back (the machine list written again), the job grows back, and the
+    next SIGTERM is handled the same way."""
+    grace = 60
+    m = manager("sigterm-notice", steps=100000, extra_args=["--agent_sigterm_notice_s", str(grace)],
+                train_args=["--checkpoint_every", "1000"]).start()
+    for round_ in range(2):
+        m.wait_event("launch", count=2 * round_ + 1, timeout=60)
+        m.wait_step(m.events("launch")[-1]["resume_step"] + 20)
+        agent = wait_for("the agent of 127.0.0.2", lambda: agent_of(m, "127.0.0.2"), 30)
+        sent = time.monotonic()
+        os.kill(agent, signal.SIGTERM)
+        m.wait_event("preempt_notice", count=round_ + 1, timeout=30)
+        notice = m.events("preempt_notice")[round_]
+        ahead_s = notice["deadline_unix_ms"] / 1000 - time.time()
+        assert notice["host"] == "127.0.0.2" and grace - 15 < ahead_s <= grace, (notice, ahead_s)
+        m.wait_event("launch", count=2 * round_ + 2, timeout=60)
+        launch = m.events("launch")[-1]
+        assert launch["plan"]["hosts"] == ["127.0.0.1"], launch
+        assert launch["recovery"] == "checkpoint" and launch.get("steps_lost", 0) == 0, launch
+        wait_for("the SIGTERMed agent gone", lambda: not alive(agent), grace / 2)
+        log("round %d: SIGTERM -> morph done, agent gone: %.2f s (grace %d s), resumed at step %d"
+            % (round_, time.monotonic() - sent, grace, launch["resume_step"]))
+        m.write_machines(TWO_HOSTS)  # the requeued task's host is back
+        m.wait_event("host_back", count=round_ + 1, timeout=30)
+    assert m.stop_once_trained_on(launches=5) == 0, m.tail()
+    hosts = [e["plan"]["hosts"] for e in m.events("launch")]
+    assert hosts == [["127.0.0.1", "127.0.0.2"], ["127.0.0.1"]] * 2 + [["127.0.0.1", "127.0.0.2"]], hosts
+    assert not m.events("kill_all"), m.events()
+    assert_nothing_left(m.job)
+
+
 def test_manager_killed_and_restarted_carries_on():
     m = manager("restart", steps=300, train_args=["--checkpoint_every", "20"],
                 extra_args=["--agent_grace_s", "30"]).start()
@@ -638,6 +694,7 @@ if __name__ == "__main__":
         test_every_process_of_a_host_killed,
         test_host_added_to_machine_list_grows_the_job,
         test_preempted_host_comes_back_when_the_list_is_written_again,
+        test_an_agents_sigterm_is_a_preemption_notice_each_time_the_host_comes_back,
         test_manager_killed_and_restarted_carries_on,
         test_sigterm_checkpoints_and_stops,
         test_no_morphing_stops_on_the_first_failure,

@@ -4,7 +4,8 @@
 // one that hears nothing from a connected manager for --lost_manager_ms does
 // the same (a silent partition), and workers start with SIGUSR1 blocked (a
 // checkpoint request during their start-up waits instead of killing them),
-// and their heartbeats on the beat socket reach the manager relayed.
+// and their heartbeats on the beat socket reach the manager relayed. With
+// --sigterm_notice_s a SIGTERM (a scheduler's) becomes a preemption notice.
 #include <catch2/catch.hpp>
 
 #include <signal.h>
@@ -72,13 +73,15 @@ struct AgentUnderTest {
   std::optional<test::ChildProcess> agent;
   std::optional<test::FakePeer> link;
 
-  AgentUnderTest(const std::string& name, const std::string& graceS, const std::string& lostManagerMs = "")
+  AgentUnderTest(const std::string& name, const std::string& graceS, const std::string& lostManagerMs = "",
+                 const std::vector<std::string>& extraArgs = {})
       : dir(test::scratchDir(name)) {
     std::vector<std::string> argv{(test::buildDir() / "bin" / "varuna_agent").string(), "--manager",
                                   manager.address(), "--host", "127.0.0.1", "--job", "agent-test-" + name,
                                   "--run_dir", (dir / "run").string(), "--code_dir", dir.string(),
                                   "--grace_s", graceS};
     if (!lostManagerMs.empty()) argv.insert(argv.end(), {"--lost_manager_ms", lostManagerMs});
+    argv.insert(argv.end(), extraArgs.begin(), extraArgs.end());
     agent.emplace(argv, std::map<std::string, std::string>{{"VARUNA_JOB_TOKEN", "t0k"}}, dir / "agent");
     link = manager.accept(20s);
     REQUIRE(link);
@@ -120,6 +123,83 @@ TEST_CASE("agent: a SIGKILLed agent takes its workers along", "[agent]") {
     INFO("worker " << pid);
     CHECK(test::waitUntil([&] { return gone(pid); }, 5s));
   }
+}
+
+TEST_CASE("agent: without --sigterm_notice_s a SIGTERM stops it and its workers at once", "[agent]") {
+  AgentUnderTest t("agent-sigterm", "30");
+  const auto workers = t.launchSleepers();
+  t.agent->kill(SIGTERM);
+  const auto code = t.agent->wait(10s);
+  REQUIRE(code);
+  CHECK(*code == 0);
+  for (const pid_t pid : workers) CHECK(test::waitUntil([&] { return gone(pid); }, 5s));
+  CHECK_FALSE(t.manager.accept(200ms));  // no notice
+}
+
+TEST_CASE("agent: with --sigterm_notice_s a SIGTERM is a preemption notice; it leaves once its workers are stopped",
+          "[agent][scheduler]") {
+  AgentUnderTest t("agent-sigterm-notice", "30", "", {"--sigterm_notice_s", "30"});
+  const auto workers = t.launchSleepers();
+  const int64_t sentUnixMs =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+  t.agent->kill(SIGTERM);
+  // The notice comes as a notifier's would: its own connection, the host's
+  // notifier credential (derived, never the agent's own), the deadline ahead.
+  auto notifier = t.manager.accept(10s);
+  REQUIRE(notifier);
+  const auto hello = notifier->receive(10s);
+  REQUIRE(hello);
+  const auto& h = std::get<proto::Hello>(*hello);
+  CHECK(h.role == "notifier");
+  CHECK(h.host == "127.0.0.1");
+  CHECK_FALSE(h.token.empty());
+  CHECK(h.token != "t0k");
+  const auto notice = notifier->receive(10s);
+  REQUIRE(notice);
+  const auto& n = std::get<proto::PreemptNotice>(*notice);
+  CHECK(n.host == "127.0.0.1");
+  CHECK(n.deadlineUnixMs >= sentUnixMs + 29000);
+  CHECK(n.deadlineUnixMs <= sentUnixMs + 31000);
+  REQUIRE(notifier->send(proto::Ack{true, ""}));
+  // The workers train on until the manager's morph stops them.
+  std::this_thread::sleep_for(300ms);
+  for (const pid_t pid : workers) CHECK_FALSE(gone(pid));
+  CHECK_FALSE(t.agent->wait(0ms));
+  REQUIRE(t.link->send(proto::KillWorkers{"morphing off a preempted host"}));
+  const auto code = t.agent->wait(10s);
+  REQUIRE(code);
+  CHECK(*code == 0);
+  CHECK_THAT(t.agent->stderrText() + t.agent->stdoutText(), Catch::Contains("the manager moved the job off this host"));
+}
+
+TEST_CASE("agent: a notice nobody answers: it stops its workers and leaves just before the scheduler's deadline",
+          "[agent][scheduler]") {
+  AgentUnderTest t("agent-sigterm-deadline", "30", "", {"--sigterm_notice_s", "6"});
+  const auto workers = t.launchSleepers();
+  const auto sent = std::chrono::steady_clock::now();
+  t.agent->kill(SIGTERM);  // the fake manager never accepts the notifier's connection
+  const auto code = t.agent->wait(10s);
+  REQUIRE(code);
+  CHECK(*code == 0);
+  const auto took = std::chrono::steady_clock::now() - sent;
+  CHECK(took >= 4900ms);  // 6 s of grace, 1 s kept for the exit
+  CHECK(took < 6s);       // before the scheduler's SIGKILL
+  for (const pid_t pid : workers) CHECK(test::waitUntil([&] { return gone(pid); }, 5s));
+  CHECK_THAT(t.agent->stderrText() + t.agent->stdoutText(), Catch::Contains("grace time is over"));
+}
+
+TEST_CASE("agent: a second SIGTERM after the notice stops the workers at once", "[agent][scheduler]") {
+  AgentUnderTest t("agent-sigterm-twice", "30", "", {"--sigterm_notice_s", "60"});
+  const auto workers = t.launchSleepers();
+  t.agent->kill(SIGTERM);
+  REQUIRE(test::waitUntil([&] { return (t.agent->stderrText() + t.agent->stdoutText()).find("SIGTERM: the scheduler") !=
+                                       std::string::npos; }, 10s));
+  t.agent->kill(SIGTERM);
+  const auto code = t.agent->wait(10s);
+  REQUIRE(code);
+  CHECK(*code == 0);
+  for (const pid_t pid : workers) CHECK(test::waitUntil([&] { return gone(pid); }, 5s));
 }
 
 TEST_CASE("agent: losing the manager, it kills its workers after its grace and exits", "[agent]") {

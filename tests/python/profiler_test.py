@@ -134,7 +134,7 @@ def test_two_ranks_write_the_profile_the_cpp_side_reads():
                 if f is None:
                     failures.append("(%s, %d) is missing" % (name, size))
                     continue
-                for timing in ("forward", "backward", "recompute"):
+                for timing in ("forward", "backward", "recompute", "backward_input", "backward_weight"):
                     if not (f[timing]["median_s"] > 0 and f[timing]["samples"] >= 1):
                         failures.append("(%s, %d) %s: %s" % (name, size, timing, f[timing]))
                 want = 0 if name == NAMES[-1] else size * cm.SEQ * cm.WIDTH * 4

@@ -32,7 +32,8 @@ int countType(const StageSchedule& s, TaskType type) {
   return n;
 }
 
-const ScheduleKind kAllKinds[] = {ScheduleKind::kVaruna, ScheduleKind::k1F1B, ScheduleKind::kGPipe};
+const ScheduleKind kAllKinds[] = {ScheduleKind::kVaruna, ScheduleKind::k1F1B, ScheduleKind::kGPipe,
+                                   ScheduleKind::kZeroBubbleH1};
 
 }  // namespace
 
@@ -185,6 +186,9 @@ TEST_CASE("simulator: live activations per schedule, as the generator orders the
   // 1F1B: stage s keeps at most P - s.
   CHECK(simulate(profile4, input(4, 1, 1, 8, ScheduleKind::k1F1B)).stagePeakLiveMicrobatches ==
         std::vector<int>{4, 3, 2, 1});
+  // ZB-H1: P - s + 1, held until each micro-batch's W.
+  CHECK(simulate(profile4, input(4, 1, 1, 8, ScheduleKind::kZeroBubbleH1)).stagePeakLiveMicrobatches ==
+        std::vector<int>{5, 4, 3, 2});
   // Varuna: at most one per stage (the others keep only their input).
   for (int m : {1, 2, 8, 13}) {
     INFO("m=" << m);
@@ -282,7 +286,7 @@ TEST_CASE("simulator: stepLowerBound never exceeds the simulated step, and is ex
       }
     }
   }
-  CHECK(strictlyBelow == 4 * 2 * 3 * 2 * 3);  // every multi-stage plan has a bubble
+  CHECK(strictlyBelow == 4 * 2 * 3 * 2 * 4);  // every multi-stage plan has a bubble, each of the 4 schedules
   // One stage, one replica, no recompute: no bubble, nothing to overlap: exact.
   const auto one = input(1, 1, 2, 8, ScheduleKind::k1F1B);
   CHECK(stepLowerBound(profile, one) == Approx(simulate(profile, one).stepSeconds).epsilon(1e-12));
@@ -379,4 +383,30 @@ TEST_CASE("simulator: malformed, foreign, old and stale profiles are refused wit
     // A ProfileError is a ConfigError: run_varuna and workers exit with code 2.
     CHECK_THROWS_AS(profile::readProfile(path, "fedcba9876543210"), ConfigError);
   }
+}
+
+TEST_CASE("simulator: zb-h1 replays B and W as halves of the backward, and beats 1F1B's bubble", "[simulator]") {
+  // F = 1, backward = 2 per piece and sample: B = W = 1 without a measured split.
+  const auto profile = uniformProfile(2, {1}, PieceSpec{1.0, 2.0, 1.0, 0, 0, 0});
+  const Simulation zb = simulate(profile, input(2, 1, 1, 8, ScheduleKind::kZeroBubbleH1));
+  const Simulation ofob = simulate(profile, input(2, 1, 1, 8, ScheduleKind::k1F1B));
+  CHECK(zb.pipelineSeconds == Approx(3.0 * 8 + 1));  // (P-1)(F+B) - W idle
+  CHECK(ofob.pipelineSeconds == Approx(3.0 * (8 + 1)));
+  CHECK(zb.stageComputeSeconds == ofob.stageComputeSeconds);  // the same work
+  // A measured split moves the cost between B and W: the makespan follows.
+  auto measured = profile;
+  for (auto& piece : measured.pieces) {
+    auto& s = piece.bySize.at(1);
+    s.backwardInput = s.backwardWeight = s.backward;
+    s.backwardInput.median = 1.5;
+    s.backwardWeight.median = 0.5;
+    s.backwardInput.samples = s.backwardWeight.samples = 5;
+  }
+  const Simulation heavyB = simulate(measured, input(2, 1, 1, 8, ScheduleKind::kZeroBubbleH1));
+  CHECK(heavyB.pipelineSeconds > zb.pipelineSeconds);
+  // The split survives the profile's file format.
+  const auto text = profile::toJson(measured).dump();
+  const auto back = profile::fromJson(nlohmann::json::parse(text), "test").pieces[0].bySize.at(1);
+  CHECK(back.backwardInput.median == 1.5);
+  CHECK(back.backwardWeight.median == 0.5);
 }

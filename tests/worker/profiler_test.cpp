@@ -158,6 +158,8 @@ TEST_CASE("profile_gpt profiles a small GPT with 2 processes, adds sizes and reu
       checkTiming(f.forward, 5);
       checkTiming(f.backward, 5);
       checkTiming(f.recompute, 5);
+      checkTiming(f.backwardInput, 5);
+      checkTiming(f.backwardWeight, 5);
       const bool isHead = i + 1 == spec.pieces.size();
       CHECK(f.outputBytes == (isHead ? 0 : b * kSeq * 32 * 4));
       CHECK(f.savedActivationBytes > 0);

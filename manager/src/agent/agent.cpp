@@ -174,7 +174,8 @@ Agent::Agent(asio::io_context& io, AgentOptions options, asio::ip::tcp::socket m
       readDeadlineTimer_(io),
       killTimer_(io),
       beatSocket_(io),
-      beatForwardTimer_(io) {}
+      beatForwardTimer_(io),
+      schedulerNotice_(io, options_.sigtermNotice) {}
 
 void Agent::start() {
   signals_.add(SIGHUP);  // the SSH session that started us may go; we stay
@@ -193,6 +194,8 @@ void Agent::waitSignals() {
     if (ec) return;
     if (signal == SIGCHLD) {
       reapChildren();
+    } else if (signal == SIGTERM && options_.sigtermNotice.count() > 0 && !schedulerNotice_.started() && !exiting_) {
+      onSchedulerNotice();
     } else if (signal != SIGHUP) {
       finish(0, strCat("signal ", ::strsignal(signal)));
     }
@@ -439,6 +442,23 @@ void Agent::reapChildren() {
     if (manager_->open()) manager_->send(exited);
   }
   maybeExit();
+  leaveIfPreemptedAndIdle();
+}
+
+void Agent::onSchedulerNotice() {
+  schedulerNotice_.start(
+      {managerAddress_, credentials::notifier(options_.credential), options_.host},
+      [this](bool acknowledged) {
+        noticeAcknowledged_ = acknowledged;
+        leaveIfPreemptedAndIdle();
+      },
+      [this] { finish(0, "the scheduler's grace time is over"); });
+}
+
+void Agent::leaveIfPreemptedAndIdle() {
+  // The manager has moved the job off this host and stopped its workers:
+  // nothing is left for the scheduler to kill.
+  if (noticeAcknowledged_ && workers_.empty()) finish(0, "preempted: the manager moved the job off this host");
 }
 
 void Agent::finish(int exitCode, const std::string& reason) {
@@ -449,6 +469,7 @@ void Agent::finish(int exitCode, const std::string& reason) {
   killWorkers(reason);
   heartbeatTimer_.cancel();
   graceTimer_.cancel();
+  schedulerNotice_.cancel();
   readDeadlineTimer_.cancel();
   beatForwardTimer_.cancel();
   boost::system::error_code ignored;

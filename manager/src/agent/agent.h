@@ -38,6 +38,7 @@
 #include <string>
 
 #include "varuna/common/protocol.h"
+#include "agent/scheduler_notice.h"
 #include "loop/framed_connection.h"
 
 namespace varuna {
@@ -61,6 +62,9 @@ struct AgentOptions {
   // How often the workers' heartbeats are relayed (when any came): well
   // under any heartbeat timeout the manager can be given (>= 1 s in practice).
   std::chrono::milliseconds beatForwardInterval{250};
+  // A SIGTERM is the scheduler's preemption notice: the host goes this long
+  // after it (scheduler_notice.h). 0: a SIGTERM stops the agent at once.
+  std::chrono::milliseconds sigtermNotice{0};
 };
 
 class Agent {
@@ -100,6 +104,9 @@ class Agent {
   void scheduleReadDeadline();
   void finish(int exitCode, const std::string& reason);
   void maybeExit();
+  // A SIGTERM with sigtermNotice set: tell the manager, leave when it is done.
+  void onSchedulerNotice();
+  void leaveIfPreemptedAndIdle();
 
   boost::asio::io_context& io_;
   AgentOptions options_;
@@ -123,6 +130,8 @@ class Agent {
   std::map<int, proto::WorkerBeat> pendingBeats_;
   boost::asio::steady_timer beatForwardTimer_;
   std::map<pid_t, Worker> workers_;
+  SchedulerNotice schedulerNotice_;
+  bool noticeAcknowledged_ = false;
   bool exiting_ = false;
   int exitCode_ = 0;
 };

@@ -13,6 +13,7 @@
 
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
+#include "varuna/common/time_util.h"
 #include "agent/agent.h"
 #include "agent/run_dir.h"
 
@@ -133,6 +134,13 @@ int main(int argc, char** argv) {
                  "kill the workers and exit when no frame at all (the manager heartbeats every second) came "
                  "from the manager this long, even if the connection is up (a silent partition; default 15000)")
       ->check(CLI::PositiveNumber);
+  double sigtermNoticeS = 0;
+  app.add_option("--sigterm_notice_s", sigtermNoticeS,
+                 "take a SIGTERM as the scheduler's preemption notice (Slurm's GraceTime, Kubernetes' "
+                 "terminationGracePeriodSeconds): tell the manager this host goes that many seconds later, and exit "
+                 "once the manager has stopped the workers or just before then; 0 (default): a SIGTERM stops the "
+                 "agent and its workers at once")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--daemonize", options.daemonize, "detach, and return once connected to the manager");
   app.add_option("--log_level", options.logLevel, "debug, info, warn or error");
   bool tokenFromStdin = false, envFromStdin = false;
@@ -152,6 +160,7 @@ int main(int argc, char** argv) {
     if (envFromStdin) setEnvironmentFromStdin();
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
     options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
+    options.agent.sigtermNotice = millis(sigtermNoticeS);
     const bool defaultRunDir = options.agent.runDir.empty();
     if (defaultRunDir) options.agent.runDir = defaultAgentRunDir(options.agent.job, options.agent.host);
     log::configure({"agent", options.agent.job, options.agent.host}, log::parseLevel(options.logLevel));

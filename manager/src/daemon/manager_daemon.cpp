@@ -249,6 +249,7 @@ std::string ManagerDaemon::Impl::agentCommand(const std::string& host) const {
                 shellQuote(advertisedAddress_), " --host ", shellQuote(host), " --job ", shellQuote(config_.job),
                 " --code_dir ", shellQuote(config_.codeDir), " --program ", shellQuote(config_.program.front()),
                 " --grace_s ", config_.agentGraceS,
+                config_.agentSigtermNoticeS > 0 ? strCat(" --sigterm_notice_s ", config_.agentSigtermNoticeS) : "",
                 // Not hearing from the manager this long, the agent takes it as gone: as long as the
                 // manager waits for a silent agent, plus the grace.
                 " --lost_manager_ms ", lostManagerAfter().count(),

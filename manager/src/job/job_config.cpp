@@ -70,6 +70,9 @@ const std::vector<Field>& fields() {
        "the survivors' reports, then the salvage writes, must each finish within this, else the job falls back to "
        "the latest checkpoint (default 30)"},
       {"agent_grace_s", &JobConfig::agentGraceS, "agents kill their workers when the manager is gone this long (default 5)"},
+      {"agent_sigterm_notice_s", &JobConfig::agentSigtermNoticeS,
+       "a SIGTERM to an agent is its scheduler's preemption notice: the host goes this long after it (Slurm's "
+       "GraceTime, Kubernetes' terminationGracePeriodSeconds); 0 (default): a SIGTERM stops the agent at once"},
       {"max_failures", &JobConfig::maxFailures, "failures within --failure_window_s before giving up (default 3)"},
       {"failure_window_s", &JobConfig::failureWindowS, "window of --max_failures (default 600)"},
       {"restart_backoff_s", &JobConfig::restartBackoffS, "wait before relaunching after a failure, doubling (default 1)"},
@@ -231,6 +234,9 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
   }
   requirePositive(config.checkpointTimeoutS, "checkpoint_timeout_s");
   requirePositive(config.agentGraceS, "agent_grace_s");
+  if (!(config.agentSigtermNoticeS >= 0)) {
+    throw ConfigError(strCat("--agent_sigterm_notice_s must be >= 0 (0: off), got ", config.agentSigtermNoticeS));
+  }
   requirePositive(config.sshConnectTimeoutS, "ssh_connect_timeout_s");
   requirePositive(config.failureWindowS, "failure_window_s");
   if (config.restartBackoffS < 0) throw ConfigError("--restart_backoff_s must be >= 0");

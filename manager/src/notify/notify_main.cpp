@@ -78,13 +78,7 @@ int main(int argc, char** argv) {
     if (o.host.empty()) throw ConfigError("--host is required (the host's name in the machine list)");
     if (o.inSeconds >= 0) o.deadlineUnixMs = nowUnixMs() + static_cast<int64_t>(o.inSeconds * 1000);
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeoutS * 1000));
-    auto client = proto::ControlClient::connect(o.manager, timeout);
-    client.send(proto::Hello{proto::kVersion, token, "notifier", o.host, -1, -1});
-    client.send(proto::PreemptNotice{o.host, o.deadlineUnixMs});
-    const auto reply = client.receive(timeout);
-    const auto* ack = reply ? std::get_if<proto::Ack>(&*reply) : nullptr;
-    if (!ack) throw proto::ConnectionError(strCat("the manager at ", o.manager, " did not acknowledge within ", o.timeoutS, " s"));
-    if (!ack->ok) throw proto::ConnectionError(strCat("the manager refused the notice: ", ack->error));
+    proto::notifyPreemption(o.manager, token, o.host, o.deadlineUnixMs, timeout);
     std::cout << "manager at " << o.manager << " acknowledged: " << o.host << " will be preempted" << std::endl;
     return 0;
   } catch (const Error& e) {

@@ -4,11 +4,11 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <algorithm>
 #include <map>
 #include <numeric>
 #include <set>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "varuna/common/errors.h"
 
@@ -136,8 +136,9 @@ void SplitBackward::plan(const std::vector<torch::Tensor>& params) {
   // Every parameter in the graph must branch off the path somewhere.
   std::set<int> covered;
   for (const auto& s : branchParams) covered.insert(s.begin(), s.end());
+  const std::unordered_set<Node*> inGraph(order.begin(), order.end());
   for (const auto& [acc, p] : paramOf) {
-    if (!covered.count(p) && std::find(order.begin(), order.end(), acc) != order.end()) return;
+    if (!covered.count(p) && inGraph.count(acc)) return;
   }
 
   // Groups: branch points and parameters joined where they share a parameter.

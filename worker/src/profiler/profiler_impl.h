@@ -61,6 +61,7 @@ class Profiler::Impl {
   // calls of runPiece so the sizes' repetitions can be interleaved.
   struct Samples {
     std::vector<double> forward, backward, recompute;
+    std::vector<double> backwardInput, backwardWeight;  // a split backward's halves (zero-bubble schedules)
     int64_t outputBytes = 0, savedMax = 0, peakMax = 0;
     profile::PieceAtSize summary() const;
   };

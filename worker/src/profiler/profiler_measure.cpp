@@ -217,6 +217,23 @@ void Profiler::Impl::runPiece(StageModel& piece, const torch::Tensor& input, con
     samples.outputBytes = isLast ? 0 : out.numel() * static_cast<int64_t>(out.element_size());
     gradOutput = torch::ones_like(out);
   }
+  // The backward split in two, as zero-bubble schedules run it: B, then W.
+  {
+    MicrobatchState split;
+    forward(split);
+    sync();
+    const auto t0 = Clock::now();
+    piece.backwardInput(split, gradOutput);
+    sync();
+    const auto t1 = Clock::now();
+    piece.backwardWeight(split, nullptr);
+    sync();
+    const auto t2 = Clock::now();
+    if (timed) {
+      samples.backwardInput.push_back(seconds(t0, t1));
+      samples.backwardWeight.push_back(seconds(t1, t2));
+    }
+  }
   // Recompute then backward, back to back as the Varuna schedule runs them:
   // the peak over both is the piece's working memory beyond what was
   // resident before (parameters, gradients, the input).
@@ -243,6 +260,8 @@ profile::PieceAtSize Profiler::Impl::Samples::summary() const {
   result.forward = profile::summarize(forward);
   result.backward = profile::summarize(backward);
   result.recompute = profile::summarize(recompute);
+  result.backwardInput = profile::summarize(backwardInput);
+  result.backwardWeight = profile::summarize(backwardWeight);
   result.outputBytes = outputBytes;
   result.savedActivationBytes = savedMax;
   result.peakBytes = peakMax;

@@ -60,4 +60,13 @@ class ControlClient {
   FrameDecoder decoder_;
 };
 
+// Tells the manager at `address` that `host` will be taken at
+// `deadlineUnixMs` (0: unknown), as a notifier holding `credential` (the
+// host's notifier credential, or the job's secret), and waits for the
+// acknowledgement. Throws ConnectionError when the manager cannot be reached
+// within `timeout`, does not answer, or refuses the notice (its reason).
+// notify_manager_preempt, and an agent told by its scheduler (SIGTERM).
+void notifyPreemption(const std::string& address, const std::string& credential, const std::string& host,
+                      int64_t deadlineUnixMs, std::chrono::milliseconds timeout);
+
 }  // namespace varuna::proto

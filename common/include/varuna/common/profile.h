@@ -48,9 +48,11 @@ struct PieceAtSize {  // one piece at one micro-batch size
   int64_t savedActivationBytes = 0;  // what autograd keeps between forward and backward
   int64_t peakBytes = 0;           // peak above the live bytes over recompute + backward (CUDA: caching
                                    // allocator statistics; CPU: a counting wrapper around the CPU allocator)
-  // The input-gradient half of the backward (zero-bubble schedules); the
-  // weight-gradient half is the rest. Not measured (samples 0): half each.
+  // The backward split in two (zero-bubble schedules): the input-gradient
+  // half B and the weight-gradient half W, measured on their own. Not
+  // measured (samples 0, a profile from before): half of `backward` each.
   Timing backwardInput;
+  Timing backwardWeight;
   bool operator==(const PieceAtSize&) const = default;
 };
 

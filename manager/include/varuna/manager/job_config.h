@@ -42,6 +42,7 @@ struct JobConfig {
   bool noSalvage = false;           // a sudden loss rolls back to the last checkpoint (docs/salvage.md)
   double salvageTimeoutS = 30;      // each salvage round (reports, writes) finishes within this
   double agentGraceS = 5;           // agents kill their workers when the manager is gone this long
+  double agentSigtermNoticeS = 0;   // > 0: an agent's SIGTERM is a preemption notice this far ahead
   int maxFailures = 3;              // within failureWindowS; one more stops the job
   double failureWindowS = 600;
   double restartBackoffS = 1;
