@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "schedule_ticks.h"
 #include "schedule_zero_bubble.h"
 #include "varuna/common/errors.h"
 
@@ -101,7 +102,7 @@ class VarunaScheduleBuilder {
   }
 
  private:
-  static constexpr long kNever = std::numeric_limits<long>::max();
+  static constexpr long kNever = ticks::kNever;
   static constexpr long kForward = 100, kRecompute = 100, kBackward = 200, kMessage = 1;
   static constexpr long kTickLimit = 1L << 40;
 
@@ -111,22 +112,7 @@ class VarunaScheduleBuilder {
 
   bool last(int s) const { return s == P_ - 1; }
 
-  // The next tick at which a task may become ready: readiness only changes at
-  // a task's end or one message later than a task's start or end. So after a
-  // tick where something started or ended, the next tick; otherwise the
-  // earliest end still ahead (idle ticks in between change nothing, and
-  // skipping them keeps the result identical while making it O(tasks)).
-  long nextEvent(long now) const {
-    bool endedNow = false;
-    long next = kNever;
-    for (long t : freeAt_) {
-      endedNow = endedNow || t == now;
-      if (t > now) next = std::min(next, t);
-    }
-    if (startedNow_ || endedNow) return now + 1;
-    VARUNA_CHECK(next != kNever, "Varuna schedule simulation stalled: no stage can run and none is busy");
-    return next;
-  }
+  long nextEvent(long now) const { return ticks::nextEvent(freeAt_, now, startedNow_, "Varuna"); }
   static bool reached(long t, long now) { return t != kNever && t <= now; }
 
   bool backwardReady(int s, int i, long now) const {

@@ -1,7 +1,6 @@
 #include "schedule_zero_bubble.h"
 
-#include <algorithm>
-#include <limits>
+#include "schedule_ticks.h"
 
 #include "varuna/common/errors.h"
 
@@ -44,7 +43,7 @@ class ZeroBubbleBuilder {
   }
 
  private:
-  static constexpr long kNever = std::numeric_limits<long>::max();
+  static constexpr long kNever = ticks::kNever;
   static constexpr long kTask = 100, kMessage = 1;
   static constexpr long kTickLimit = 1L << 40;
 
@@ -55,19 +54,7 @@ class ZeroBubbleBuilder {
   static bool reached(long t, long now) { return t != kNever && t <= now; }
   static bool arrived(long t, long now) { return t != kNever && t + kMessage <= now; }
 
-  // As in the Varuna builder: readiness changes only at a task's end or a
-  // message later, so idle ticks in between are skipped.
-  long nextEvent(long now) const {
-    bool endedNow = false;
-    long next = kNever;
-    for (long t : freeAt_) {
-      endedNow = endedNow || t == now;
-      if (t > now) next = std::min(next, t);
-    }
-    if (startedNow_ || endedNow) return now + 1;
-    VARUNA_CHECK(next != kNever, "zero-bubble schedule simulation stalled: no stage can run and none is busy");
-    return next;
-  }
+  long nextEvent(long now) const { return ticks::nextEvent(freeAt_, now, startedNow_, "zero-bubble"); }
 
   // Micro-batches on stage s whose forward has started and whose W has not ended.
   int inFlight(int s, long now) const {
