@@ -104,10 +104,26 @@ def run_ours(build, size, stages, schedule, dump, front_end="cpp"):
            "--d_model", str(cfg["d_model"]), "--layers", str(cfg["layers"]), "--heads", str(cfg["heads"]),
            "--seq_len", str(cfg["seq_len"]), "--schedule", schedule, "--clip", "0", "--threads", "1",
            "--dump_dir", dump, "--log_every", "1000000"]
+    if front_end == "cpp":
+        cmd += ["--probe_memory_steps", str(cfg["warmup"])]  # warm-up steps only: the probe slows a step
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     with open(os.path.join(dump, "rank0_steps.jsonl")) as f:
         times = [json.loads(line)["time_s"] for line in f]
     return statistics.median(times[cfg["warmup"]:])
+
+
+def step_memory(dump, stages, warmup):
+    """The largest, over the stages, median step peak of resident memory over
+    the step's start (activations and every other temporary of a step)."""
+    worst = 0
+    for rank in range(stages):
+        with open(os.path.join(dump, f"rank{rank}_steps.jsonl")) as f:
+            rows = [json.loads(line) for line in f][1:warmup]  # the first step also allocates AdamW's state
+        peaks = [r["step_peak_rss_over_start_bytes"] for r in rows if "step_peak_rss_over_start_bytes" in r]
+        if not peaks:
+            return None
+        worst = max(worst, statistics.median(peaks))
+    return worst
 
 
 def busy_fraction(dump, stages, warmup):
@@ -139,9 +155,11 @@ def run_peer(size, schedule, weights):
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"peer {schedule} failed")
-    # The rank holding the last stage prints (rank P-1, or rank 0 in a V).
-    lines = [line for out in outputs for line in out.strip().splitlines() if line.startswith("{")]
-    return json.loads(lines[-1])["step_time_s"]
+    # Every rank prints its memory; the rank holding the last stage (rank P-1,
+    # or rank 0 in a V) its step time too.
+    rows = [json.loads(line) for out in outputs for line in out.strip().splitlines() if line.startswith("{")]
+    step_time = [r["step_time_s"] for r in rows if "step_time_s" in r][-1]
+    return step_time, max(r["step_peak_rss_over_start_bytes"] for r in rows)
 
 
 def check_python_package(build):
@@ -200,6 +218,7 @@ def main():
         tokens = cfg["chunk"] * M * cfg["seq_len"]
         ours, python, peer, single = {}, {}, {}, float("inf")
         busy = {}  # ours (C++), per schedule: busy_fraction of its best round
+        memory, peer_memory = {}, {}  # per schedule: a step's peak host memory (bytes) of its best round
         paired = {s: [] for s in SCHEDULES}  # per round: Python step time / C++ step time
         for rnd in range(args.rounds):
             with tempfile.TemporaryDirectory() as tmp:
@@ -212,6 +231,7 @@ def main():
                         table = ours if front_end == "cpp" else python
                         if front_end == "cpp" and t < table.get(schedule, float("inf")):
                             busy[schedule] = busy_fraction(dump, P, cfg["warmup"])
+                            memory[schedule] = step_memory(dump, P, cfg["warmup"])
                         table[schedule] = min(table.get(schedule, t), t)
                         label = "ours" if front_end == "cpp" else "ours Python"
                         print(f"[{size} round {rnd}] {label:11s} {schedule:7s} P={P}: {t*1e3:8.1f} ms/step", flush=True)
@@ -222,7 +242,9 @@ def main():
                                                        os.path.join(tmp, f"python_{schedule}"))
                     if schedule == "1f1b":  # peers next to ours in time
                         for peer_schedule in PEER_SCHEDULES:
-                            t = run_peer(size, peer_schedule, os.path.join(tmp, "1f1b"))
+                            t, peak = run_peer(size, peer_schedule, os.path.join(tmp, "1f1b"))
+                            if t < peer.get(peer_schedule, float("inf")):
+                                peer_memory[peer_schedule] = peak
                             peer[peer_schedule] = min(peer.get(peer_schedule, t), t)
                             print(f"[{size} round {rnd}] peer {peer_schedule:6s} P={P}: {t*1e3:8.1f} ms/step", flush=True)
                 t = run_ours(args.build, size, 1, "1f1b", os.path.join(tmp, "single"))
@@ -245,6 +267,11 @@ def main():
             "efficiency": single / (P * ours[best]),
             "busy_fraction": busy,
             "busy_bound": {s: busy_bound(s) for s in busy},
+            # The worst stage's median step peak of resident memory over the step's start:
+            # activations and every other temporary of a step (weights, gradients and
+            # optimizer state are there before it starts), ours and the peer's.
+            "step_peak_memory_mib": {s: v / 2**20 for s, v in memory.items() if v is not None},
+            "peer_step_peak_memory_mib": {s: v / 2**20 for s, v in peer_memory.items() if v >= 0},
             "targets": {"busy_fraction>=0.95": max((v for v in busy.values() if v is not None), default=0) >= 0.95,
                         "ratio_vs_peer>=1.05": peer[best_peer] / ours[best] >= 1.05},
         }
@@ -254,6 +281,9 @@ def main():
               f"{r['efficiency']:.3f} (bubble bound {r['bubble_bound']:.3f}); busy fraction (analytic bound) "
               + ", ".join(f"{k} {v:.3f} ({r['busy_bound'][k] or float('nan'):.3f})" for k, v in busy.items()
                           if v is not None), flush=True)
+        print(f"[{size}] step peak memory (MiB, worst stage): ours "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["step_peak_memory_mib"].items()) + "; peer "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["peer_step_peak_memory_mib"].items()), flush=True)
         if args.smoke:
             del r["targets"]
         if python:

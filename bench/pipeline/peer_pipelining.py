@@ -14,6 +14,7 @@ LM head is not tied to the embedding (torch.distributed.pipelining has no
 cross-stage weight tying); ours is, which costs us one extra all-reduce.
 """
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -148,9 +149,12 @@ def main():
     optimizer = torch.optim.AdamW([q for m in modules for q in m.parameters()], lr=args.lr, weight_decay=0.0)
 
     times = []
+    peaks = []  # warm-up steps after the first: peak resident size over the start (as train_gpt's)
     losses_seen = []
     for step in range(args.warmup + args.steps):
         x, y = batch(tokens, step * args.batch, args.batch, args.seq_len, args.data_seed)
+        probe = 0 < step < args.warmup  # not timed: the trim costs page faults
+        rss_at_start = reset_peak_rss() if probe else 0
         start = time.perf_counter()
         optimizer.zero_grad()
         losses = []
@@ -159,12 +163,33 @@ def main():
             losses_seen.append(float(sum(l.item() for l in losses) / len(losses)))
         optimizer.step()
         times.append(time.perf_counter() - start)
+        if probe:
+            peaks.append(max(0, status_bytes("VmHWM:") - rss_at_start))
     dist.barrier()
     measured = times[args.warmup:]
+    memory = {"rank": args.rank, "step_peak_rss_over_start_bytes": statistics.median(peaks) if peaks else -1}
     if holds_last:
-        print(json.dumps({"schedule": args.schedule, "step_time_s": statistics.median(measured),
-                          "first_loss": losses_seen[0], "last_loss": losses_seen[-1]}), flush=True)
+        memory.update({"schedule": args.schedule, "step_time_s": statistics.median(measured),
+                       "first_loss": losses_seen[0], "last_loss": losses_seen[-1]})
+    print(json.dumps(memory), flush=True)
     dist.destroy_process_group()
+
+
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss():
+    """Hands the heap's free memory back (glibc's malloc_trim), resets VmHWM to
+    the current resident size (Linux) and returns that size."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmRSS:")
 
 
 if __name__ == "__main__":

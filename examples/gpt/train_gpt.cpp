@@ -3,6 +3,8 @@
 // arguments (--rank --local_rank --stage_to_rank_map --chunk_size --batch-size
 // --resume_step) and the torchrun environment are read by parseLaunchArgs, the
 // rest of the command line by this program.
+#include <malloc.h>
+
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/optim/adamw.h>
@@ -44,6 +46,7 @@ struct TrainOptions {
   uint64_t dataSeed = 7;
   int64_t logEvery = 1;
   std::string dumpDir;
+  int64_t probeMemorySteps = 0;  // the first N steps of this process log their peak host memory
   std::string device = "cpu";  // "cuda": cuda:<local_rank> (with Gloo: modulo the host's GPUs)
   std::string commBackend = "auto";
   bool deterministic = false;
@@ -121,6 +124,9 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
                  "write per-step results (rank<r>_steps.jsonl), the initial and final parameters "
                  "(rank<r>_initial.pt, rank<r>_params.pt) and final buffers (rank<r>_buffers.pt), "
                  "loadable with torch.load, here");
+  app.add_option("--probe_memory_steps", o.probeMemorySteps,
+                 "with --dump_dir: the first N steps also log step_peak_rss_over_start_bytes (the step's peak "
+                 "resident memory over its start, after handing the heap's free memory back: slows those steps)");
   app.add_option("--checkpoint_dir", o.checkpointDir, "global store for checkpoints (varuna_ckpt_<step>/)");
   app.add_option("--checkpoint_every", o.checkpointEvery, "checkpoint every N steps (0: on SIGUSR1 and at the end)");
   app.add_option("--ckpt_tempdir", o.checkpointTempdir, "write checkpoints here first, copy in the background");
@@ -153,6 +159,36 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   gpt::addModelOptions(app, o.model);
   gpt::parseCommandLine(app, args, "train_gpt");
 }
+
+// A step's memory on the host: the peak resident size during the step over
+// the size at its start (Linux: VmHWM, reset through /proc/self/clear_refs,
+// against VmRSS), with the heap's free memory handed back first (malloc_trim)
+// so that what the step allocates shows. Activations, their gradients and
+// every other temporary of the step; -1 where the kernel does not offer it.
+// The trim costs the step page faults: only for steps that are not timed
+// (--probe_memory_steps, the bench's warm-up).
+class StepMemoryProbe {
+ public:
+  void start() {
+    ::malloc_trim(0);
+    std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to VmRSS
+    startBytes_ = statusBytes("VmRSS:");
+  }
+  int64_t peakOverStart() const {
+    const int64_t peak = statusBytes("VmHWM:");
+    return peak < 0 || startBytes_ < 0 ? -1 : std::max<int64_t>(0, peak - startBytes_);
+  }
+
+ private:
+  static int64_t statusBytes(const std::string& field) {
+    std::ifstream in("/proc/self/status");
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind(field, 0) == 0) return std::stoll(line.substr(field.size())) * 1024;  // "  1234 kB"
+    }
+    return -1;
+  }
+  int64_t startBytes_ = -1;
+};
 
 // Writes named tensors of this rank (torch.load-able) and a plain-JSON summary
 // of each (shape, sum, first values) that other tools can check them against.
@@ -301,16 +337,19 @@ int run(int argc, char** argv) {
   for (int64_t step = firstStep; step < o.steps; ++step) {
     if (step == o.testBusyLoopAtStep && launch.rank == o.testBusyLoopRank) spinForever(step, launch.rank);
     const auto batch = data.replicaBatch(step, globalBatch, model.replica(), model.numReplicas(), seqLen, dataSeed);
+    StepMemoryProbe memory;
+    const bool probeMemory = stepLog.is_open() && step - firstStep < o.probeMemorySteps;
+    if (probeMemory) memory.start();
     const auto start = std::chrono::steady_clock::now();
     const auto result = model.step(batch, o.clip > 0 ? std::optional<double>(o.clip) : std::nullopt);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (stepLog.is_open()) {
-      stepLog << nlohmann::json{{"step", step},        {"loss", result.loss},       {"overflow", result.overflow},
-                                {"grad_norm", result.gradNorm}, {"loss_scale", result.lossScale}, {"time_s", seconds},
-                                {"compute_s_per_microbatch", result.computeSecondsPerMicrobatch},
-                                {"optimizer_s", result.optimizerSeconds}}
-                     .dump()
-              << "\n";
+      nlohmann::json row{{"step", step},        {"loss", result.loss},       {"overflow", result.overflow},
+                         {"grad_norm", result.gradNorm}, {"loss_scale", result.lossScale}, {"time_s", seconds},
+                         {"compute_s_per_microbatch", result.computeSecondsPerMicrobatch},
+                         {"optimizer_s", result.optimizerSeconds}};
+      if (probeMemory) row["step_peak_rss_over_start_bytes"] = memory.peakOverStart();
+      stepLog << row.dump() << "\n";
       stepLog.flush();
     }
     if (result.checkpointRequested && reporter) {
