@@ -2,8 +2,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
+#include <cstring>
+#include <mutex>
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
@@ -66,10 +71,41 @@ std::vector<std::pair<std::string, int64_t>> decodeProfilePieces(const std::stri
   return out;
 }
 
+// The credential on the descriptor the agent named: read to its end and
+// closed, once per process (a second parse, e.g. a profiler then the
+// runtime, gets the same value). Throws ConfigError naming the variable.
+std::string readTokenFromDescriptor(const std::string& text) {
+  static std::mutex mutex;
+  static std::map<int, std::string> read;
+  int fd = -1;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), fd);
+  if (ec != std::errc() || end != text.data() + text.size() || fd < 0) {
+    throw ConfigError(strCat(kJobTokenFdEnv, "='", text, "' is not a file descriptor number"));
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = read.find(fd); it != read.end()) return it->second;
+  std::string token;
+  char buffer[256];
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      token.append(buffer, static_cast<size_t>(n));
+      if (token.size() > 4096) throw ConfigError(strCat(kJobTokenFdEnv, "=", fd, " holds more than a credential"));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw ConfigError(strCat(kJobTokenFdEnv, "=", fd, ": cannot read the credential (", std::strerror(errno), ")"));
+    break;
+  }
+  ::close(fd);
+  read[fd] = token;
+  return token;
+}
+
 // Values run_varuna sets in the environment only.
 void readManagerEnvironment(const std::map<std::string, std::string>& env, LaunchArgs& args) {
   args.managerAddr = envText(env, kManagerAddrEnv);
-  args.jobToken = envText(env, kJobTokenEnv);
+  args.jobToken = env.count(kJobTokenFdEnv) ? readTokenFromDescriptor(env.at(kJobTokenFdEnv)) : envText(env, kJobTokenEnv);
   args.job = envText(env, kJobEnv);
   args.generation = envNumber<int>(env, kGenerationEnv, -1);
   args.hostAddr = envText(env, kHostEnv);
@@ -160,7 +196,8 @@ EnvEntries rendezvousEnvironment(const LaunchArgs& args) {
 
 EnvEntries managerEnvironment(const LaunchArgs& args) {
   EnvEntries env = {{kManagerAddrEnv, args.managerAddr},
-                    {kJobTokenEnv, args.jobToken},
+                    args.jobTokenFd >= 0 ? std::pair<std::string, std::string>{kJobTokenFdEnv, std::to_string(args.jobTokenFd)}
+                                         : std::pair<std::string, std::string>{kJobTokenEnv, args.jobToken},
                     {kJobEnv, args.job},
                     {kHostEnv, args.hostAddr},
                     {kGenerationEnv, std::to_string(args.generation)}};

@@ -202,6 +202,37 @@ TEST_CASE("agent: a second SIGTERM after the notice stops the workers at once", 
   for (const pid_t pid : workers) CHECK(test::waitUntil([&] { return gone(pid); }, 5s));
 }
 
+TEST_CASE("agent: a worker's credential comes on a pipe it reads once; its environment holds none", "[agent][security]") {
+  AgentUnderTest t("agent-token-fd", "30");
+  // Each worker reads its descriptor twice (the second read finds it drained), then sleeps.
+  const auto workers = t.launch({"/bin/sh", "-c",
+                                 "cat <&$VARUNA_JOB_TOKEN_FD > token_$RANK.txt; cat <&$VARUNA_JOB_TOKEN_FD > again_$RANK.txt; "
+                                 "exec sleep 120"});
+  auto readFile = [](const fs::path& path) {
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  std::vector<std::string> tokens;
+  for (int rank : {0, 1}) {
+    const auto path = t.dir / strCat("again_", rank, ".txt");
+    REQUIRE(test::waitUntil([&] { return fs::exists(path); }, 10s));
+    tokens.push_back(readFile(t.dir / strCat("token_", rank, ".txt")));
+    CHECK(tokens.back().size() == 64);  // an HMAC-SHA256, hex
+    CHECK(readFile(path).empty());
+  }
+  CHECK(tokens[0] != tokens[1]);  // per rank
+  CHECK(tokens[0] != "t0k");      // never the agent's own
+  for (const pid_t pid : workers) {
+    INFO("worker " << pid);
+    const std::string environ = readFile("/proc/" + std::to_string(pid) + "/environ");
+    REQUIRE_FALSE(environ.empty());
+    CHECK(environ.find("VARUNA_JOB_TOKEN_FD=4") != std::string::npos);
+    CHECK(environ.find(std::string("VARUNA_JOB_TOKEN=")) == std::string::npos);
+    CHECK(environ.find("t0k") == std::string::npos);
+    for (const auto& token : tokens) CHECK(environ.find(token) == std::string::npos);
+  }
+}
+
 TEST_CASE("agent: losing the manager, it kills its workers after its grace and exits", "[agent]") {
   AgentUnderTest t("agent-grace", "0.5");
   const auto workers = t.launchSleepers();
@@ -273,7 +304,7 @@ TEST_CASE("agent: its workers' beats on the beat socket reach the manager, the n
           "[agent]") {
   AgentUnderTest t("agent-beats", "30");
   // Each worker checks that it holds no descriptor of the agent's but the
-  // beat socket (3), sends a record of the wrong size (ignored), 50 beats back
+  // beat socket (3) and its credential's pipe (4), sends a record of the wrong size (ignored), 50 beats back
   // to back (step 100 x rank + i, waiting on odd ranks), then one stamped 10 s
   // ago (stale: dropped), then sleeps. Only the newest fresh beat of each rank
   // is relayed.
@@ -282,7 +313,8 @@ import os, socket, struct, time
 fd = int(os.environ["VARUNA_AGENT_BEAT_FD"])
 assert fd == 3
 listed = [int(n) for n in os.listdir("/proc/self/fd")]
-assert [n for n in listed if n > 3 and os.path.exists("/proc/self/fd/%d" % n)] == [], listed
+assert int(os.environ["VARUNA_JOB_TOKEN_FD"]) == 4
+assert [n for n in listed if n > 4 and os.path.exists("/proc/self/fd/%d" % n)] == [], listed
 s = socket.socket(fileno=os.dup(fd))
 assert s.family == socket.AF_UNIX and s.type == socket.SOCK_DGRAM
 rank = int(os.environ["RANK"])

@@ -2,6 +2,9 @@
 // the worker decodes to the same LaunchArgs.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "varuna/common/errors.h"
 #include "varuna/common/launch_contract.h"
 
@@ -102,4 +105,28 @@ TEST_CASE("launch contract: bad values are refused naming the variable") {
   CHECK_THROWS_WITH(decode(none, {{contract::kGenerationEnv, "two"}}), Catch::Contains("VARUNA_GENERATION"));
   CHECK_THROWS_WITH(decode(none, {{contract::kScheduleEnv, "zigzag"}}), Catch::Contains("zigzag"));
   CHECK_THROWS_AS(decode({"--rank", "2"}, {{contract::kWorldSizeEnv, "2"}}), ConfigError);
+}
+
+TEST_CASE("launch contract: the agent's credential comes on a descriptor, read once and closed") {
+  LaunchArgs args;
+  args.jobToken = "c0ffee";
+  args.jobTokenFd = contract::kJobTokenFd;
+  const EnvEntries entries = managerEnvironment(args);
+  const std::map<std::string, std::string> env(entries.begin(), entries.end());
+  CHECK(env.count(contract::kJobTokenFdEnv));
+  CHECK(env.at(contract::kJobTokenFdEnv) == std::to_string(contract::kJobTokenFd));
+  CHECK_FALSE(env.count(contract::kJobTokenEnv));  // never the value itself
+  for (const auto& [k, v] : entries) CHECK(v.find("c0ffee") == std::string::npos);
+
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  REQUIRE(::write(fds[1], "c0ffee", 6) == 6);
+  ::close(fds[1]);
+  const std::vector<std::string> none;
+  CHECK(decode(none, {{contract::kJobTokenFdEnv, std::to_string(fds[0])}}).jobToken == "c0ffee");
+  CHECK(::fcntl(fds[0], F_GETFD) == -1);  // closed once read
+  // A second parse in the same process (a profiler, then the runtime) gets the same credential.
+  CHECK(decode(none, {{contract::kJobTokenFdEnv, std::to_string(fds[0])}}).jobToken == "c0ffee");
+  CHECK_THROWS_WITH(decode(none, {{contract::kJobTokenFdEnv, "four"}}), Catch::Contains("VARUNA_JOB_TOKEN_FD"));
+  CHECK_THROWS_WITH(decode(none, {{contract::kJobTokenFdEnv, "987"}}), Catch::Contains("cannot read the credential"));
 }

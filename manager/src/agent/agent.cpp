@@ -55,6 +55,7 @@ LaunchArgs workerLaunch(const proto::LaunchWorkers& launch, const proto::WorkerS
   args.masterPort = launch.masterPort;
   args.managerAddr = managerAddress;
   args.jobToken = credentials::worker(options.credential, spec.rank, launch.generation);  // this rank's only
+  args.jobTokenFd = contract::kJobTokenFd;  // on a pipe, never in the environment
   args.job = options.job;
   args.hostAddr = options.host;
   args.generation = launch.generation;
@@ -78,12 +79,31 @@ std::vector<std::string> workerEnv(const proto::LaunchWorkers& launch, const Lau
   std::map<std::string, std::string> env = currentEnvironment();
   env.erase(contract::kAgentBeatFdEnv);  // never an inherited one: that descriptor is not ours
   for (const auto& [k, v] : launch.env) env[k] = v;
+  // No credential in a worker's environment: not the agent's own (a test or a
+  // hand start passes it so), nor one from the job's env_file.
+  env.erase(contract::kJobTokenEnv);
+  env.erase(contract::kJobTokenFdEnv);
   for (const auto& [k, v] : rendezvousEnvironment(args)) env[k] = v;
   env[contract::kLocalWorldSizeEnv] = std::to_string(launch.workers.size());
   for (const auto& [k, v] : managerEnvironment(args)) env[k] = v;
   std::vector<std::string> out;
   for (const auto& [k, v] : env) out.push_back(k + "=" + v);
   return out;
+}
+
+static_assert(contract::kJobTokenFd == kAgentBeatFd + 1, "the credential's descriptor follows the beat socket's");
+
+// A pipe holding `secret`, its read end at a descriptor >= 10 (clear of the
+// numbers a child moves its descriptors to) and close-on-exec; the write end
+// is closed, so the reader meets the end of the data. -1 if it cannot be made.
+int pipeHolding(const std::string& secret) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return -1;
+  const bool written = ::write(fds[1], secret.data(), secret.size()) == static_cast<ssize_t>(secret.size());
+  ::close(fds[1]);
+  const int high = written ? ::fcntl(fds[0], F_DUPFD_CLOEXEC, 10) : -1;
+  ::close(fds[0]);
+  return high;
 }
 
 std::vector<char*> cStrings(std::vector<std::string>& strings) {
@@ -361,10 +381,17 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
   // A worker's log may quote its data or environment: owner only, and never
   // written through a link planted in its place.
   const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600);
+  const int tokenFd = pipeHolding(args.jobToken);
+  if (tokenFd < 0) {
+    if (logFd >= 0) ::close(logFd);
+    errno = EMFILE;
+    return -1;
+  }
   const pid_t agent = ::getpid();
   const pid_t pid = ::fork();
   if (pid != 0) {
     if (logFd >= 0) ::close(logFd);
+    ::close(tokenFd);
     return pid;
   }
   // The worker dies with its agent (an OOM-killed or crashed agent takes its
@@ -396,8 +423,13 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
     ::fcntl(kAgentBeatFd, F_SETFD, 0);
   } else if (beatFd >= 0) {
     ::dup2(beatFd, kAgentBeatFd);
+  } else {
+    ::close(kAgentBeatFd);
   }
-  ::close_range(beatFd >= 0 ? kAgentBeatFd + 1 : kAgentBeatFd, ~0U, 0);  // the agent's sockets stay the agent's
+  // The credential's pipe on its agreed descriptor (tokenFd >= 10: nothing
+  // above clobbered it); the worker reads it once and closes it.
+  ::dup2(tokenFd, contract::kJobTokenFd);
+  ::close_range(contract::kJobTokenFd + 1, ~0U, 0);  // the agent's sockets stay the agent's
   if (::chdir(launch.codeDir.c_str()) != 0) {
     const char msg[] = "varuna_agent: cannot enter code_dir\n";
     (void)!::write(2, msg, sizeof(msg) - 1);

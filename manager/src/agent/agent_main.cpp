@@ -36,7 +36,8 @@ struct MainOptions {
 // The agent's credential (its host's, credentials.h): from stdin's first line
 // (run_varuna's way: neither a command line nor an environment that `ps`
 // shows) or from VARUNA_JOB_TOKEN (starting an agent by hand). Workers get
-// their own credentials, derived from it, never it.
+// their own credentials, derived from it, never it, each on a pipe
+// (VARUNA_JOB_TOKEN_FD).
 std::string readJobToken(bool fromStdin) {
   std::string token;
   if (fromStdin) {

@@ -40,6 +40,11 @@ inline constexpr const char* kTorchAgentStoreEnv = "TORCHELASTIC_USE_AGENT_STORE
 // run_varuna's (environment only).
 inline constexpr const char* kManagerAddrEnv = "VARUNA_MANAGER_ADDR";
 inline constexpr const char* kJobTokenEnv = "VARUNA_JOB_TOKEN";
+// The descriptor run_varuna's agent hands a worker its credential on (a pipe
+// the worker reads once and closes), named in the environment; the value
+// itself is never in the environment, which /proc/<pid>/environ shows.
+inline constexpr const char* kJobTokenFdEnv = "VARUNA_JOB_TOKEN_FD";
+inline constexpr int kJobTokenFd = 4;  // after the beat socket's 3
 inline constexpr const char* kJobEnv = "VARUNA_JOB";
 inline constexpr const char* kHostEnv = "VARUNA_HOST";
 inline constexpr const char* kGenerationEnv = "VARUNA_GENERATION";
@@ -72,7 +77,10 @@ struct LaunchArgs {
   // Set by run_varuna's agent (environment only): where to report, as whom,
   // and this host's address (Gloo binds it).
   std::string managerAddr;  // VARUNA_MANAGER_ADDR; empty: no manager
-  std::string jobToken;     // VARUNA_JOB_TOKEN
+  std::string jobToken;     // read from VARUNA_JOB_TOKEN_FD (the agent's way) or VARUNA_JOB_TOKEN
+  // Encoding: the descriptor the token is on (the agent's launch), named as
+  // VARUNA_JOB_TOKEN_FD instead of the token; -1: VARUNA_JOB_TOKEN itself.
+  int jobTokenFd = -1;
   std::string job;          // VARUNA_JOB: the job's name
   int generation = -1;      // VARUNA_GENERATION
   std::string hostAddr;     // VARUNA_HOST
