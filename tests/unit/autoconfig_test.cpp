@@ -402,3 +402,28 @@ TEST_CASE("autoconfig: as the MorphController's planner it re-plans P when machi
   CHECK(relaunch.resumeStep == 10);
   CHECK(explanations.size() >= 2);
 }
+
+TEST_CASE("autoconfig: zb-h1 wins where its smaller bubble pays and it fits; 1F1B where only 1F1B's memory fits",
+          "[autoconfig]") {
+  const auto profile = fourPieces();
+  auto ask = request({{"a", 2, 1}}, 8);
+  ask.fixedStages = 2;
+  ask.fixedChunk = 1;  // 8 micro-batches on 2 stages
+  ask.schedules = {ScheduleKind::k1F1B, ScheduleKind::kZeroBubbleH1};
+  ask.simulateAll = true;
+  const auto free = autoConfigure(profile, ask);
+  REQUIRE(free.ranked.size() == 2);
+  CHECK(free.best.plan.schedule == ScheduleKind::kZeroBubbleH1);
+  const Candidate& oneFOneB = free.ranked[1];
+  REQUIRE(oneFOneB.plan.schedule == ScheduleKind::k1F1B);
+  CHECK(free.best.simulation.stepSeconds < oneFOneB.simulation.stepSeconds);
+  // One micro-batch more in flight per stage, held until its W: more memory.
+  CHECK(free.best.simulation.maxStageMemoryBytes() > oneFOneB.simulation.maxStageMemoryBytes());
+
+  ask.memoryPerDeviceBytes = oneFOneB.simulation.maxStageMemoryBytes();
+  const auto tight = autoConfigure(profile, ask);
+  CHECK(tight.best.plan.schedule == ScheduleKind::k1F1B);
+  CHECK(tight.best.feasible);
+  CHECK_FALSE(tight.ranked.back().feasible);
+  CHECK(tight.ranked.back().plan.schedule == ScheduleKind::kZeroBubbleH1);
+}
