@@ -23,7 +23,13 @@ schedule of ours): each stage's compute time inside a step (forward,
 recompute, backward or its B and W halves, as the runtime measures them; no waits, no
 optimizer) over its step time, averaged over stages: the schedule's own
 bubble, however well the machine runs P processes at once (which
-efficiency also measures). For the Python front end,
+efficiency also measures). step_peak_memory_mib (ours, per schedule) and
+peer_step_peak_memory_mib: the worst stage's peak resident memory during a
+step over its size at the step's start (Linux VmHWM reset at the start, after
+glibc's malloc_trim handed the heap's free memory back), i.e. activations and
+the step's other temporaries; measured on the warm-up steps after the first
+(the trim slows a step; the first allocates AdamW's state): the median of
+those, one step at the medium size, two at the small. For the Python front end,
 ratio_vs_peer = its tokens/s (best schedule) over the peer's best, and
 step_time_over_cpp = its step time over the C++ example's with the same
 (the Python side's best) schedule.

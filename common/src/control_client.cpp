@@ -30,7 +30,9 @@ int connectOne(const addrinfo& ai, Clock::time_point deadline) {
   int rc = ::connect(fd, ai.ai_addr, ai.ai_addrlen);
   if (rc < 0 && errno == EINPROGRESS) {
     pollfd p{fd, POLLOUT, 0};
-    rc = ::poll(&p, 1, remainingMs(deadline));
+    do {
+      rc = ::poll(&p, 1, remainingMs(deadline));
+    } while (rc < 0 && errno == EINTR);  // a signal meanwhile is no failure to connect
     if (rc == 0) {
       errno = ETIMEDOUT;
       rc = -1;

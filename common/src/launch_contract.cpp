@@ -84,20 +84,23 @@ std::string readTokenFromDescriptor(const std::string& text) {
   }
   std::lock_guard<std::mutex> lock(mutex);
   if (auto it = read.find(fd); it != read.end()) return it->second;
-  std::string token;
+  std::string token, error;
   char buffer[256];
   for (;;) {
     const ssize_t n = ::read(fd, buffer, sizeof(buffer));
     if (n > 0) {
       token.append(buffer, static_cast<size_t>(n));
-      if (token.size() > 4096) throw ConfigError(strCat(kJobTokenFdEnv, "=", fd, " holds more than a credential"));
+      if (token.size() <= 4096) continue;
+      error = "holds more than a credential";
+    } else if (n < 0 && errno == EINTR) {
       continue;
+    } else if (n < 0) {
+      error = strCat("cannot read the credential (", std::strerror(errno), ")");
     }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw ConfigError(strCat(kJobTokenFdEnv, "=", fd, ": cannot read the credential (", std::strerror(errno), ")"));
     break;
   }
   ::close(fd);
+  if (!error.empty()) throw ConfigError(strCat(kJobTokenFdEnv, "=", fd, ": ", error));
   read[fd] = token;
   return token;
 }

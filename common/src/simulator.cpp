@@ -236,7 +236,11 @@ double stepLowerBound(const profile::Profile& profile, const SimulationInput& in
   // other (recomputes come on top for some schedules: left out, a bound).
   double busiest = 0;
   for (int s = 0; s < in.stages; ++s) {
-    busiest = std::max(busiest, (M - 1) * (full[s].forward + full[s].backward) + tail[s].forward + tail[s].backward);
+    // A split backward may measure below the whole one: the smaller of the two.
+    auto backward = [&](const StageFigures& f) {
+      return splitsBackward(in.schedule) ? std::min(f.backward, f.backwardInput + f.backwardWeight) : f.backward;
+    };
+    busiest = std::max(busiest, (M - 1) * (full[s].forward + backward(full[s])) + tail[s].forward + backward(tail[s]));
   }
   return busiest + stepStatsSeconds(profile, in) + optimizerSeconds(profile, partition.firstPiece);
 }
@@ -261,7 +265,10 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
   if (!givenSchedule) generated = generateSchedule(in.schedule, P, M);
   const Schedule& schedule = givenSchedule ? *givenSchedule : generated;
   VARUNA_CHECK(static_cast<int>(schedule.size()) == P, "schedule for ", schedule.size(), " stages, plan has ", P);
-  const int tasksPerMicrobatch = splitsBackward(in.schedule) ? 3 : 2;  // the last stage never recomputes
+  // The last stage never recomputes: F and a whole backward, or F, B and W.
+  const bool split = std::any_of(schedule.back().begin(), schedule.back().end(),
+                                 [](const Task& t) { return t.type == TaskType::kBackwardWeight; });
+  const int tasksPerMicrobatch = split ? 3 : 2;
   VARUNA_CHECK(static_cast<int>(schedule.back().size()) == tasksPerMicrobatch * M, "schedule of the last stage has ",
                schedule.back().size(), " tasks, ", M, " micro-batches need ", tasksPerMicrobatch * M);
 

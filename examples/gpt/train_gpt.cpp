@@ -171,8 +171,10 @@ class StepMemoryProbe {
  public:
   void start() {
     ::malloc_trim(0);
-    std::ofstream("/proc/self/clear_refs") << "5";  // resets VmHWM to VmRSS
-    startBytes_ = statusBytes("VmRSS:");
+    std::ofstream reset("/proc/self/clear_refs");
+    reset << "5";  // resets VmHWM to VmRSS
+    reset.flush();
+    startBytes_ = reset ? statusBytes("VmRSS:") : -1;  // no reset: the peak would be the process's
   }
   int64_t peakOverStart() const {
     const int64_t peak = statusBytes("VmHWM:");

@@ -259,6 +259,7 @@ class Varuna:
         # The runtime took the job token and scrubbed it from the C
         # environment; Python's copy goes too (docs/deployment.md, "Security").
         os.environ.pop("VARUNA_JOB_TOKEN", None)
+        os.environ.pop("VARUNA_JOB_TOKEN_FD", None)  # read and closed: not for this program's children
         if self._split is not None:
             self._split.release()
         self._bridge = None

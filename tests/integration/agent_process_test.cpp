@@ -143,6 +143,8 @@ TEST_CASE("agent: with --sigterm_notice_s a SIGTERM is a preemption notice; it l
   const int64_t sentUnixMs =
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count();
+  // The scheduler signals every process of the job, the workers too.
+  for (const pid_t pid : workers) ::kill(pid, SIGTERM);
   t.agent->kill(SIGTERM);
   // The notice comes as a notifier's would: its own connection, the host's
   // notifier credential (derived, never the agent's own), the deadline ahead.

@@ -167,17 +167,45 @@ TEST_CASE("a piece without an input does its whole backward in W", "[split_backw
              wholeBackward(f, paramsOf(*embed), none));
 }
 
-TEST_CASE("a parameter that never meets the input's path runs whole in B", "[split_backward]") {
+TEST_CASE("an output that ignores the input, a stray leaf, a hooked gradient: whole in B, exactly",
+          "[split_backward]") {
   torch::manual_seed(6);
   auto bias = torch::randn({5}).requires_grad_(true);
   auto scale = torch::randn({5}).requires_grad_(true);
-  // An output that ignores the input has no path to split along; one that
-  // adds a parameter-only term to an input term splits (both branch off at
-  // nodes on the path: the product and the sum).
-  const Forward independent = [&](const torch::Tensor&) { return (bias * 2).sum(); };
   const auto xs = twoMicrobatches(5);
+  const Forward independent = [&](const torch::Tensor&) { return (bias * 2).sum(); };
   checkEqual(splitBackward(independent, {bias}, xs, SplitBackward::Mode::kAllInB), wholeBackward(independent, {bias}, xs));
+  // A parameter-only term added to an input term splits: both branch off at the sum.
   const Forward mixed = [&](const torch::Tensor& x) { return (x * scale + bias * 2).sum(); };
   checkEqual(splitBackward(mixed, {scale, bias}, xs, SplitBackward::Mode::kSplit),
              wholeBackward(mixed, {scale, bias}, xs));
+  // `bias` is used but not passed as one of the piece's parameters: it still gets its gradient.
+  zeroGrads({bias});
+  splitBackward(mixed, {scale}, {xs[0]}, SplitBackward::Mode::kAllInB);
+  REQUIRE(bias.grad().defined());
+  const auto strayGrad = bias.grad().clone();
+  zeroGrads({bias});
+  wholeBackward(mixed, {scale}, {xs[0]});
+  CHECK(torch::allclose(strayGrad, bias.grad()));
+  // A hook on a gradient at a branch point would run twice.
+  int hookRuns = 0;
+  const Forward hooked = [&](const torch::Tensor& x) {
+    auto product = x * scale;
+    product.register_hook([&hookRuns](torch::Tensor g) {
+      ++hookRuns;
+      return g;
+    });
+    return product.sum();
+  };
+  checkEqual(splitBackward(hooked, {scale}, {xs[0]}, SplitBackward::Mode::kAllInB), wholeBackward(hooked, {scale}, {xs[0]}));
+  CHECK(hookRuns == 2);  // once per run above, never twice in one
+}
+
+TEST_CASE("a group with two roots: a weight feeding two parallel branches of the path", "[split_backward]") {
+  torch::manual_seed(8);
+  torch::nn::Linear shared(4, 4);
+  // Two parallel uses of one weight (neither below the other on the path): one group, two roots.
+  const Forward f = [&](const torch::Tensor& x) { return (shared(x) * shared(x.flip({1}))).sum(); };
+  const auto xs = twoMicrobatches(4);
+  checkEqual(splitBackward(f, paramsOf(*shared), xs, SplitBackward::Mode::kSplit), wholeBackward(f, paramsOf(*shared), xs));
 }

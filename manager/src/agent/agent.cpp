@@ -357,10 +357,16 @@ void Agent::launch(const proto::LaunchWorkers& launch) {
   for (const auto& spec : launch.workers) {
     const std::string logPath =
         (logDir / strCat("g", launch.generation, "_rank", spec.rank, ".log")).string();
-    const pid_t pid = spawn(program, launch, spec, logPath, beatFd);
+    pid_t pid = -1;
+    std::string failure;
+    try {
+      pid = spawn(program, launch, spec, logPath, beatFd);
+      if (pid < 0) failure = strCat("fork failed: ", std::strerror(errno));
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
     if (pid < 0) {
-      manager_->send(proto::WorkerExited{options_.host, spec.rank, 127, 0, launch.generation,
-                                         strCat("fork failed: ", std::strerror(errno))});
+      manager_->send(proto::WorkerExited{options_.host, spec.rank, 127, 0, launch.generation, failure});
       continue;
     }
     workers_[pid] = Worker{spec.rank, launch.generation, logPath};
@@ -383,10 +389,11 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
   const int logFd = ::open(logPath.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600);
   const int tokenFd = pipeHolding(args.jobToken);
   if (tokenFd < 0) {
+    const int error = errno;
     if (logFd >= 0) ::close(logFd);
-    errno = EMFILE;
-    return -1;
+    throw std::runtime_error(strCat("no pipe for the worker's credential: ", std::strerror(error)));
   }
+  const bool sigtermNotice = options_.sigtermNotice.count() > 0;
   const pid_t agent = ::getpid();
   const pid_t pid = ::fork();
   if (pid != 0) {
@@ -411,6 +418,10 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
   sigaddset(&mask, SIGUSR1);
   ::sigprocmask(SIG_SETMASK, &mask, nullptr);
   for (int sig : {SIGPIPE, SIGUSR1, SIGTERM, SIGINT, SIGHUP, SIGCHLD}) ::signal(sig, SIG_DFL);
+  // A scheduler that signals every process of the job (Slurm's step, a pod)
+  // must not kill the workers before the manager has moved the job: with
+  // --sigterm_notice_s they ignore SIGTERM (the agent stops them with SIGKILL).
+  if (sigtermNotice) ::signal(SIGTERM, SIG_IGN);
   const int devNull = ::open("/dev/null", O_RDONLY);
   if (devNull >= 0) ::dup2(devNull, 0);
   if (logFd >= 0) {

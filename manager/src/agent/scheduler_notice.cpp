@@ -1,5 +1,8 @@
 #include "agent/scheduler_notice.h"
 
+#include <pthread.h>
+#include <signal.h>
+
 #include <boost/asio/post.hpp>
 
 #include "varuna/common/control_client.h"
@@ -27,6 +30,11 @@ void SchedulerNotice::start(Target target, std::function<void(bool)> onAnswer, s
             " s: telling the manager (a second SIGTERM or a SIGINT stops the workers at once)");
   // The manager gets its answer within the grace or not at all.
   const auto timeout = std::max(std::chrono::milliseconds(500), std::min(std::chrono::milliseconds(5000), grace_ / 2));
+  // The thread starts with every signal blocked: the agent's loop takes
+  // SIGCHLD and SIGTERM, and the notice's system calls are not interrupted.
+  sigset_t all, previous;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &previous);
   sender_ = std::thread([this, target = std::move(target), deadlineUnixMs, timeout, onAnswer = std::move(onAnswer)] {
     bool acknowledged = false;
     try {
@@ -39,6 +47,7 @@ void SchedulerNotice::start(Target target, std::function<void(bool)> onAnswer, s
     }
     boost::asio::post(io_, [onAnswer, acknowledged] { onAnswer(acknowledged); });
   });
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   deadlineTimer_.expires_after(grace_ - exitMargin(grace_));
   deadlineTimer_.async_wait([onDeadline = std::move(onDeadline)](const boost::system::error_code& ec) {
     if (!ec) onDeadline();

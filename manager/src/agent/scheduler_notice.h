@@ -25,7 +25,9 @@ namespace varuna {
 class SchedulerNotice {
  public:
   SchedulerNotice(boost::asio::io_context& io, std::chrono::milliseconds grace);
-  ~SchedulerNotice();  // waits for the sending thread (bounded by its timeout)
+  // Waits for the sending thread: its connect, sends and answer are each
+  // bounded by the notice's timeout (at most 5 s, at most half the grace).
+  ~SchedulerNotice();
   SchedulerNotice(const SchedulerNotice&) = delete;
   SchedulerNotice& operator=(const SchedulerNotice&) = delete;
 

@@ -1,6 +1,7 @@
 #include "pipeline/split_backward.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -8,7 +9,6 @@
 #include <numeric>
 #include <set>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "varuna/common/errors.h"
 
@@ -107,7 +107,11 @@ void SplitBackward::plan(const std::vector<torch::Tensor>& params) {
   for (Node* node : order) {
     bool path = node == inputAcc.get();
     std::set<int> below;
-    if (auto it = paramOf.find(node); it != paramOf.end()) below.insert(it->second);
+    if (auto it = paramOf.find(node); it != paramOf.end()) {
+      below.insert(it->second);
+    } else if (!path && dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      return;  // a leaf that is neither the input nor a parameter: W would not give it its gradient
+    }
     for (const Edge& e : node->next_edges()) {
       Node* child = e.function.get();
       if (!child) continue;
@@ -133,12 +137,14 @@ void SplitBackward::plan(const std::vector<torch::Tensor>& params) {
     branches.push_back(node);
     branchParams.push_back(std::move(reached));
   }
-  // Every parameter in the graph must branch off the path somewhere.
+  // (Every parameter in the graph branches off the path somewhere: the edge
+  // into its accumulator leaves the path at the latest at the root.)
   std::set<int> covered;
   for (const auto& s : branchParams) covered.insert(s.begin(), s.end());
-  const std::unordered_set<Node*> inGraph(order.begin(), order.end());
-  for (const auto& [acc, p] : paramOf) {
-    if (!covered.count(p) && inGraph.count(acc)) return;
+  // A branch point runs again in W: hooks on its gradients (register_hook,
+  // retain_grad) would see them twice.
+  for (Node* node : branches) {
+    if (!node->tensor_pre_hooks().empty() || !node->retains_grad_hooks().empty()) return;
   }
 
   // Groups: branch points and parameters joined where they share a parameter.

@@ -20,12 +20,14 @@
 // output) are held from B to W as well.
 //
 // Where the split could not be exact, the whole backward runs in B and W
-// only marks the piece done: a parameter whose gradient never crosses the
-// input's path, or a parameter reached from two branch points one of which
-// lies below the other on the path (a weight used twice inside the piece:
-// W's engine would go down the path from the upper one and count the lower
-// one's gradient twice). A piece without an input (the model's first)
-// does its whole backward in W: nothing waits for it.
+// only marks the piece done: an output that does not depend on the input; a
+// parameter reached from two branch points one of which lies below the other
+// on the path (a weight used twice inside the piece: W's engine would go down
+// the path from the upper one and count the lower one's gradient twice); a
+// leaf that needs a gradient but is not one of the piece's parameters (W
+// computes the parameters' only); a branch point whose gradients carry hooks
+// (register_hook, retain_grad: they would run again in W). A piece without an
+// input (the model's first) does its whole backward in W: nothing waits for it.
 #pragma once
 
 #include <torch/torch.h>

@@ -127,6 +127,7 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   // training program, everything it starts and /proc/<pid>/environ would
   // show it. First, before this runtime starts threads.
   if (!opt_.manager.token.empty()) scrubEnvironmentVariable(contract::kJobTokenEnv);
+  ::unsetenv(contract::kJobTokenFdEnv);  // the descriptor is read and closed: not for the program's children
   // A write to a peer that just died (Gloo, the store, the manager link)
   // must fail with EPIPE and become a PeerLostError the salvage handles, not
   // kill this rank with SIGPIPE (a C++ program inherits the default action
