@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "schedule_chunked.h"
 #include "schedule_ticks.h"
 #include "schedule_zero_bubble.h"
 #include "varuna/common/errors.h"
@@ -16,7 +17,11 @@ ScheduleKind parseScheduleKind(std::string_view name) {
   if (name == "1f1b" || name == "1F1B") return ScheduleKind::k1F1B;
   if (name == "gpipe" || name == "GPipe") return ScheduleKind::kGPipe;
   if (name == "zb-h1" || name == "ZB-H1" || name == "zbh1") return ScheduleKind::kZeroBubbleH1;
-  throw ConfigError(strCat("unknown schedule '", name, "': use varuna, 1f1b, gpipe or zb-h1"));
+  if (name == "interleaved" || name == "interleaved-1f1b" || name == "Interleaved1F1B") {
+    return ScheduleKind::kInterleaved1F1B;
+  }
+  if (name == "zbv" || name == "ZBV" || name == "zb-v") return ScheduleKind::kZeroBubbleV;
+  throw ConfigError(strCat("unknown schedule '", name, "': use varuna, 1f1b, gpipe, zb-h1, interleaved[:v] or zbv"));
 }
 
 std::string toString(ScheduleKind kind) {
@@ -25,15 +30,85 @@ std::string toString(ScheduleKind kind) {
     case ScheduleKind::k1F1B: return "1f1b";
     case ScheduleKind::kGPipe: return "gpipe";
     case ScheduleKind::kZeroBubbleH1: return "zb-h1";
+    case ScheduleKind::kInterleaved1F1B: return "interleaved";
+    case ScheduleKind::kZeroBubbleV: return "zbv";
   }
   return "?";
 }
 
-bool splitsBackward(ScheduleKind kind) { return kind == ScheduleKind::kZeroBubbleH1; }
+bool isChunked(ScheduleKind kind) {
+  return kind == ScheduleKind::kInterleaved1F1B || kind == ScheduleKind::kZeroBubbleV;
+}
+
+int defaultChunks(ScheduleKind kind) { return isChunked(kind) ? 2 : 1; }
+
+void checkChunks(ScheduleKind kind, int chunks) {
+  constexpr int kMaxInterleavedChunks = 8;
+  if (kind == ScheduleKind::kInterleaved1F1B) {
+    if (chunks < 2 || chunks > kMaxInterleavedChunks) {
+      throw ConfigError(strCat("interleaved needs 2 to ", kMaxInterleavedChunks, " chunks per rank, got ", chunks,
+                               " (interleaved with one chunk is 1f1b: use --schedule 1f1b)"));
+    }
+  } else if (chunks != defaultChunks(kind)) {
+    throw ConfigError(strCat("schedule ", toString(kind), " runs ", defaultChunks(kind), " chunk",
+                             defaultChunks(kind) > 1 ? "s" : "", " per rank, not ", chunks,
+                             ": only interleaved takes a number of chunks (interleaved:v)"));
+  }
+}
+
+ScheduleChoice parseScheduleChoice(std::string_view text) {
+  const auto colon = text.find(':');
+  ScheduleChoice choice;
+  choice.kind = parseScheduleKind(text.substr(0, colon));
+  choice.chunks = defaultChunks(choice.kind);
+  if (colon != std::string_view::npos) {
+    const std::string digits(text.substr(colon + 1));
+    size_t used = 0;
+    int chunks = 0;
+    try {
+      chunks = std::stoi(digits, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (digits.empty() || used != digits.size()) {
+      throw ConfigError(strCat("schedule '", text, "': the number of chunks after ':' must be an integer, "
+                               "e.g. interleaved:2"));
+    }
+    choice.chunks = chunks;
+  }
+  checkChunks(choice.kind, choice.chunks);
+  return choice;
+}
+
+std::string toString(const ScheduleChoice& choice) {
+  if (choice.chunks == defaultChunks(choice.kind)) return toString(choice.kind);
+  return strCat(toString(choice.kind), ":", choice.chunks);
+}
+
+bool splitsBackward(ScheduleKind kind) {
+  return kind == ScheduleKind::kZeroBubbleH1 || kind == ScheduleKind::kZeroBubbleV;
+}
 
 const std::vector<std::string>& scheduleNames() {
-  static const std::vector<std::string> names{"varuna", "1f1b", "gpipe", "zb-h1"};
+  static const std::vector<std::string> names{"varuna", "1f1b", "gpipe", "zb-h1", "interleaved", "zbv"};
   return names;
+}
+
+ChunkLayout ChunkLayout::of(ScheduleKind kind, int stages, int chunks) {
+  return ChunkLayout{stages, chunks, kind == ScheduleKind::kZeroBubbleV};
+}
+
+int ChunkLayout::virtualStage(int stage, int chunk) const {
+  VARUNA_CHECK(stage >= 0 && stage < stages && chunk >= 0 && chunk < chunks, "no chunk ", chunk, " on stage ", stage);
+  if (vShape) return chunk % 2 == 0 ? chunk * stages + stage : (chunk + 1) * stages - 1 - stage;
+  return chunk * stages + stage;
+}
+
+int ChunkLayout::chunkOf(int virtualStage) const { return virtualStage / stages; }
+
+int ChunkLayout::stageOf(int virtualStage) const {
+  const int within = virtualStage % stages;
+  return vShape && chunkOf(virtualStage) % 2 == 1 ? stages - 1 - within : within;
 }
 
 namespace {
@@ -69,6 +144,44 @@ Schedule oneFOneB(int stages, int m) {
       schedule[s].push_back({TaskType::kBackward, b++, true});
     }
     while (b < m) schedule[s].push_back({TaskType::kBackward, b++, true});
+  }
+  return schedule;
+}
+
+// Megatron-LM's interleaved 1F1B (Narayanan et al., SC 2021). The k-th
+// forward of a rank is of chunk (k / P) mod v and micro-batch
+// (k / (P v)) P + k mod P: micro-batches go through a chunk in groups of P.
+// Backwards take the same order with the chunks reversed. Rank s runs
+// (P-s-1)*2 + (v-1)*P forwards first, then one forward one backward.
+Schedule interleaved1F1B(int stages, int m, int chunks) {
+  if (m % stages != 0) {
+    throw ConfigError(strCat("interleaved needs a number of micro-batches that is a multiple of the ", stages,
+                             " stages, got ", m, ": change the batch size or the micro-batch size, or use zbv"));
+  }
+  const int total = m * chunks;
+  auto nth = [&](int k, bool forward) {
+    const int inGroup = k % (stages * chunks);
+    const int chunk = inGroup / stages;
+    return std::pair{forward ? chunk : chunks - 1 - chunk, (k / (stages * chunks)) * stages + k % stages};
+  };
+  Schedule schedule(stages);
+  for (int s = 0; s < stages; ++s) {
+    const int warmup = std::min((stages - s - 1) * 2 + (chunks - 1) * stages, total);
+    auto forward = [&](int k) {
+      const auto [c, i] = nth(k, true);
+      schedule[s].push_back({TaskType::kForward, i, true, c});
+    };
+    auto backward = [&](int k) {
+      const auto [c, i] = nth(k, false);
+      schedule[s].push_back({TaskType::kBackward, i, true, c});
+    };
+    int f = 0, b = 0;
+    for (; f < warmup; ++f) forward(f);
+    for (; f < total; ++f, ++b) {
+      forward(f);
+      backward(b);
+    }
+    for (; b < total; ++b) backward(b);
   }
   return schedule;
 }
@@ -186,30 +299,40 @@ class VarunaScheduleBuilder {
 
 }  // namespace
 
-Schedule generateSchedule(ScheduleKind kind, int stages, int microbatches) {
+Schedule generateSchedule(ScheduleKind kind, int stages, int microbatches, int chunks) {
   if (stages < 1) throw ConfigError(strCat("number of stages must be >= 1, got ", stages));
   if (microbatches < 1) throw ConfigError(strCat("number of micro-batches must be >= 1, got ", microbatches));
+  if (chunks < 1) chunks = defaultChunks(kind);
+  checkChunks(kind, chunks);
+  const ChunkLayout layout = ChunkLayout::of(kind, stages, chunks);
   switch (kind) {
     case ScheduleKind::kGPipe: return gpipe(stages, microbatches);
     case ScheduleKind::k1F1B: return oneFOneB(stages, microbatches);
     case ScheduleKind::kVaruna: return VarunaScheduleBuilder(stages, microbatches).build();
     case ScheduleKind::kZeroBubbleH1: return zeroBubbleH1Schedule(stages, microbatches);
+    case ScheduleKind::kInterleaved1F1B: return interleaved1F1B(stages, microbatches, chunks);
+    case ScheduleKind::kZeroBubbleV:
+      // 1F1B's memory on its first rank (P whole micro-batches), on every rank.
+      return chunkedSchedule(layout, microbatches, /*splitBackward=*/true, [&](int) { return 2 * stages; });
   }
   VARUNA_CHECK(false, "unknown schedule kind");
   return {};
 }
 
 std::string describe(const StageSchedule& stage) {
+  const bool chunked = std::any_of(stage.begin(), stage.end(), [](const Task& t) { return t.chunk != 0; });
   std::ostringstream out;
   for (size_t k = 0; k < stage.size(); ++k) {
     if (k) out << ' ';
     const Task& t = stage[k];
     out << taskLetter(t.type) << t.microbatch;
+    if (chunked) out << '.' << t.chunk;
   }
   return out.str();
 }
 
-ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCosts>& stageCosts) {
+ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCosts>& stageCosts,
+                              const std::optional<ChunkLayout>& layout) {
   if (stageCosts.size() != schedule.size()) throw std::logic_error("one TaskCosts per stage needed");
   ReplayCosts costs;
   costs.taskSeconds = [&stageCosts](int s, const Task& t) {
@@ -225,25 +348,41 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCo
   };
   // One figure per boundary: stageCosts[s].transfer is the s <-> s+1 link, both ways.
   costs.transferSeconds = [&stageCosts](int from, int to, int) { return stageCosts[std::min(from, to)].transfer; };
-  return replaySchedule(schedule, costs);
+  return replaySchedule(schedule, costs, layout);
 }
 
-ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs) {
+namespace {
+
+// The replay's record of one virtual stage x micro-batch.
+enum class Held { kNothing, kInputOnly, kActivations, kWeightPending };
+
+}  // namespace
+
+ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs,
+                              const std::optional<ChunkLayout>& givenLayout) {
   const int P = static_cast<int>(schedule.size());
   if (!costs.taskSeconds) throw std::logic_error("ReplayCosts.taskSeconds is required");
-  auto transfer = [&costs](int from, int to, int i) {
-    return costs.transferSeconds ? costs.transferSeconds(from, to, i) : 0.0;
+  const ChunkLayout layout = givenLayout.value_or(ChunkLayout{P, 1, false});
+  if (layout.stages != P) throw std::logic_error("the chunk layout is of another number of stages");
+  const int V = layout.virtualStages();
+  auto transfer = [&](int fromVs, int toVs, int i) {
+    const int from = layout.stageOf(fromVs), to = layout.stageOf(toVs);
+    return costs.transferSeconds && from != to ? costs.transferSeconds(from, to, i) : 0.0;
   };
   constexpr double kUnknown = -1.0;
   int m = 0;
   for (const auto& stage : schedule) {
-    for (const Task& t : stage) m = std::max(m, t.microbatch + 1);
+    for (const Task& t : stage) {
+      m = std::max(m, t.microbatch + 1);
+      if (t.chunk < 0 || t.chunk >= layout.chunks) {
+        throw std::logic_error(strCat("a task of chunk ", t.chunk, " in a layout of ", layout.chunks, " chunks"));
+      }
+    }
   }
-  // Completion times of forwards and backwards, and which forwards kept activations.
-  std::vector<std::vector<double>> fEnd(P, std::vector<double>(m, kUnknown));
-  std::vector<std::vector<double>> bEnd(P, std::vector<double>(m, kUnknown));
-  // 0 none (or done), 1 forward w/o acts, 2 acts ready, 3 input gradient done, W pending.
-  std::vector<std::vector<int>> state(P, std::vector<int>(m, 0));
+  // Completion times of forwards and backwards per virtual stage, and what each holds.
+  std::vector<std::vector<double>> fEnd(V, std::vector<double>(m, kUnknown));
+  std::vector<std::vector<double>> bEnd(V, std::vector<double>(m, kUnknown));
+  std::vector<std::vector<Held>> held(V, std::vector<Held>(m, Held::kNothing));
   ScheduleTiming timing;
   timing.start.assign(P, {});
   timing.end.assign(P, {});
@@ -251,25 +390,31 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
   std::vector<size_t> pos(P, 0);
   std::vector<double> freeAt(P, 0.0);
 
-  auto inputArrival = [&](int s, const Task& t) -> double {
+  auto inputArrival = [&](int vs, const Task& t) -> double {
     const int i = t.microbatch;
+    const Held h = held[vs][i];
+    const std::string where = strCat("stage ", layout.stageOf(vs), layout.chunks > 1 ? strCat(" chunk ", t.chunk) : "");
     switch (t.type) {
       case TaskType::kForward:
-        if (s == 0) return 0.0;
-        return fEnd[s - 1][i] < 0 ? kUnknown : fEnd[s - 1][i] + transfer(s - 1, s, i);
+        if (vs == 0) return 0.0;
+        return fEnd[vs - 1][i] < 0 ? kUnknown : fEnd[vs - 1][i] + transfer(vs - 1, vs, i);
       case TaskType::kRecompute:
-        if (state[s][i] != 1) throw std::logic_error(strCat("stage ", s, " recomputes micro-batch ", i,
-                                                             " without a prior activation-free forward"));
+        if (h != Held::kInputOnly) {
+          throw std::logic_error(strCat(where, " recomputes micro-batch ", i, " without a prior activation-free forward"));
+        }
         return 0.0;
       case TaskType::kBackward:
       case TaskType::kBackwardInput:
-        if (state[s][i] != 2) throw std::logic_error(strCat("stage ", s, " runs backward of micro-batch ", i,
-                                                             " without activations"));
-        if (s == P - 1) return 0.0;
-        return bEnd[s + 1][i] < 0 ? kUnknown : bEnd[s + 1][i] + transfer(s + 1, s, i);
+        if (h != Held::kActivations) {
+          throw std::logic_error(strCat(where, " runs backward of micro-batch ", i, " without activations"));
+        }
+        if (vs == V - 1) return 0.0;
+        return bEnd[vs + 1][i] < 0 ? kUnknown : bEnd[vs + 1][i] + transfer(vs + 1, vs, i);
       case TaskType::kBackwardWeight:
-        if (state[s][i] != 3) throw std::logic_error(strCat("stage ", s, " runs the weight gradient of micro-batch ",
-                                                             i, " before its input gradient"));
+        if (h != Held::kWeightPending) {
+          throw std::logic_error(strCat(where, " runs the weight gradient of micro-batch ", i,
+                                        " before its input gradient"));
+        }
         return 0.0;
     }
     return kUnknown;
@@ -282,7 +427,8 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
     for (int s = 0; s < P; ++s) {
       while (pos[s] < schedule[s].size()) {
         const Task& t = schedule[s][pos[s]];
-        const double arrival = inputArrival(s, t);
+        const int vs = layout.virtualStage(s, t.chunk);
+        const double arrival = inputArrival(vs, t);
         if (arrival < 0) break;  // waits for another stage
         const double cost = costs.taskSeconds(s, t);
         const double start = std::max(freeAt[s], arrival);
@@ -292,16 +438,18 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
         timing.busy[s] += cost;
         freeAt[s] = end;
         const int i = t.microbatch;
-        if (t.type == TaskType::kForward) {
-          fEnd[s][i] = end;
-          state[s][i] = t.keepActivations ? 2 : 1;
-        } else if (t.type == TaskType::kRecompute) {
-          state[s][i] = 2;
-        } else if (t.type == TaskType::kBackwardWeight) {
-          state[s][i] = 0;
-        } else {
-          bEnd[s][i] = end;
-          state[s][i] = t.type == TaskType::kBackwardInput ? 3 : 0;
+        switch (t.type) {
+          case TaskType::kForward:
+            fEnd[vs][i] = end;
+            held[vs][i] = t.keepActivations ? Held::kActivations : Held::kInputOnly;
+            break;
+          case TaskType::kRecompute: held[vs][i] = Held::kActivations; break;
+          case TaskType::kBackwardWeight: held[vs][i] = Held::kNothing; break;
+          case TaskType::kBackward:
+          case TaskType::kBackwardInput:
+            bEnd[vs][i] = end;
+            held[vs][i] = t.type == TaskType::kBackwardInput ? Held::kWeightPending : Held::kNothing;
+            break;
         }
         ++pos[s];
         ++done;
@@ -310,15 +458,17 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
     }
     if (!progressed) throw std::logic_error("schedule deadlocks: every stage waits for another");
   }
-  for (int s = 0; s < P; ++s) {
+  for (int vs = 0; vs < V; ++vs) {
+    const std::string where =
+        strCat("stage ", layout.stageOf(vs), layout.chunks > 1 ? strCat(" chunk ", layout.chunkOf(vs)) : "");
     for (int i = 0; i < m; ++i) {
-      if (bEnd[s][i] < 0) throw std::logic_error(strCat("stage ", s, " never runs backward of micro-batch ", i));
-      if (state[s][i] == 3) {
-        throw std::logic_error(strCat("stage ", s, " never runs the weight gradient of micro-batch ", i));
+      if (bEnd[vs][i] < 0) throw std::logic_error(strCat(where, " never runs backward of micro-batch ", i));
+      if (held[vs][i] == Held::kWeightPending) {
+        throw std::logic_error(strCat(where, " never runs the weight gradient of micro-batch ", i));
       }
     }
-    timing.makespan = std::max(timing.makespan, freeAt[s]);
   }
+  for (int s = 0; s < P; ++s) timing.makespan = std::max(timing.makespan, freeAt[s]);
   return timing;
 }
 

@@ -1,5 +1,8 @@
 #include <catch2/catch.hpp>
 
+#include <map>
+#include <tuple>
+
 #include "varuna/common/errors.h"
 #include "varuna/common/schedule.h"
 
@@ -195,4 +198,127 @@ TEST_CASE("the replay refuses a W before its B and a B never followed by its W",
   CHECK_THROWS_WITH(replaySchedule(early, uniformCosts(1)), Catch::Contains("before its input gradient"));
   const Schedule missing{{{TaskType::kForward, 0}, {TaskType::kBackwardInput, 0}}};
   CHECK_THROWS_WITH(replaySchedule(missing, uniformCosts(1)), Catch::Contains("never runs the weight gradient"));
+}
+
+namespace {
+
+// Each chunk costs 1/v of its rank's stage: F = B = W = 1 per stage.
+std::vector<TaskCosts> chunkCosts(int P, int v) {
+  const double f = 1.0 / v;
+  return std::vector<TaskCosts>(
+      P, TaskCosts{.forward = f, .recompute = f, .backward = 2 * f, .backwardInput = f, .backwardWeight = f});
+}
+
+// Per rank, every (chunk, micro-batch) runs its forward and its backward (or
+// B and W) exactly once.
+void checkEveryChunkRunsOnce(const Schedule& schedule, int v, int m, bool split) {
+  for (const auto& stage : schedule) {
+    std::map<std::tuple<TaskType, int, int>, int> seen;
+    for (const Task& t : stage) ++seen[{t.type, t.chunk, t.microbatch}];
+    for (int c = 0; c < v; ++c) {
+      for (int i = 0; i < m; ++i) {
+        CHECK(seen[{TaskType::kForward, c, i}] == 1);
+        if (split) {
+          CHECK(seen[{TaskType::kBackwardInput, c, i}] == 1);
+          CHECK(seen[{TaskType::kBackwardWeight, c, i}] == 1);
+        } else {
+          CHECK(seen[{TaskType::kBackward, c, i}] == 1);
+        }
+      }
+    }
+    CHECK(static_cast<int>(stage.size()) == v * m * (split ? 3 : 2));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("chunk layouts: interleaved loops round the ranks, zbv goes down and back", "[schedule]") {
+  const auto loop = ChunkLayout::of(ScheduleKind::kInterleaved1F1B, 3, 2);
+  CHECK(loop.virtualStage(0, 0) == 0);
+  CHECK(loop.virtualStage(2, 0) == 2);
+  CHECK(loop.virtualStage(0, 1) == 3);
+  CHECK(loop.virtualStage(2, 1) == 5);
+  const auto vee = ChunkLayout::of(ScheduleKind::kZeroBubbleV, 3, 2);
+  CHECK(vee.virtualStage(0, 1) == 5);  // the first and the last on rank 0
+  CHECK(vee.virtualStage(2, 1) == 3);  // the turn stays on the last rank
+  for (const auto& layout : {loop, vee}) {
+    for (int vs = 0; vs < layout.virtualStages(); ++vs) {
+      CHECK(layout.virtualStage(layout.stageOf(vs), layout.chunkOf(vs)) == vs);
+    }
+  }
+}
+
+TEST_CASE("schedule choices: names with a number of chunks, refused when they do not fit", "[schedule]") {
+  CHECK(parseScheduleChoice("interleaved") == ScheduleChoice{ScheduleKind::kInterleaved1F1B, 2});
+  CHECK(parseScheduleChoice("interleaved:3") == ScheduleChoice{ScheduleKind::kInterleaved1F1B, 3});
+  CHECK(parseScheduleChoice("zbv") == ScheduleChoice{ScheduleKind::kZeroBubbleV, 2});
+  CHECK(parseScheduleChoice("1f1b") == ScheduleChoice{ScheduleKind::k1F1B, 1});
+  CHECK(toString(ScheduleChoice{ScheduleKind::kInterleaved1F1B, 4}) == "interleaved:4");
+  CHECK(toString(ScheduleChoice{ScheduleKind::kInterleaved1F1B, 2}) == "interleaved");
+  CHECK_THROWS_WITH(parseScheduleChoice("interleaved:1"), Catch::Contains("use --schedule 1f1b"));
+  CHECK_THROWS_WITH(parseScheduleChoice("interleaved:x"), Catch::Contains("must be an integer"));
+  CHECK_THROWS_WITH(parseScheduleChoice("zbv:3"), Catch::Contains("only interleaved takes"));
+  CHECK_THROWS_WITH(parseScheduleChoice("1f1b:2"), Catch::Contains("only interleaved takes"));
+  CHECK_THROWS_WITH(generateSchedule(ScheduleKind::kInterleaved1F1B, 2, 3), Catch::Contains("multiple of the 2"));
+}
+
+TEST_CASE("interleaved 1F1B: golden order, every dependency met, bubble (P-1)(F+B)/v", "[schedule]") {
+  const auto two = generateSchedule(ScheduleKind::kInterleaved1F1B, 2, 4, 2);
+  CHECK(describe(two[0]) == "f0.0 f1.0 f0.1 f1.1 f2.0 b0.1 f3.0 b1.1 f2.1 b0.0 f3.1 b1.0 b2.1 b3.1 b2.0 b3.0");
+  CHECK(describe(two[1]) == "f0.0 f1.0 f0.1 b0.1 f1.1 b1.1 f2.0 b0.0 f3.0 b1.0 f2.1 b2.1 f3.1 b3.1 b2.0 b3.0");
+  for (int v : {2, 3, 4}) {
+    for (int P : {1, 2, 3, 4, 8}) {
+      for (int groups : {1, 2, 4}) {
+        const int m = P * groups;
+        INFO("v=" << v << " P=" << P << " m=" << m);
+        const auto layout = ChunkLayout::of(ScheduleKind::kInterleaved1F1B, P, v);
+        const auto schedule = generateSchedule(ScheduleKind::kInterleaved1F1B, P, m, v);
+        checkEveryChunkRunsOnce(schedule, v, m, /*split=*/false);
+        const auto timing = replaySchedule(schedule, chunkCosts(P, v), layout);
+        CHECK(timing.makespan == Approx(3.0 * m + 3.0 * (P - 1) / v));  // 1F1B: 3m + 3(P-1)
+      }
+    }
+  }
+}
+
+TEST_CASE("zbv: B before W, every dependency met, 1F1B's memory, a bubble below 1F1B's", "[schedule]") {
+  const auto two = generateSchedule(ScheduleKind::kZeroBubbleV, 2, 4);
+  CHECK(describe(two[0]) ==
+        "f0.0 f1.0 f0.1 B0.1 f1.1 B1.1 W0.1 B0.0 f2.0 B1.0 W1.1 f3.0 W0.0 f2.1 B2.1 W2.1 W1.0 B2.0 f3.1 B3.1 W3.1 "
+        "W2.0 B3.0 W3.0");
+  CHECK(describe(two[1]) ==
+        "f0.0 f0.1 f1.0 f1.1 B0.1 B0.0 B1.1 B1.0 W0.1 f2.0 W1.1 f2.1 W0.0 f3.0 W1.0 B2.1 B2.0 f3.1 W2.1 W2.0 B3.1 "
+        "B3.0 W3.1 W3.0");
+  for (int P : {1, 2, 3, 4, 8}) {
+    for (int m : {1, 2, 3, 5, 8, 13, 16}) {
+      INFO("P=" << P << " m=" << m);
+      const auto layout = ChunkLayout::of(ScheduleKind::kZeroBubbleV, P, 2);
+      const auto schedule = generateSchedule(ScheduleKind::kZeroBubbleV, P, m);
+      checkEveryChunkRunsOnce(schedule, 2, m, /*split=*/true);
+      for (const auto& stage : schedule) {  // chunk micro-batches held: at most 1F1B's 2P half-stages
+        int held = 0, peak = 0;
+        for (const Task& t : stage) {
+          held += t.type == TaskType::kForward ? 1 : t.type == TaskType::kBackwardWeight ? -1 : 0;
+          peak = std::max(peak, held);
+        }
+        CHECK(peak <= 2 * P);
+      }
+      const auto timing = replaySchedule(schedule, chunkCosts(P, 2), layout);
+      if (m >= 2 * P && P > 1) CHECK(timing.makespan - 3.0 * m <= 3.0 * (P - 1) * 0.5 + 0.5);  // 1F1B: 3(P-1)
+    }
+  }
+  // P = 2, m = 8 (the benchmark's shape): busy 24 of 24.5 (0.98).
+  const auto timing = replaySchedule(generateSchedule(ScheduleKind::kZeroBubbleV, 2, 8), chunkCosts(2, 2),
+                                     ChunkLayout::of(ScheduleKind::kZeroBubbleV, 2, 2));
+  CHECK(timing.busy[0] / timing.makespan == Approx(24.0 / 24.5));
+}
+
+TEST_CASE("the replay of a chunked schedule refuses a chunk outside its layout and one that waits on itself",
+          "[schedule]") {
+  const Schedule outside{{{TaskType::kForward, 0, true, 2}, {TaskType::kBackward, 0, true, 2}}};
+  CHECK_THROWS_WITH(replaySchedule(outside, uniformCosts(1), ChunkLayout{1, 2, false}), Catch::Contains("chunk 2"));
+  // Chunk 1's forward before chunk 0's on the only rank: it waits for itself.
+  const Schedule selfWait{{{TaskType::kForward, 0, true, 1}, {TaskType::kForward, 0, true, 0},
+                           {TaskType::kBackward, 0, true, 1}, {TaskType::kBackward, 0, true, 0}}};
+  CHECK_THROWS_WITH(replaySchedule(selfWait, uniformCosts(1), ChunkLayout{1, 2, false}), Catch::Contains("deadlocks"));
 }

@@ -1,0 +1,151 @@
+#include "schedule_chunked.h"
+
+#include <algorithm>
+
+#include "schedule_ticks.h"
+
+#include "varuna/common/errors.h"
+
+namespace varuna {
+namespace {
+
+// The chunked schedules come from a list-scheduling simulation in integer
+// ticks, like Varuna's and zb-h1's: a chunk's forward, input gradient and
+// weight gradient take 100 ticks each (a whole backward 200), a message
+// between ranks 1 (none between two chunks of one rank). An idle rank takes
+// the first ready task in the priority B > F > W and, within a kind, the
+// chunk furthest down the model first (its output feeds another rank, or it
+// is the loss that starts the backward), micro-batches in order per chunk:
+//  - B first: another rank waits for its gradient;
+//  - F next, while the rank holds fewer than maxInFlight chunk micro-batches
+//    between their forward and the end of their backward: the activation
+//    memory. Depth first (the furthest chunk first) takes a micro-batch to
+//    the loss as early as the memory allows, which is what starts the
+//    steady one-forward-one-backward phase;
+//    Micro-batches enter the first chunk in groups of P (groupAdmitted);
+//  - W last: nobody waits for it; it fills time the rank would idle.
+class ChunkedBuilder {
+ public:
+  ChunkedBuilder(const ChunkLayout& layout, int m, bool split, const std::function<int(int)>& maxInFlight)
+      : layout_(layout), V_(layout.virtualStages()), m_(m), split_(split),
+        fDone_(V_, std::vector<long>(m, kNever)), bDone_(V_, std::vector<long>(m, kNever)),
+        wDone_(V_, std::vector<long>(m, kNever)), next_(V_), finished_(V_, 0),
+        freeAt_(layout.stages, 0), order_(layout.stages) {
+    for (int s = 0; s < layout.stages; ++s) {
+      cap_.push_back(maxInFlight(s));
+      VARUNA_CHECK(cap_.back() >= 1, "a rank must hold at least one micro-batch");
+      std::vector<int> mine;
+      for (int c = 0; c < layout.chunks; ++c) mine.push_back(layout.virtualStage(s, c));
+      std::sort(mine.rbegin(), mine.rend());  // furthest down the model first
+      chunksFurthestFirst_.push_back(mine);
+    }
+  }
+
+  Schedule build() {
+    long remaining = static_cast<long>(V_) * m_ * (split_ ? 3 : 2);
+    for (long now = 0; remaining > 0; now = ticks::nextEvent(freeAt_, now, startedNow_, "chunked")) {
+      VARUNA_CHECK(now < kTickLimit, "chunked schedule simulation did not converge");
+      startedNow_ = false;
+      for (int s = 0; s < layout_.stages; ++s) {
+        if (freeAt_[s] > now || !startNextTask(s, now)) continue;
+        --remaining;
+        startedNow_ = true;
+      }
+    }
+    return order_;
+  }
+
+ private:
+  static constexpr long kNever = ticks::kNever;
+  static constexpr long kTask = 100, kMessage = 1;
+  static constexpr long kTickLimit = 1L << 40;
+
+  struct Cursor {
+    int f = 0, b = 0, w = 0;
+  };
+
+  static bool reached(long t, long now) { return t != kNever && t <= now; }
+  // The output of virtual stage `from` is usable on `to`'s rank.
+  bool arrived(int from, int to, long t, long now) const {
+    const long message = layout_.stageOf(from) == layout_.stageOf(to) ? 0 : kMessage;
+    return t != kNever && t + message <= now;
+  }
+  std::vector<std::vector<long>>& lastDone() { return split_ ? wDone_ : bDone_; }
+
+  // Chunk micro-batches rank s holds: forwards started, backwards not ended.
+  int inFlight(int s, long now) {
+    int held = 0;
+    for (int vs : chunksFurthestFirst_[s]) {
+      const auto& done = lastDone()[vs];
+      while (finished_[vs] < m_ && reached(done[finished_[vs]], now)) ++finished_[vs];
+      held += next_[vs].f - finished_[vs];
+    }
+    return held;
+  }
+
+  bool forwardReady(int s, int vs, int i, long now) const {
+    if (i >= m_ || !groupAdmitted(s, vs, i)) return false;
+    return vs == 0 || arrived(vs - 1, vs, fDone_[vs - 1][i], now);
+  }
+  // Micro-batches enter a rank's first chunk in groups of P, a group once
+  // the one before has reached the rank's last chunk (Megatron's order).
+  // Without it a rank fills its memory with first-chunk forwards and has no
+  // room left for the later chunks that free it.
+  bool groupAdmitted(int s, int vs, int i) const {
+    if (layout_.chunkOf(vs) != 0) return true;
+    const int lastChunk = layout_.virtualStage(s, layout_.chunks - 1);
+    return next_[lastChunk].f >= (i / layout_.stages) * layout_.stages;
+  }
+  bool backwardReady(int vs, int i, long now) const {
+    if (i >= m_ || !reached(fDone_[vs][i], now)) return false;
+    return vs == V_ - 1 || arrived(vs + 1, vs, bDone_[vs + 1][i], now);
+  }
+  bool weightReady(int vs, int i, long now) const { return split_ && i < m_ && reached(bDone_[vs][i], now); }
+
+  bool startNextTask(int s, long now) {
+    const TaskType backward = split_ ? TaskType::kBackwardInput : TaskType::kBackward;
+    for (int vs : chunksFurthestFirst_[s]) {
+      if (backwardReady(vs, next_[vs].b, now)) return run(s, vs, now, backward, next_[vs].b++, bDone_);
+    }
+    if (inFlight(s, now) < cap_[s]) {
+      for (int vs : chunksFurthestFirst_[s]) {
+        if (forwardReady(s, vs, next_[vs].f, now)) return run(s, vs, now, TaskType::kForward, next_[vs].f++, fDone_);
+      }
+    }
+    for (int vs : chunksFurthestFirst_[s]) {
+      if (weightReady(vs, next_[vs].w, now)) {
+        return run(s, vs, now, TaskType::kBackwardWeight, next_[vs].w++, wDone_);
+      }
+    }
+    return false;
+  }
+
+  bool run(int s, int vs, long now, TaskType type, int i, std::vector<std::vector<long>>& done) {
+    const long cost = type == TaskType::kBackward ? 2 * kTask : kTask;
+    done[vs][i] = now + cost;
+    freeAt_[s] = now + cost;
+    order_[s].push_back({type, i, true, layout_.chunkOf(vs)});
+    return true;
+  }
+
+  ChunkLayout layout_;
+  int V_, m_;
+  bool split_;
+  std::vector<std::vector<long>> fDone_, bDone_, wDone_;  // [virtual stage][micro-batch]
+  std::vector<Cursor> next_;                               // per virtual stage
+  std::vector<int> finished_;  // per virtual stage: micro-batches whose backward has ended
+  std::vector<long> freeAt_;   // per rank
+  std::vector<int> cap_;
+  std::vector<std::vector<int>> chunksFurthestFirst_;  // per rank, its virtual stages
+  bool startedNow_ = false;
+  Schedule order_;
+};
+
+}  // namespace
+
+Schedule chunkedSchedule(const ChunkLayout& layout, int microbatches, bool splitBackward,
+                         const std::function<int(int)>& maxInFlight) {
+  return ChunkedBuilder(layout, microbatches, splitBackward, maxInFlight).build();
+}
+
+}  // namespace varuna

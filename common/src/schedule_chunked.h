@@ -1,0 +1,16 @@
+// The generator of the chunked zero-bubble schedule (ScheduleKind::kZeroBubbleV), private to schedule.cpp, which checks the arguments first.
+#pragma once
+
+#include <functional>
+
+#include "varuna/common/schedule.h"
+
+namespace varuna {
+
+// `splitBackward`: B and W tasks (zbv) instead of a whole backward.
+// `maxInFlight(stage)`: chunk micro-batches a rank may hold between a
+// forward and the end of its backward (W when split), its activation memory.
+Schedule chunkedSchedule(const ChunkLayout& layout, int microbatches, bool splitBackward,
+                         const std::function<int(int stage)>& maxInFlight);
+
+}  // namespace varuna
