@@ -120,7 +120,7 @@ void readManagerEnvironment(const std::map<std::string, std::string>& env, Launc
                              "' must be >= 0 (0 keeps every checkpoint)"));
   }
   args.schedule = envText(env, kScheduleEnv);
-  if (!args.schedule.empty()) parseScheduleKind(args.schedule);  // fails early, naming the value
+  if (!args.schedule.empty()) parseScheduleChoice(args.schedule);  // fails early, naming the value
   args.pieceCosts = decodePieceCosts(envText(env, kPieceCostsEnv));
   args.profiledPieces = decodeProfilePieces(envText(env, kProfilePiecesEnv));
 }

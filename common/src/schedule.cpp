@@ -56,6 +56,8 @@ void checkChunks(ScheduleKind kind, int chunks) {
   }
 }
 
+ScheduleChoice::ScheduleChoice(ScheduleKind k) : kind(k), chunks(defaultChunks(k)) {}
+
 ScheduleChoice parseScheduleChoice(std::string_view text) {
   const auto colon = text.find(':');
   ScheduleChoice choice;
@@ -346,8 +348,12 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const std::vector<TaskCo
     }
     return 0.0;
   };
-  // One figure per boundary: stageCosts[s].transfer is the s <-> s+1 link, both ways.
-  costs.transferSeconds = [&stageCosts](int from, int to, int) { return stageCosts[std::min(from, to)].transfer; };
+  // One figure per boundary: stageCosts[s].transfer is the s <-> s+1 link,
+  // both ways (under chunks, the link out of the lower virtual stage's rank).
+  const ChunkLayout plain = layout.value_or(ChunkLayout{static_cast<int>(schedule.size()), 1, false});
+  costs.transferSeconds = [&stageCosts, plain](int from, int to, int) {
+    return stageCosts[plain.stageOf(std::min(from, to))].transfer;
+  };
   return replaySchedule(schedule, costs, layout);
 }
 
@@ -366,8 +372,8 @@ ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs
   if (layout.stages != P) throw std::logic_error("the chunk layout is of another number of stages");
   const int V = layout.virtualStages();
   auto transfer = [&](int fromVs, int toVs, int i) {
-    const int from = layout.stageOf(fromVs), to = layout.stageOf(toVs);
-    return costs.transferSeconds && from != to ? costs.transferSeconds(from, to, i) : 0.0;
+    const bool sameRank = layout.stageOf(fromVs) == layout.stageOf(toVs);
+    return costs.transferSeconds && !sameRank ? costs.transferSeconds(fromVs, toVs, i) : 0.0;
   };
   constexpr double kUnknown = -1.0;
   int m = 0;

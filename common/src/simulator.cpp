@@ -143,7 +143,7 @@ void checkPartition(const std::vector<int>& firstPiece, int P, int n) {
 struct StageTimes {
   double lastTaskEnd = 0;
   double lastSendArrival = 0;          // its last outgoing message has arrived
-  std::vector<double> pieceFinal;      // by piece of the stage: its gradients are final (last backward)
+  std::vector<double> pieceFinal;      // by global piece (the stage's own): its gradients are final
 };
 
 }  // namespace
@@ -162,6 +162,12 @@ std::vector<double> pieceCosts(const profile::Profile& profile, int64_t microBat
 
 namespace {
 
+ChunkLayout layoutOf(const SimulationInput& in) {
+  const int chunks = in.chunks > 0 ? in.chunks : defaultChunks(in.schedule);
+  checkChunks(in.schedule, chunks);
+  return ChunkLayout::of(in.schedule, in.stages, chunks);
+}
+
 // Throws ConfigError for an input no plan could have; returns the per-replica batch.
 int64_t validate(const profile::Profile& profile, const SimulationInput& in) {
   const int P = in.stages, D = in.replicas;
@@ -171,9 +177,11 @@ int64_t validate(const profile::Profile& profile, const SimulationInput& in) {
   if (in.globalBatch < 1) throw ConfigError(strCat("global batch size must be >= 1, got ", in.globalBatch));
   if (in.microBatch < 1) throw ConfigError(strCat("micro-batch size must be >= 1, got ", in.microBatch));
   requireSize(profile, in.microBatch);
-  if (P > n) {
-    throw ConfigError(strCat("cannot simulate ", P, " stages: the profiled model has ", n,
-                             " pieces (add CutPoints or use at most ", n, " stages)"));
+  const ChunkLayout layout = layoutOf(in);
+  if (layout.virtualStages() > n) {
+    throw ConfigError(strCat("cannot simulate ", P, " stages", layout.chunks > 1 ? strCat(" x ", layout.chunks, " chunks") : "",
+                             ": the profiled model has ", n, " pieces (add CutPoints or use at most ", n,
+                             " stages x chunks)"));
   }
   if (in.globalBatch % D != 0) {
     throw ConfigError(strCat("global batch ", in.globalBatch, " does not split evenly into ", D, " replicas"));
@@ -194,11 +202,12 @@ int64_t validate(const profile::Profile& profile, const SimulationInput& in) {
 // The partition: given, or the one the runtime computes from pieceCosts().
 Partition resolvePartition(const profile::Profile& profile, const SimulationInput& in) {
   const auto costs = pieceCosts(profile, in.microBatch, in.schedule);
-  if (in.firstPiece.empty()) return partitionPieces(costs, in.stages);
-  checkPartition(in.firstPiece, in.stages, static_cast<int>(profile.pieces.size()));
+  const int V = layoutOf(in).virtualStages();
+  if (in.firstPiece.empty()) return partitionPieces(costs, V);
+  checkPartition(in.firstPiece, V, static_cast<int>(profile.pieces.size()));
   Partition partition;
   partition.firstPiece = in.firstPiece;
-  for (int s = 0; s < in.stages; ++s) {
+  for (int s = 0; s < V; ++s) {
     double c = 0;
     for (int k = in.firstPiece[s]; k < in.firstPiece[s + 1]; ++k) c += costs[k];
     partition.stageCost.push_back(c);
@@ -213,11 +222,21 @@ double stepStatsSeconds(const profile::Profile& profile, const SimulationInput& 
   return profile.allreduceSeconds(kStepStatsBytes, in.stages * in.replicas, hosts.size() > 1);
 }
 
-double optimizerSeconds(const profile::Profile& profile, const std::vector<int>& first) {
+// The global pieces of stage s, in local order (its chunks in turn).
+std::vector<int> piecesOfStage(const ChunkLayout& layout, const std::vector<int>& first, int s) {
+  std::vector<int> pieces;
+  for (int c = 0; c < layout.chunks; ++c) {
+    const int vs = layout.virtualStage(s, c);
+    for (int k = first[vs]; k < first[vs + 1]; ++k) pieces.push_back(k);
+  }
+  return pieces;
+}
+
+double optimizerSeconds(const profile::Profile& profile, const ChunkLayout& layout, const std::vector<int>& first) {
   double slowest = 0;
-  for (size_t s = 0; s + 1 < first.size(); ++s) {
+  for (int s = 0; s < layout.stages; ++s) {
     int64_t params = 0;
-    for (int k = first[s]; k < first[s + 1]; ++k) params += profile.pieces[k].paramCount;
+    for (int k : piecesOfStage(layout, first, s)) params += profile.pieces[k].paramCount;
     slowest = std::max(slowest, profile.optimizerSecondsPerParam * static_cast<double>(params));
   }
   return slowest;
@@ -232,23 +251,156 @@ double stepLowerBound(const profile::Profile& profile, const SimulationInput& in
   const int64_t lastSize = perReplica - static_cast<int64_t>(M - 1) * in.microBatch;
   const auto full = stageFigures(profile, partition.firstPiece, in.microBatch);
   const auto tail = lastSize == in.microBatch ? full : stageFigures(profile, partition.firstPiece, lastSize);
-  // Every stage runs each micro-batch's forward and backward one after the
-  // other (recomputes come on top for some schedules: left out, a bound).
+  const ChunkLayout layout = layoutOf(in);
+  // Every stage runs each micro-batch's forward and backward (of each of its
+  // chunks) one after the other (recomputes come on top for some schedules:
+  // left out, a bound).
   double busiest = 0;
   for (int s = 0; s < in.stages; ++s) {
     // A split backward may measure below the whole one: the smaller of the two.
     auto backward = [&](const StageFigures& f) {
       return splitsBackward(in.schedule) ? std::min(f.backward, f.backwardInput + f.backwardWeight) : f.backward;
     };
-    busiest = std::max(busiest, (M - 1) * (full[s].forward + backward(full[s])) + tail[s].forward + backward(tail[s]));
+    double busy = 0;
+    for (int c = 0; c < layout.chunks; ++c) {
+      const int vs = layout.virtualStage(s, c);
+      busy += (M - 1) * (full[vs].forward + backward(full[vs])) + tail[vs].forward + backward(tail[vs]);
+    }
+    busiest = std::max(busiest, busy);
   }
-  return busiest + stepStatsSeconds(profile, in) + optimizerSeconds(profile, partition.firstPiece);
+  return busiest + stepStatsSeconds(profile, in) + optimizerSeconds(profile, layout, partition.firstPiece);
 }
+
+namespace {
+
+// The figures of every virtual stage at a full and at the last micro-batch.
+struct MicrobatchFigures {
+  int M = 0;
+  std::vector<StageFigures> full, tail;
+  const std::vector<StageFigures>& at(int microbatch) const { return microbatch == M - 1 ? tail : full; }
+};
+
+// Where the gradients of each piece of stage s become final: when its part of
+// the stage's last backward (or W) of that piece's chunk ends.
+void recordPieceFinal(const Schedule& schedule, const ScheduleTiming& timing, const ChunkLayout& layout,
+                      const std::vector<int>& first, const MicrobatchFigures& figures, int s, StageTimes& w) {
+  const auto& tasks = schedule[s];
+  std::vector<int> finalBackward(layout.chunks, -1);
+  for (size_t k = 0; k < tasks.size(); ++k) {
+    if (finalisesGradients(tasks[k].type)) finalBackward[tasks[k].chunk] = static_cast<int>(k);
+  }
+  for (int c = 0; c < layout.chunks; ++c) {
+    const Task& lastBackward = tasks[finalBackward[c]];
+    const int vs = layout.virtualStage(s, c);
+    const StageFigures& f = figures.at(lastBackward.microbatch)[vs];
+    const auto& pieceBackward = lastBackward.type == TaskType::kBackwardWeight ? f.pieceWeight : f.pieceBackward;
+    double t = timing.start[s][finalBackward[c]];
+    for (int j = static_cast<int>(pieceBackward.size()) - 1; j >= 0; --j) {
+      t += pieceBackward[j];
+      w.pieceFinal[first[vs] + j] = std::max(w.pieceFinal[first[vs] + j], t);
+    }
+  }
+}
+
+// Stage s's data-parallel all-reduce of its gradient buckets, in bucket
+// order on its group, each starting once its pieces are final everywhere.
+// Returns when the last one ends.
+double allReduceEnd(const profile::Profile& profile, const SimulationInput& in, const std::vector<int>& pieces,
+                    const StageTimes& w, bool crossHost) {
+  double channelFree = 0, pending = 0;
+  int64_t filled = 0;
+  std::map<int64_t, double> seconds;  // by bucket size: nearly all buckets are full ones
+  auto launch = [&](int64_t bytes, double ready) {
+    const double start = std::max(ready, channelFree);
+    auto known = seconds.find(bytes);
+    if (known == seconds.end()) {
+      known = seconds.emplace(bytes, profile.allreduceSeconds(bytes, in.replicas, crossHost)).first;
+    }
+    channelFree = start + known->second;
+  };
+  // Buckets fill with the pieces' gradients last piece first (GradBuckets::add).
+  for (auto it = pieces.rbegin(); it != pieces.rend(); ++it) {
+    int64_t bytes = profile.pieces[*it].paramCount * profile.gradientBytesPerParam;
+    const double ready = w.pieceFinal[*it];
+    while (bytes > 0) {
+      const int64_t take = std::min(bytes, in.bucketBytes - filled);
+      filled += take;
+      bytes -= take;
+      pending = ready;
+      if (filled == in.bucketBytes) {
+        launch(filled, ready);
+        filled = 0;
+      }
+    }
+  }
+  if (filled > 0) launch(filled, pending);
+  return channelFree;
+}
+
+// Stage s's peak activation and boundary memory over the schedule, and the
+// most micro-batches (chunk micro-batches under chunks) it keeps
+// activations of at once. Live activations: from a forward that keeps them
+// (or a recompute) to the end of that micro-batch's backward (its W when
+// split). Boundary tensors: the runtime posts every activation receive at
+// the start of the step, allocates the gradient receive and holds the sent
+// activation at each forward, holds the sent gradient at each backward, and
+// frees all of them only when the step's sends are done. A tensor handed
+// between two chunks of the stage is held once.
+std::pair<int64_t, int> activationPeak(const Schedule& schedule, const ChunkLayout& layout,
+                                       const MicrobatchFigures& figures, int s) {
+  const int V = layout.virtualStages();
+  auto remote = [&](int from, int to) { return layout.stageOf(from) != layout.stageOf(to); };
+  int64_t boundary = 0, live = 0, peak = 0;
+  int liveCount = 0, peakCount = 0;
+  for (int c = 0; c < layout.chunks; ++c) {
+    const int vs = layout.virtualStage(s, c);
+    if (vs == 0 || !remote(vs - 1, vs)) continue;
+    for (int i = 0; i < figures.M; ++i) boundary += figures.at(i)[vs].inBytes;
+  }
+  for (const Task& t : schedule[s]) {
+    const int vs = layout.virtualStage(s, t.chunk);
+    const StageFigures& f = figures.at(t.microbatch)[vs];
+    switch (t.type) {
+      case TaskType::kForward:
+        if (t.keepActivations) {
+          live += f.savedBytes;
+          ++liveCount;
+        }
+        if (vs + 1 < V) boundary += (remote(vs, vs + 1) ? 2 : 1) * f.outBytes;
+        peak = std::max(peak, boundary + live);
+        break;
+      case TaskType::kRecompute:
+        live += f.savedBytes;
+        ++liveCount;
+        peak = std::max(peak, boundary + live);
+        break;
+      case TaskType::kBackward:
+      case TaskType::kBackwardInput:
+        boundary += f.inBytes;
+        peak = std::max(peak, boundary + live);
+        if (t.type == TaskType::kBackwardInput) break;  // held until the W
+        live -= f.savedBytes;
+        --liveCount;
+        break;
+      case TaskType::kBackwardWeight:
+        live -= f.savedBytes;
+        --liveCount;
+        break;
+    }
+    peakCount = std::max(peakCount, liveCount);
+  }
+  return {peak, peakCount};
+}
+
+}  // namespace
 
 Simulation simulate(const profile::Profile& profile, const SimulationInput& in, const Schedule* givenSchedule) {
   const int P = in.stages, D = in.replicas;
   const int64_t perReplica = validate(profile, in);
   Simulation sim;
+  sim.layout = layoutOf(in);
+  const ChunkLayout& layout = sim.layout;
+  const int V = layout.virtualStages();
   sim.partition = resolvePartition(profile, in);
   const std::vector<int>& first = sim.partition.firstPiece;
 
@@ -257,18 +409,19 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
   const int M = static_cast<int>((perReplica + in.microBatch - 1) / in.microBatch);
   sim.microbatches = M;
   const int64_t lastSize = perReplica - static_cast<int64_t>(M - 1) * in.microBatch;
-  const auto full = stageFigures(profile, first, in.microBatch);
-  const auto tail = lastSize == in.microBatch ? full : stageFigures(profile, first, lastSize);
-  auto figures = [&](int microbatch) -> const std::vector<StageFigures>& { return microbatch == M - 1 ? tail : full; };
+  MicrobatchFigures figures;
+  figures.M = M;
+  figures.full = stageFigures(profile, first, in.microBatch);
+  figures.tail = lastSize == in.microBatch ? figures.full : stageFigures(profile, first, lastSize);
 
   Schedule generated;
-  if (!givenSchedule) generated = generateSchedule(in.schedule, P, M);
+  if (!givenSchedule) generated = generateSchedule(in.schedule, P, M, layout.chunks);
   const Schedule& schedule = givenSchedule ? *givenSchedule : generated;
   VARUNA_CHECK(static_cast<int>(schedule.size()) == P, "schedule for ", schedule.size(), " stages, plan has ", P);
-  // The last stage never recomputes: F and a whole backward, or F, B and W.
+  // The last stage never recomputes: F and a whole backward, or F, B and W, per chunk.
   const bool split = std::any_of(schedule.back().begin(), schedule.back().end(),
                                  [](const Task& t) { return t.type == TaskType::kBackwardWeight; });
-  const int tasksPerMicrobatch = split ? 3 : 2;
+  const int tasksPerMicrobatch = (split ? 3 : 2) * layout.chunks;
   VARUNA_CHECK(static_cast<int>(schedule.back().size()) == tasksPerMicrobatch * M, "schedule of the last stage has ",
                schedule.back().size(), " tasks, ", M, " micro-batches need ", tasksPerMicrobatch * M);
 
@@ -276,60 +429,51 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
     static const std::string kOneHost;
     return in.hostOfRank.empty() ? kOneHost : in.hostOfRank[rank];
   };
+  auto rankOf = [&](int replica, int vs) { return replica * P + layout.stageOf(vs); };
 
   // Replicas differ only in which cuts cross hosts: replay each distinct pattern once.
   std::map<std::vector<bool>, int> patterns;  // which cuts stay on one host -> a replica with that pattern
   for (int r = 0; r < D; ++r) {
-    std::vector<bool> sameHost(std::max(P - 1, 0));
-    for (int b = 0; b + 1 < P; ++b) sameHost[b] = host(r * P + b) == host(r * P + b + 1);
+    std::vector<bool> sameHost(std::max(V - 1, 0));
+    for (int b = 0; b + 1 < V; ++b) sameHost[b] = host(rankOf(r, b)) == host(rankOf(r, b + 1));
     patterns.emplace(sameHost, r);
   }
+  const int n = static_cast<int>(profile.pieces.size());
   std::vector<StageTimes> worst(P);
-  for (int s = 0; s < P; ++s) worst[s].pieceFinal.assign(first[s + 1] - first[s], 0.0);
+  for (int s = 0; s < P; ++s) worst[s].pieceFinal.assign(n, 0.0);
   double worstMakespan = -1;
   ScheduleTiming worstTiming;
   for (const auto& [sameHost, replica] : patterns) {
     // Per cut, the message time of a full and of the last micro-batch.
-    std::vector<double> fullTransfer(P), tailTransfer(P);
-    for (int b = 0; b + 1 < P; ++b) {
-      fullTransfer[b] = profile.p2pSeconds(full[b].outBytes, sameHost[b]);
-      tailTransfer[b] = profile.p2pSeconds(tail[b].outBytes, sameHost[b]);
+    std::vector<double> fullTransfer(V), tailTransfer(V);
+    for (int b = 0; b + 1 < V; ++b) {
+      fullTransfer[b] = profile.p2pSeconds(figures.full[b].outBytes, sameHost[b]);
+      tailTransfer[b] = profile.p2pSeconds(figures.tail[b].outBytes, sameHost[b]);
     }
     ReplayCosts costs;
     costs.taskSeconds = [&](int s, const Task& t) {
-      const StageFigures& f = figures(t.microbatch)[s];
-      return taskSeconds(f, t.type);
+      return taskSeconds(figures.at(t.microbatch)[layout.virtualStage(s, t.chunk)], t.type);
     };
     costs.transferSeconds = [&](int from, int to, int i) {
       return (i == M - 1 ? tailTransfer : fullTransfer)[std::min(from, to)];
     };
-    const ScheduleTiming timing = replaySchedule(schedule, costs);
+    const ScheduleTiming timing = replaySchedule(schedule, costs, layout);
     for (int s = 0; s < P; ++s) {
       StageTimes& w = worst[s];
       const auto& tasks = schedule[s];
       w.lastTaskEnd = std::max(w.lastTaskEnd, timing.end[s].back());
-      int finalBackward = -1;
       for (size_t k = 0; k < tasks.size(); ++k) {
         const Task& t = tasks[k];
-        if (finalisesGradients(t.type)) finalBackward = static_cast<int>(k);
+        const int vs = layout.virtualStage(s, t.chunk);
         const bool sendsGradient = t.type == TaskType::kBackward || t.type == TaskType::kBackwardInput;
-        const bool sends = (t.type == TaskType::kForward && s + 1 < P) || (sendsGradient && s > 0);
-        if (sends) {
-          const int to = t.type == TaskType::kForward ? s + 1 : s - 1;
-          w.lastSendArrival = std::max(w.lastSendArrival, timing.end[s][k] + costs.transferSeconds(s, to, t.microbatch));
+        int to = -1;
+        if (t.type == TaskType::kForward && vs + 1 < V) to = vs + 1;
+        if (sendsGradient && vs > 0) to = vs - 1;
+        if (to >= 0 && layout.stageOf(to) != s) {
+          w.lastSendArrival = std::max(w.lastSendArrival, timing.end[s][k] + costs.transferSeconds(vs, to, t.microbatch));
         }
       }
-      // The last backward (or W) walks the stage's pieces last-to-first; each
-      // piece's gradients are final when its part of that task ends.
-      const Task& lastBackward = tasks[finalBackward];
-      const StageFigures& lastFigures = figures(lastBackward.microbatch)[s];
-      const auto& pieceBackward =
-          lastBackward.type == TaskType::kBackwardWeight ? lastFigures.pieceWeight : lastFigures.pieceBackward;
-      double t = timing.start[s][finalBackward];
-      for (int k = static_cast<int>(pieceBackward.size()) - 1; k >= 0; --k) {
-        t += pieceBackward[k];
-        w.pieceFinal[k] = std::max(w.pieceFinal[k], t);
-      }
+      recordPieceFinal(schedule, timing, layout, first, figures, s, w);
     }
     if (timing.makespan > worstMakespan) {
       worstMakespan = timing.makespan;
@@ -342,8 +486,6 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
   for (double b : worstTiming.busy) busy += b;
   sim.bubbleFraction = sim.pipelineSeconds > 0 ? 1.0 - busy / (P * sim.pipelineSeconds) : 0.0;
 
-  // Data-parallel all-reduce of each stage's gradient buckets, in bucket order
-  // on the stage's group, each starting once its pieces are final everywhere.
   double barrier = 0;
   for (int s = 0; s < P; ++s) {
     const StageTimes& w = worst[s];
@@ -352,32 +494,7 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
     if (D > 1) {
       bool crossHost = false;
       for (int r = 1; r < D; ++r) crossHost = crossHost || host(r * P + s) != host(s);
-      // Buckets fill with the pieces' gradients last piece first (GradBuckets::add).
-      double channelFree = 0, pending = 0;
-      int64_t filled = 0;
-      std::map<int64_t, double> seconds;  // by bucket size: nearly all buckets are full ones
-      auto launch = [&](int64_t bytes, double ready) {
-        const double start = std::max(ready, channelFree);
-        auto known = seconds.find(bytes);
-        if (known == seconds.end()) known = seconds.emplace(bytes, profile.allreduceSeconds(bytes, D, crossHost)).first;
-        channelFree = start + known->second;
-      };
-      for (int k = first[s + 1] - 1; k >= first[s]; --k) {
-        int64_t bytes = profile.pieces[k].paramCount * profile.gradientBytesPerParam;
-        const double ready = w.pieceFinal[k - first[s]];
-        while (bytes > 0) {
-          const int64_t take = std::min(bytes, in.bucketBytes - filled);
-          filled += take;
-          bytes -= take;
-          pending = ready;
-          if (filled == in.bucketBytes) {
-            launch(filled, ready);
-            filled = 0;
-          }
-        }
-      }
-      if (filled > 0) launch(filled, pending);
-      reduced = channelFree;
+      reduced = allReduceEnd(profile, in, piecesOfStage(layout, first, s), w, crossHost);
     }
     sim.stageExposedAllreduceSeconds.push_back(std::max(0.0, reduced - computeDone));
     barrier = std::max(barrier, std::max(computeDone, reduced));
@@ -386,58 +503,19 @@ Simulation simulate(const profile::Profile& profile, const SimulationInput& in, 
   sim.allreduceSeconds = barrier - sim.pipelineSeconds + stepStats;
 
   // Optimizer, and memory.
-  sim.optimizerSeconds = optimizerSeconds(profile, first);
+  sim.optimizerSeconds = optimizerSeconds(profile, layout, first);
   for (int s = 0; s < P; ++s) {
-    int64_t params = 0, paramBytes = 0;
-    for (int k = first[s]; k < first[s + 1]; ++k) {
+    int64_t params = 0, paramBytes = 0, transient = 0;
+    for (int k : piecesOfStage(layout, first, s)) {
       params += profile.pieces[k].paramCount;
       paramBytes += profile.pieces[k].paramBytes;
     }
-
-    // Walk the task order. Live activations: from a forward that keeps them
-    // (or a recompute) to the end of that micro-batch's backward. Boundary
-    // tensors: the runtime posts every activation receive at the start of the
-    // step, allocates the gradient receive and holds the sent activation at
-    // each forward, holds the sent gradient at each backward, and frees all of
-    // them only when the step's sends are done.
-    int64_t boundary = 0, live = 0, peak = 0;
-    int liveCount = 0, peakCount = 0;
-    if (s > 0) {
-      for (int i = 0; i < M; ++i) boundary += figures(i)[s].inBytes;
+    for (int c = 0; c < layout.chunks; ++c) {
+      transient = std::max(transient, figures.full[layout.virtualStage(s, c)].transientBytes);
     }
-    for (const Task& t : schedule[s]) {
-      const StageFigures& f = figures(t.microbatch)[s];
-      switch (t.type) {
-        case TaskType::kForward:
-          if (t.keepActivations) {
-            live += f.savedBytes;
-            ++liveCount;
-          }
-          boundary += 2 * f.outBytes;
-          peak = std::max(peak, boundary + live);
-          break;
-        case TaskType::kRecompute:
-          live += f.savedBytes;
-          ++liveCount;
-          peak = std::max(peak, boundary + live);
-          break;
-        case TaskType::kBackward:
-        case TaskType::kBackwardInput:
-          boundary += f.inBytes;
-          peak = std::max(peak, boundary + live);
-          if (t.type == TaskType::kBackwardInput) break;  // held until the W
-          live -= f.savedBytes;
-          --liveCount;
-          break;
-        case TaskType::kBackwardWeight:
-          live -= f.savedBytes;
-          --liveCount;
-          break;
-      }
-      peakCount = std::max(peakCount, liveCount);
-    }
+    const auto [peak, peakCount] = activationPeak(schedule, layout, figures, s);
     const int64_t state = paramBytes + params * (profile.gradientBytesPerParam + profile.optimizerBytesPerParam);
-    sim.stageMemoryBytes.push_back(state + peak + std::max<int64_t>(full[s].transientBytes, 0));
+    sim.stageMemoryBytes.push_back(state + peak + std::max<int64_t>(transient, 0));
     sim.stagePeakLiveMicrobatches.push_back(peakCount);
   }
   sim.stepSeconds = barrier + stepStats + sim.optimizerSeconds;
@@ -453,8 +531,13 @@ std::string Simulation::describe() const {
   out << std::fixed << std::setprecision(4) << "step " << stepSeconds << " s = pipeline " << pipelineSeconds
       << " + exposed all-reduce " << allreduceSeconds << " + optimizer " << optimizerSeconds << "; bubble "
       << std::setprecision(1) << 100.0 * bubbleFraction << "%; " << microbatches << " micro-batches per replica";
-  for (int s = 0; s < partition.numStages(); ++s) {
-    out << "\n  stage " << s << ": pieces " << partition.begin(s) << "-" << partition.end(s) - 1 << ", compute "
+  for (int s = 0; s < static_cast<int>(stageComputeSeconds.size()); ++s) {
+    out << "\n  stage " << s << ": pieces ";
+    for (int c = 0; c < layout.chunks; ++c) {
+      const int vs = layout.virtualStage(s, c);
+      out << (c ? " and " : "") << partition.begin(vs) << "-" << partition.end(vs) - 1;
+    }
+    out << ", compute "
         << std::setprecision(4) << stageComputeSeconds[s] << " s, memory " << formatBytes(stageMemoryBytes[s])
         << " (" << stagePeakLiveMicrobatches[s] << " micro-batch(es) of activations live)";
     if (stageExposedAllreduceSeconds[s] > 0) out << ", all-reduce exposed " << stageExposedAllreduceSeconds[s] << " s";

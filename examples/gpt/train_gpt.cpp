@@ -106,8 +106,16 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
   app.add_option("--momentum", o.momentum, "SGD momentum");
   app.add_option("--clip", o.clip, "clip the global gradient norm to this (<= 0: off)");
   app.add_option("--precision", o.precision, "fp32, bf16 or fp16")->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_option("--schedule", o.schedule, "varuna, 1f1b, gpipe or zb-h1 (docs/worker-api.md: which pays when)")
-      ->check(CLI::IsMember(varuna::scheduleNames()));
+  app.add_option("--schedule", o.schedule,
+                 "varuna, 1f1b, gpipe, zb-h1, interleaved[:chunks] or zbv (docs/worker-api.md: which pays when)")
+      ->check([](const std::string& text) {
+        try {
+          varuna::parseScheduleChoice(text);
+          return std::string();
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      });
   app.add_option("--nonfinite", o.nonFinite,
                  "fp32/bf16 step with non-finite gradients: skip (read the step's exchange before the optimizer) "
                  "or stop (queue the optimizer first, faster on GPUs; exit 1 on a non-finite step)")
@@ -269,7 +277,9 @@ int run(int argc, char** argv) {
   options.batchSize = perReplica * map.numReplicas();
   options.chunkSize = launch.chunkSize > 0 ? launch.chunkSize : std::min<int64_t>(perReplica, 4);
   options.precision = varuna::parsePrecision(o.precision);
-  options.schedule = varuna::parseScheduleKind(o.schedule);
+  const varuna::ScheduleChoice schedule = varuna::parseScheduleChoice(o.schedule);
+  options.schedule = schedule.kind;
+  options.scheduleChunks = schedule.chunks;
   options.onNonFiniteGradients =
       o.nonFinite == "stop" ? varuna::NonFiniteGradients::kStopTraining : varuna::NonFiniteGradients::kSkipStep;
   options.hostMemory = o.hostMemory == "compact" ? varuna::HostMemory::kCompact : varuna::HostMemory::kFast;

@@ -118,8 +118,15 @@ void bindOptions(py::module_& m) {
             o.hostMemory = mode == "compact" ? HostMemory::kCompact : HostMemory::kFast;
           })
       .def_property(
-          "schedule", [](const VarunaOptions& o) { return toString(o.schedule); },
-          [](VarunaOptions& o, const std::string& s) { o.schedule = parseScheduleKind(s); })
+          "schedule",
+          [](const VarunaOptions& o) {
+            return toString(ScheduleChoice{o.schedule, o.scheduleChunks > 0 ? o.scheduleChunks : defaultChunks(o.schedule)});
+          },
+          [](VarunaOptions& o, const std::string& s) {
+            const ScheduleChoice choice = parseScheduleChoice(s);  // "interleaved:3": kind and chunks
+            o.schedule = choice.kind;
+            o.scheduleChunks = choice.chunks;
+          })
       .def_property(
           "peer_timeout_s", [](const VarunaOptions& o) { return o.peerTimeout.count() / 1000.0; },
           [](VarunaOptions& o, double s) { o.peerTimeout = std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); })
@@ -197,10 +204,9 @@ void bindRuntime(py::module_& m) {
       .def_property_readonly("num_replicas", &Varuna::numReplicas)
       .def_property_readonly("is_last_stage", &Varuna::isLastStage)
       .def_property_readonly("loss_scale", [](const Varuna& v) { return v.lossScaler().scale(); })
-      .def_property_readonly("owned_pieces", [](const Varuna& v) {
-        const auto& part = v.partition();
-        return std::make_pair(part.begin(v.stage()), part.end(v.stage()));
-      });
+      .def_property_readonly("num_chunks", &Varuna::numChunks)
+      .def_property_readonly("owned_pieces", &Varuna::ownedPieces,
+                             "[(begin, end)] of global pieces, one range per chunk this rank holds");
 
   m.def(
       "cuda_device_for_local_rank",

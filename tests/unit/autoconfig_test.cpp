@@ -63,7 +63,7 @@ TEST_CASE("autoconfig: enumerates every P, every D dividing the batch, every mic
     CHECK(c.plan.schedule == ScheduleKind::kVaruna);
     CHECK(c.plan.globalBatch == 16);
     // The plan carries the costs the workers balance by, which reproduce the simulated partition.
-    CHECK(c.plan.pieceCosts == pieceCosts(profile, c.plan.chunkSize, c.schedule));
+    CHECK(c.plan.pieceCosts == pieceCosts(profile, c.plan.chunkSize, c.schedule.kind));
     CHECK(partitionPieces(c.plan.pieceCosts, c.plan.stages).firstPiece == c.simulation.partition.firstPiece);
     CHECK(c.samplesPerSecond == Approx(16.0 / c.simulation.stepSeconds));
   }
@@ -426,4 +426,41 @@ TEST_CASE("autoconfig: zb-h1 wins where its smaller bubble pays and it fits; 1F1
   CHECK(tight.best.feasible);
   CHECK_FALSE(tight.ranked.back().feasible);
   CHECK(tight.ranked.back().plan.schedule == ScheduleKind::kZeroBubbleH1);
+}
+
+TEST_CASE("autoconfig: chooses the chunked schedule and its chunks where the bubble pays, only where they fit",
+          "[autoconfig]") {
+  const auto profile = fourPieces();
+  auto ask = request({{"a", 2, 1}}, 8);
+  ask.fixedStages = 2;
+  ask.fixedChunk = 1;  // 8 micro-batches on 2 stages
+  ask.schedules = {ScheduleKind::k1F1B, ScheduleKind::kZeroBubbleH1, ScheduleKind::kInterleaved1F1B,
+                   ScheduleChoice{ScheduleKind::kInterleaved1F1B, 4}, ScheduleKind::kZeroBubbleV};
+  ask.simulateAll = true;
+  const auto result = autoConfigure(profile, ask);
+  // interleaved:4 on 2 stages needs 8 pieces; the model has 4: never planned.
+  REQUIRE(result.ranked.size() == 4);
+  for (const auto& c : result.ranked) CHECK(c.plan.schedule != ScheduleChoice{ScheduleKind::kInterleaved1F1B, 4});
+  CHECK(result.best.plan.schedule == ScheduleKind::kZeroBubbleV);
+  CHECK(result.best.simulation.layout.vShape);
+  auto stepOf = [&](ScheduleKind kind) {
+    for (const auto& c : result.ranked) {
+      if (c.plan.schedule == kind) return c.simulation.stepSeconds;
+    }
+    FAIL("no candidate for " << toString(kind));
+    return 0.0;
+  };
+  CHECK(stepOf(ScheduleKind::kInterleaved1F1B) < stepOf(ScheduleKind::k1F1B));
+  CHECK(stepOf(ScheduleKind::kZeroBubbleV) < stepOf(ScheduleKind::kZeroBubbleH1));
+  CHECK_THAT(result.best.shortName(), Catch::Contains("zbv"));
+
+  // 7 micro-batches do not split into groups of 2 stages: no interleaved plan.
+  auto odd = request({{"a", 2, 1}}, 7);
+  odd.fixedStages = 2;
+  odd.fixedChunk = 1;
+  odd.schedules = {ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B};
+  odd.simulateAll = true;
+  const auto oddResult = autoConfigure(profile, odd);
+  REQUIRE(oddResult.ranked.size() == 1);
+  CHECK(oddResult.best.plan.schedule == ScheduleKind::k1F1B);
 }

@@ -105,9 +105,12 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
   automatic.profile = (dir / "profile.json").string();
   automatic.schedules = "all";
   REQUIRE_NOTHROW(validateJobConfig(automatic, "/x/run_varuna"));
-  CHECK(parseScheduleList("all").size() == 4);
-  CHECK(parseScheduleList("all").back() == ScheduleKind::kZeroBubbleH1);
-  CHECK(parseScheduleList("1f1b, gpipe") == std::vector<ScheduleKind>{ScheduleKind::k1F1B, ScheduleKind::kGPipe});
+  CHECK(parseScheduleList("all").size() == 7);  // every kind, interleaved with 2 and with 4 chunks
+  CHECK(parseScheduleList("all").back() == ScheduleChoice{ScheduleKind::kInterleaved1F1B, 4});
+  CHECK(parseScheduleList("1f1b, gpipe") == std::vector<ScheduleChoice>{ScheduleKind::k1F1B, ScheduleKind::kGPipe});
+  CHECK(parseScheduleList("zbv,interleaved:3") ==
+        std::vector<ScheduleChoice>{ScheduleKind::kZeroBubbleV, {ScheduleKind::kInterleaved1F1B, 3}});
+  CHECK_THROWS_WITH(parseScheduleList("1f1b,interleaved:9"), Catch::Contains("--schedules") && Catch::Contains("2 to 8"));
 
   struct Case {
     std::function<void(JobConfig&)> edit;
@@ -128,7 +131,7 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
       {[](JobConfig& c) { c.job = "a/b"; }, "--job"},
       {[](JobConfig& c) { c.envFile = "/nonexistent/env"; }, "--env_file /nonexistent/env does not exist"},
       {[](JobConfig& c) { c.gpusPerNode = 0; }, "--gpus_per_node"},
-      {[](JobConfig& c) { c.schedules = "varuna,fast"; }, "--schedules 'varuna,fast': 'fast'"},
+      {[](JobConfig& c) { c.schedules = "varuna,fast"; }, "--schedules 'varuna,fast': unknown schedule 'fast'"},
       {[](JobConfig& c) { c.nstages = 0; c.profile = "/nonexistent/p.json"; }, "--profile /nonexistent/p.json does not exist"},
       {[](JobConfig& c) { c.chunkSize = 0; }, "or leave it out and give --profile"},
       {[](JobConfig& c) { c.memoryPerDeviceGb = -1; }, "--memory_per_device_gb"},

@@ -104,6 +104,8 @@ TEST_CASE("launch contract: bad values are refused naming the variable") {
   CHECK_THROWS_WITH(decode(none, {{contract::kKeepCheckpointsEnv, "-2"}}), Catch::Contains("VARUNA_KEEP_CHECKPOINTS"));
   CHECK_THROWS_WITH(decode(none, {{contract::kGenerationEnv, "two"}}), Catch::Contains("VARUNA_GENERATION"));
   CHECK_THROWS_WITH(decode(none, {{contract::kScheduleEnv, "zigzag"}}), Catch::Contains("zigzag"));
+  CHECK_THROWS_WITH(decode(none, {{contract::kScheduleEnv, "interleaved:12"}}), Catch::Contains("2 to 8 chunks"));
+  CHECK(decode(none, {{contract::kScheduleEnv, "interleaved:4"}}).schedule == "interleaved:4");
   CHECK_THROWS_AS(decode({"--rank", "2"}, {{contract::kWorldSizeEnv, "2"}}), ConfigError);
 }
 

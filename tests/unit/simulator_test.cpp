@@ -410,3 +410,50 @@ TEST_CASE("simulator: zb-h1 replays B and W as halves of the backward, and beats
   CHECK(back.backwardInput.median == 1.5);
   CHECK(back.backwardWeight.median == 0.5);
 }
+
+TEST_CASE("simulator: chunked schedules place two virtual stages per stage and shrink the bubble", "[simulator]") {
+  // Four pieces of F = 0.5, backward 1 per sample: P = 2 stages of two pieces,
+  // as two chunks of one piece each under interleaved and zbv.
+  const auto profile = uniformProfile(4, {1}, PieceSpec{0.5, 1.0, 0.5, 0, 0, 100});
+  const int m = 8;
+  const Simulation ofob = simulate(profile, input(2, 1, 1, m, ScheduleKind::k1F1B));
+  const Simulation interleaved = simulate(profile, input(2, 1, 1, m, ScheduleKind::kInterleaved1F1B));
+  const Simulation zbv = simulate(profile, input(2, 1, 1, m, ScheduleKind::kZeroBubbleV));
+  CHECK(ofob.pipelineSeconds == Approx(3.0 * (m + 1)));         // bubble (P-1)(F+B)
+  CHECK(interleaved.pipelineSeconds == Approx(3.0 * m + 1.5));  // (P-1)(F+B)/v
+  CHECK(zbv.pipelineSeconds == Approx(3.0 * m + 0.5));
+  CHECK(interleaved.stageComputeSeconds == ofob.stageComputeSeconds);  // the same work
+  CHECK(interleaved.partition.firstPiece == std::vector<int>{0, 1, 2, 3, 4});
+  // Interleaved: stage 0 holds virtual stages 0 and 2; zbv: 0 and 3.
+  CHECK_THAT(interleaved.describe(), Catch::Contains("stage 0: pieces 0-0 and 2-2"));
+  CHECK_THAT(zbv.describe(), Catch::Contains("stage 0: pieces 0-0 and 3-3"));
+  // Every stage holds half the parameters either way: the same state memory.
+  CHECK(zbv.stageMemoryBytes[0] >= ofob.stageMemoryBytes[0] - 1);
+  // stepLowerBound sums both chunks of a stage.
+  auto in = input(2, 1, 1, m, ScheduleKind::kZeroBubbleV);
+  CHECK(stepLowerBound(profile, in) <= zbv.stepSeconds + 1e-9);
+  CHECK(stepLowerBound(profile, in) == Approx(3.0 * m).epsilon(0.01));
+  // Explicit chunks, and what does not fit.
+  in.schedule = ScheduleKind::kInterleaved1F1B;
+  in.chunks = 4;
+  CHECK_THROWS_WITH(simulate(profile, in), Catch::Contains("2 stages x 4 chunks") && Catch::Contains("4 pieces"));
+  CHECK_THROWS_WITH(simulate(profile, input(2, 1, 1, 7, ScheduleKind::kInterleaved1F1B)),
+                    Catch::Contains("multiple of the 2 stages"));
+}
+
+TEST_CASE("simulator: data-parallel all-reduce under chunks waits for each chunk's last backward", "[simulator]") {
+  // Four pieces of 250 parameters (a 1000-byte bucket each), a 0.5 s
+  // all-reduce per bucket: each chunk's bucket is reduced while the stage
+  // computes the rest, so only the one finished last is exposed.
+  auto profile = uniformProfile(4, {1}, PieceSpec{0.5, 1.0, 0.5, 0, 0, 250});
+  profile.allreduce = {{1000, 2, false, 0.5}, {24, 4, false, 0.0}};
+  for (auto kind : {ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B, ScheduleKind::kZeroBubbleV}) {
+    INFO(toString(kind));
+    auto in = input(2, 2, 1, 16, kind);
+    in.bucketBytes = 1000;
+    const Simulation sim = simulate(profile, in);
+    REQUIRE(sim.stageExposedAllreduceSeconds.size() == 2);
+    for (double exposed : sim.stageExposedAllreduceSeconds) CHECK(exposed == Approx(0.5).margin(1e-9));
+    CHECK(sim.stepSeconds == Approx(sim.pipelineSeconds + sim.allreduceSeconds + sim.optimizerSeconds));
+  }
+}

@@ -92,7 +92,7 @@ const std::vector<Field>& fields() {
       {"log_level", &JobConfig::logLevel, "debug, info, warn or error"},
       {"profile", &JobConfig::profile, "the Profiler's profile.json: AutoConfig plans every launch"},
       {"memory_per_device_gb", &JobConfig::memoryPerDeviceGb, "AutoConfig's memory limit per worker (default 0: unlimited)"},
-      {"schedules", &JobConfig::schedules, "schedules AutoConfig may use: varuna,1f1b,gpipe,zb-h1 or all (default varuna)"},
+      {"schedules", &JobConfig::schedules, "schedules AutoConfig may use: varuna,1f1b,gpipe,zb-h1,interleaved[:chunks],zbv or all (default varuna)"},
       {"dry_run", &JobConfig::dryRun, "print the plan for the machine list and exit"},
       {"program", &JobConfig::program, ""},
   };
@@ -348,20 +348,21 @@ std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int
   return applyJobJson(config, overrides, "the command line");
 }
 
-std::vector<ScheduleKind> parseScheduleList(const std::string& text) {
+std::vector<ScheduleChoice> parseScheduleList(const std::string& text) {
   if (text == "all") {
-    std::vector<ScheduleKind> all;
+    std::vector<ScheduleChoice> all;
     for (const auto& name : scheduleNames()) all.push_back(parseScheduleKind(name));
+    all.push_back({ScheduleKind::kInterleaved1F1B, 4});
     return all;
   }
-  std::vector<ScheduleKind> kinds;
+  std::vector<ScheduleChoice> kinds;
   for (size_t start = 0; start <= text.size();) {
     const auto end = std::min(text.find(',', start), text.size());
     const std::string name = trim(std::string_view(text).substr(start, end - start));
     try {
-      kinds.push_back(parseScheduleKind(name));
-    } catch (const std::exception&) {
-      throw ConfigError(strCat("--schedules '", text, "': '", name, "' is not varuna, 1f1b, gpipe or zb-h1 (or use all)"));
+      kinds.push_back(parseScheduleChoice(name));
+    } catch (const std::exception& e) {
+      throw ConfigError(strCat("--schedules '", text, "': ", e.what()));
     }
     start = end + 1;
   }

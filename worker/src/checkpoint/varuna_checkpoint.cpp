@@ -44,7 +44,7 @@ NamedTensors Varuna::Impl::pieceState(int local, bool copyChangingBuffers) const
 }
 
 std::string Varuna::Impl::pieceFile(int local, const char* kind) const {
-  const int global = model_->firstPiece() + local;
+  const int global = model_->globalPiece(local);
   return strCat("piece_", global, "_", opt_.model.pieces[global].name, ".", kind, ".pt");
 }
 

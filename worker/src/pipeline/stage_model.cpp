@@ -1,6 +1,7 @@
 #include "pipeline/stage_model.h"
 
 #include <ATen/Context.h>
+#include <algorithm>
 #include <torch/autograd.h>
 
 #include "varuna/common/errors.h"
@@ -22,11 +23,19 @@ at::Generator generatorFor(torch::Device device) {
 }  // namespace
 
 StageModel::StageModel(const ModelSpec& model, int begin, int end, torch::Device device)
-    : begin_(begin), device_(device) {
-  for (int i = begin; i < end; ++i) {
+    : StageModel(model, std::vector<PieceRange>{{begin, end}}, device) {}
+
+StageModel::StageModel(const ModelSpec& model, const std::vector<PieceRange>& chunks, torch::Device device)
+    : device_(device) {
+  chunkStart_.push_back(0);
+  for (const PieceRange& chunk : chunks) {
+    for (int i = chunk.begin; i < chunk.end; ++i) global_.push_back(i);
+    chunkStart_.push_back(static_cast<int>(global_.size()));
+  }
+  for (int local = 0; local < static_cast<int>(global_.size()); ++local) {
+    const int i = global_[local];
     auto piece = buildPiece(model, i);
     piece->to(device);
-    const int local = i - begin;
     const std::string& name = model.pieces[i].name;
     register_module(name, piece);
     for (const auto& p : piece->named_parameters(/*recurse=*/true)) {
@@ -43,6 +52,10 @@ StageModel::StageModel(const ModelSpec& model, int begin, int end, torch::Device
     pieces_.push_back(std::move(piece));
     names_.push_back(name);
   }
+}
+
+bool StageModel::ownsPiece(int global) const {
+  return std::find(global_.begin(), global_.end(), global) != global_.end();
 }
 
 std::vector<torch::Tensor> StageModel::pieceParams(int local) const {
@@ -110,10 +123,11 @@ void StageModel::checkCut(int local, const torch::Tensor& out, int64_t microbatc
   }
 }
 
-torch::Tensor StageModel::runPieces(MicrobatchState* state, const torch::Tensor& input, const Batch& batch,
+torch::Tensor StageModel::runPieces(int chunk, MicrobatchState* state, const torch::Tensor& input, const Batch& batch,
                                     int64_t microbatch, bool isLastStage) {
   torch::Tensor current = input;
-  for (int k = 0; k < numPieces(); ++k) {
+  const int lastPiece = chunkEnd(chunk) - 1;
+  for (int k = chunkBegin(chunk); k <= lastPiece; ++k) {
     torch::Tensor leaf = current;
     if (state && current.defined()) {
       leaf = current.detach().requires_grad_(true);
@@ -122,7 +136,7 @@ torch::Tensor StageModel::runPieces(MicrobatchState* state, const torch::Tensor&
       state->inputs.push_back(torch::Tensor());
     }
     current = pieces_[k]->forward(leaf, batch);
-    checkCut(k, current, microbatch, isLastStage && k == numPieces() - 1);
+    checkCut(k, current, microbatch, isLastStage && k == lastPiece);
     if (state) state->outputs.push_back(current);
   }
   return current;
@@ -133,7 +147,7 @@ torch::Tensor StageModel::forward(MicrobatchState& state, const torch::Tensor& i
   state.stageInput = input;
   if (keepGraph) {
     state.hasGraph = true;
-    return runPieces(&state, input, batch, microbatch, isLastStage);
+    return runPieces(state.chunk, &state, input, batch, microbatch, isLastStage);
   }
   {
     auto gen = generatorFor(device_);
@@ -142,7 +156,7 @@ torch::Tensor StageModel::forward(MicrobatchState& state, const torch::Tensor& i
   }
   state.buffersBefore = copyChangingBuffers();
   torch::NoGradGuard noGrad;
-  return runPieces(nullptr, input, batch, microbatch, isLastStage);
+  return runPieces(state.chunk, nullptr, input, batch, microbatch, isLastStage);
 }
 
 void StageModel::recompute(MicrobatchState& state, const Batch& batch, int64_t microbatch, bool isLastStage) {
@@ -158,7 +172,7 @@ void StageModel::recompute(MicrobatchState& state, const Batch& batch, int64_t m
   // forwards since have left them afterwards.
   const auto buffersNow = copyChangingBuffers();
   restoreChangingBuffers(state.buffersBefore);
-  runPieces(&state, state.stageInput, batch, microbatch, isLastStage);
+  runPieces(state.chunk, &state, state.stageInput, batch, microbatch, isLastStage);
   restoreChangingBuffers(buffersNow);
   state.buffersBefore.clear();
   {
@@ -172,10 +186,11 @@ torch::Tensor StageModel::backward(MicrobatchState& state, const torch::Tensor& 
                                    const std::function<void(int)>& onPieceDone) {
   VARUNA_CHECK(state.hasGraph, "backward without a graph");
   torch::Tensor grad = gradOutput;
-  for (int k = numPieces() - 1; k >= 0; --k) {
-    if (state.outputs[k].requires_grad()) torch::autograd::backward({state.outputs[k]}, {grad});
-    if (onPieceDone) onPieceDone(k);
-    const torch::Tensor& in = state.inputs[k];
+  const int first = chunkBegin(state.chunk);
+  for (int j = static_cast<int>(state.outputs.size()) - 1; j >= 0; --j) {
+    if (state.outputs[j].requires_grad()) torch::autograd::backward({state.outputs[j]}, {grad});
+    if (onPieceDone) onPieceDone(first + j);
+    const torch::Tensor& in = state.inputs[j];
     if (!in.defined()) return torch::Tensor();
     grad = in.grad().defined() ? in.grad() : torch::zeros_like(in);
   }
@@ -184,12 +199,13 @@ torch::Tensor StageModel::backward(MicrobatchState& state, const torch::Tensor& 
 
 torch::Tensor StageModel::backwardInput(MicrobatchState& state, const torch::Tensor& gradOutput) {
   VARUNA_CHECK(state.hasGraph && state.splits.empty(), "input gradient without a graph, or twice");
-  state.splits.resize(numPieces());
+  state.splits.resize(state.outputs.size());
   torch::Tensor grad = gradOutput;
-  for (int k = numPieces() - 1; k >= 0; --k) {
-    const torch::Tensor& in = state.inputs[k];
-    state.splits[k] = std::make_unique<SplitBackward>(state.outputs[k], grad, in, pieceParams(k));
-    state.splits[k]->inputGradient();
+  const int first = chunkBegin(state.chunk);
+  for (int j = static_cast<int>(state.outputs.size()) - 1; j >= 0; --j) {
+    const torch::Tensor& in = state.inputs[j];
+    state.splits[j] = std::make_unique<SplitBackward>(state.outputs[j], grad, in, pieceParams(first + j));
+    state.splits[j]->inputGradient();
     if (!in.defined()) return torch::Tensor();
     grad = in.grad().defined() ? in.grad() : torch::zeros_like(in);
   }
@@ -197,10 +213,12 @@ torch::Tensor StageModel::backwardInput(MicrobatchState& state, const torch::Ten
 }
 
 void StageModel::backwardWeight(MicrobatchState& state, const std::function<void(int)>& onPieceDone) {
-  VARUNA_CHECK(static_cast<int>(state.splits.size()) == numPieces(), "weight gradient before the input gradient");
-  for (int k = numPieces() - 1; k >= 0; --k) {
-    if (state.splits[k]) state.splits[k]->weightGradient();
-    if (onPieceDone) onPieceDone(k);
+  VARUNA_CHECK(!state.splits.empty() && state.splits.size() == state.outputs.size(),
+               "weight gradient before the input gradient");
+  const int first = chunkBegin(state.chunk);
+  for (int j = static_cast<int>(state.splits.size()) - 1; j >= 0; --j) {
+    if (state.splits[j]) state.splits[j]->weightGradient();
+    if (onPieceDone) onPieceDone(first + j);
   }
 }
 

@@ -1,8 +1,10 @@
 // StageModel: the pieces one pipeline stage owns, and how a micro-batch flows
 // through them.
 //
-// Built by Varuna::Impl for pieces [begin, end) of the partition; only those
-// pieces are ever constructed. Each piece runs on its own small autograd graph
+// Built by Varuna::Impl for pieces [begin, end) of the partition, or, under a
+// chunked schedule (interleaved, zbv), for several such ranges, one per chunk
+// the rank holds; only those pieces are ever constructed. Pieces are numbered
+// locally 0.. across the chunks in chunk order. Each piece runs on its own small autograd graph
 // (its input is a detached leaf), so the backward can go piece by piece and
 // hand every finished piece to the gradient buckets straight away, and a
 // recompute can rebuild exactly the graph a forward skipped.
@@ -24,9 +26,10 @@ namespace varuna {
 
 // What one forward of one micro-batch leaves behind for its backward.
 struct MicrobatchState {
+  int chunk = 0;                       // which of the stage's chunks it runs through (set before forward)
   torch::Tensor stageInput;            // received activation (undefined on stage 0)
-  std::vector<torch::Tensor> inputs;   // per piece, the leaf fed to it
-  std::vector<torch::Tensor> outputs;  // per piece, its output (graph attached)
+  std::vector<torch::Tensor> inputs;   // per piece of the chunk, the leaf fed to it
+  std::vector<torch::Tensor> outputs;  // per piece of the chunk, its output (graph attached)
   torch::Tensor rngState;              // generator state before an activation-free forward
   std::vector<torch::Tensor> buffersBefore;  // the changing buffers before that forward
   bool hasGraph = false;
@@ -34,14 +37,24 @@ struct MicrobatchState {
   std::vector<std::unique_ptr<SplitBackward>> splits;
 };
 
+// The pieces [begin, end) of one chunk.
+struct PieceRange {
+  int begin = 0, end = 0;
+};
+
 class StageModel : public torch::nn::Module {
  public:
   StageModel(const ModelSpec& model, int begin, int end, torch::Device device);
+  StageModel(const ModelSpec& model, const std::vector<PieceRange>& chunks, torch::Device device);
 
   int numPieces() const { return static_cast<int>(pieces_.size()); }
-  int firstPiece() const { return begin_; }
+  int numChunks() const { return static_cast<int>(chunkStart_.size()) - 1; }
+  // Local pieces [chunkBegin(c), chunkEnd(c)) are chunk c's.
+  int chunkBegin(int chunk) const { return chunkStart_[chunk]; }
+  int chunkEnd(int chunk) const { return chunkStart_[chunk + 1]; }
+  int globalPiece(int local) const { return global_[local]; }
   const std::string& pieceName(int local) const { return names_[local]; }
-  bool ownsPiece(int global) const { return global >= begin_ && global < begin_ + numPieces(); }
+  bool ownsPiece(int global) const;
 
   // Full parameter name -> tensor, for this stage's pieces.
   const std::map<std::string, torch::Tensor>& namedParams() const { return params_; }
@@ -66,7 +79,7 @@ class StageModel : public torch::nn::Module {
   std::vector<torch::Tensor> pieceParams(int local) const;
   int localPieceOf(const std::string& fullName) const;
 
-  // Runs every piece. With `keepGraph` the per-piece graphs are stored in
+  // Runs every piece of the chunk `state.chunk`. With `keepGraph` the per-piece graphs are stored in
   // `state`; without, the forward runs under no_grad and only the stage input
   // and the generator state are kept, for a later recompute. `microbatch` is the
   // expected leading dimension, checked at every cut.
@@ -88,12 +101,13 @@ class StageModel : public torch::nn::Module {
   void backwardWeight(MicrobatchState& state, const std::function<void(int)>& onPieceDone);
 
  private:
-  torch::Tensor runPieces(MicrobatchState* state, const torch::Tensor& input, const Batch& batch,
+  torch::Tensor runPieces(int chunk, MicrobatchState* state, const torch::Tensor& input, const Batch& batch,
                           int64_t microbatch, bool isLastStage);
   void checkCut(int local, const torch::Tensor& out, int64_t microbatch, bool isLastPieceOfModel) const;
 
-  int begin_;
   torch::Device device_;
+  std::vector<int> chunkStart_;  // size chunks + 1
+  std::vector<int> global_;      // local piece -> global piece
   std::vector<std::shared_ptr<Piece>> pieces_;
   std::vector<std::string> names_;
   std::map<std::string, torch::Tensor> params_;

@@ -1,8 +1,8 @@
-// Varuna's training side: builds this rank's stage from the partition, wires
-// gradient buckets and tied weights, learns the shapes crossing each cut, and
-// runs step() and evaluate() over the pipeline schedule. Also the SIGUSR1
-// checkpoint request (step() agrees on it job-wide) and the exits a worker
-// takes. Writing and loading checkpoints is in varuna_checkpoint.cpp; the
+// Varuna's training side: builds this rank's stage (its chunks) from the
+// partition and wires gradient buckets and tied weights; varuna_step.cpp
+// then runs step() and evaluate() over the pipeline schedule. Also the
+// SIGUSR1 checkpoint request (step() agrees on it job-wide) and the exits a
+// worker takes. Writing and loading checkpoints is in varuna_checkpoint.cpp; the
 // Impl both files share is declared in varuna_impl.h.
 #include "varuna/worker/varuna.h"
 
@@ -53,6 +53,8 @@ void installCheckpointSignalHandler() {
 
 bool checkpointSignalled() { return gCheckpointSignal.load(); }
 
+void clearCheckpointSignal() { gCheckpointSignal.store(false); }
+
 Precision parsePrecision(const std::string& name) {
   if (name == "fp32") return Precision::kFp32;
   if (name == "bf16") return Precision::kBf16;
@@ -85,42 +87,12 @@ void VarunaOptions::applyLaunchArgs(const LaunchArgs& args) {
   if (args.keepCheckpoints >= 0) checkpointing.keepCheckpoints = args.keepCheckpoints;
   manager.host = args.hostAddr;
   manager.agentBeatFd = args.agentBeatFd;
-  if (!args.schedule.empty()) launcherSchedule = parseScheduleKind(args.schedule);
+  if (!args.schedule.empty()) launcherSchedule = parseScheduleChoice(args.schedule);
   launcherPieceCosts = args.pieceCosts;
   launcherProfiledPieces = args.profiledPieces;
   launcherBatchSize = args.globalBatchSize();
 }
 
-namespace {
-
-// Message tags: kind in the high bits, micro-batch index in the low bits.
-enum TagKind : int { kActivationTag = 1, kGradientTag = 2, kEvalTag = 3, kShapeTag = 4 };
-int tagFor(TagKind kind, int microbatch) { return (kind << 24) | microbatch; }
-
-constexpr int kHeaderLength = 10;  // dtype, ndim, up to 8 dims
-
-torch::Tensor encodeShape(const torch::Tensor& t) {
-  VARUNA_CHECK(t.dim() <= kHeaderLength - 2, "activation with ", t.dim(), " dims");
-  auto header = torch::zeros({kHeaderLength}, torch::kLong);
-  auto h = header.accessor<int64_t, 1>();
-  h[0] = static_cast<int64_t>(t.scalar_type());
-  h[1] = t.dim();
-  for (int64_t d = 0; d < t.dim(); ++d) h[2 + d] = t.size(d);
-  return header;
-}
-
-CutShape decodeShape(const torch::Tensor& header) {
-  auto h = header.accessor<int64_t, 1>();
-  CutShape shape;
-  shape.dtype = static_cast<at::ScalarType>(h[0]);
-  for (int64_t d = 1; d < h[1]; ++d) shape.trailing.push_back(h[2 + d]);
-  shape.known = true;
-  return shape;
-}
-
-at::ScalarType autocastType(Precision p) { return p == Precision::kBf16 ? at::kBFloat16 : at::kHalf; }
-
-}  // namespace
 
 Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(StageToRankMap::parse(opt_.stageToRankMap)) {
   // The job token is in the options now: out of the environment, where the
@@ -133,7 +105,6 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   // kill this rank with SIGPIPE (a C++ program inherits the default action
   // from its agent; Python ignores it already). Seen in salvage_test.
   ::signal(SIGPIPE, SIG_IGN);
-  if (opt_.launcherSchedule) opt_.schedule = *opt_.launcherSchedule;
   if (!opt_.launcherPieceCosts.empty()) {
     if (opt_.launcherPieceCosts.size() != opt_.model.pieces.size()) {
       throw ConfigError(strCat("the launcher's piece costs (VARUNA_PIECE_COSTS) name ", opt_.launcherPieceCosts.size(),
@@ -161,7 +132,8 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   log::setStage(stage_);
   // Before the stage's tensors are allocated; process-wide.
   if (opt_.hostMemory != HostMemory::kFast) log::info(applyHostMemory(opt_.hostMemory));
-  partition_ = partitionPieces(pieceCosts(), P_);
+  resolveSchedule();
+  partition_ = partitionPieces(pieceCosts(), layout_.virtualStages());
   if (!opt_.manager.address.empty()) {
     managerLink_ = std::make_unique<ManagerLink>(opt_.manager, opt_.rank, ManagerLinkTimings{}, &waitingOnPeers_);
   }
@@ -181,7 +153,9 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
 
   std::string error;
   try {
-    model_ = std::make_shared<StageModel>(opt_.model, partition_.begin(stage_), partition_.end(stage_), opt_.device);
+    std::vector<PieceRange> chunks;
+    for (int c = 0; c < layout_.chunks; ++c) chunks.push_back({partition_.begin(virtualStage(c)), partition_.end(virtualStage(c))});
+    model_ = std::make_shared<StageModel>(opt_.model, chunks, opt_.device);
     error = checkAgainstProfile();
     if (error.empty()) error = checkSharedWeights();
   } catch (const std::exception& e) {
@@ -192,7 +166,8 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   if (opt_.rank == 0) {
     std::vector<std::string> names;
     for (const auto& p : opt_.model.pieces) names.push_back(p.name);
-    log::info("plan: ", P_, " stages x ", D_, " replicas, schedule ", toString(opt_.schedule), ", precision ",
+    log::info("plan: ", P_, " stages x ", D_, " replicas, schedule ",
+              toString(ScheduleChoice{opt_.schedule, layout_.chunks}), ", precision ",
               toString(opt_.precision), ", micro-batch ", opt_.chunkSize, "; ", partition_.describe(names));
   }
   setUpGradients();
@@ -200,6 +175,25 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
   guarded([this] { learnCutShapes(); });
   runTag_ = agreeOnRunTag();
   armSalvage();
+}
+
+// The schedule and its chunks: the launcher's (AutoConfig) over the
+// program's; a chunked schedule cuts the model into stages x chunks virtual
+// stages, so it needs that many pieces.
+void Varuna::Impl::resolveSchedule() {
+  if (opt_.launcherSchedule) {
+    opt_.schedule = opt_.launcherSchedule->kind;
+    opt_.scheduleChunks = opt_.launcherSchedule->chunks;
+  }
+  if (opt_.scheduleChunks < 1) opt_.scheduleChunks = defaultChunks(opt_.schedule);
+  checkChunks(opt_.schedule, opt_.scheduleChunks);
+  layout_ = ChunkLayout::of(opt_.schedule, P_, opt_.scheduleChunks);
+  const int pieces = static_cast<int>(opt_.model.pieces.size());
+  if (layout_.chunks > 1 && pieces < layout_.virtualStages()) {
+    throw ConfigError(strCat("schedule ", toString(ScheduleChoice{opt_.schedule, layout_.chunks}), " on ", P_,
+                             " stages needs ", layout_.virtualStages(), " pieces (stages x chunks) but the model has ",
+                             pieces, ": add CutPoints, use fewer stages or chunks, or a schedule without chunks"));
+  }
 }
 
 // One meaning of the batch size: the global batch, whoever gives it (the
@@ -301,7 +295,7 @@ std::string Varuna::Impl::checkAgainstProfile() const {
     }
   }
   for (int k = 0; k < model_->numPieces(); ++k) {
-    const int global = model_->firstPiece() + k;
+    const int global = model_->globalPiece(k);
     int64_t params = 0;
     for (const auto& p : model_->pieceParams(k)) params += p.numel();
     if (params != profiled[global].second) {
@@ -317,9 +311,11 @@ void Varuna::Impl::setUpGradients() {
   // gradient storage; a cross-stage one is reduced over both stages instead of
   // the data-parallel group. Neither goes into the data-parallel buckets.
   std::set<const void*> notDataParallel;
+  // A chunked rank holds several virtual stages: stages, here, are ranks'.
+  auto stageOfPiece = [&](int piece) { return layout_.stageOf(partition_.stageOfPiece(piece)); };
   for (const auto& [a, b] : opt_.model.sharedWeights) {
-    const int sa = partition_.stageOfPiece(pieceOfParameter(opt_.model, a));
-    const int sb = partition_.stageOfPiece(pieceOfParameter(opt_.model, b));
+    const int sa = stageOfPiece(pieceOfParameter(opt_.model, a));
+    const int sb = stageOfPiece(pieceOfParameter(opt_.model, b));
     if (sa == sb) {
       const auto& params = model_->namedParams();
       if (sa == stage_ && !params.at(a).is_same(params.at(b))) {  // one tensor already: nothing to tie
@@ -401,242 +397,12 @@ void Varuna::Impl::synchroniseTiedWeights() {
   }
 }
 
-torch::Tensor Varuna::Impl::runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch,
-                                       bool keep) {
-  AutocastScope autocast(opt_.precision != Precision::kFp32, opt_.device.type(), autocastType(opt_.precision));
-  return model_->forward(state, input, batch, batch.begin()->second.size(0), keep, last());
-}
-
-void Varuna::Impl::learnCutShapes() {
-  // One sample micro-batch flows through the pipeline once, so every stage
-  // learns the shape and dtype arriving at and leaving its cuts; steps then
-  // post their receives ahead of time without any per-message header.
-  torch::NoGradGuard noGrad;
-  auto gen = at::globalContext().defaultGenerator(opt_.device);
-  torch::Tensor rng;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    rng = gen.get_state();
-  }
-  Batch sample = opt_.getBatch(opt_.chunkSize, opt_.device);
-  auto micro = splitMicrobatches(sample, opt_.chunkSize, "getBatch(chunk_size)");
-  torch::Tensor input;
-  if (!first()) {
-    auto header = torch::zeros({kHeaderLength}, torch::kLong);
-    comm_->waitFor(comm_->recv(header, prevRank(), tagFor(kShapeTag, 0)), "learning activation shapes");
-    inShape_ = decodeShape(header);
-    input = torch::empty(inShape_.withBatch(opt_.chunkSize), torch::TensorOptions().dtype(inShape_.dtype).device(opt_.device));
-    comm_->waitFor(comm_->recv(input, prevRank(), tagFor(kShapeTag, 1)), "learning activation shapes");
-  }
-  MicrobatchState state;
-  torch::Tensor out;
-  // The sample forward must not count as training: every buffer is put back,
-  // and those it changed (running statistics) are remembered.
-  model_->learnChangingBuffers([&] { out = runForward(state, input, micro[0], /*keep=*/true); });
-  if (!last()) {
-    out = out.contiguous();
-    auto header = encodeShape(out);
-    outShape_ = decodeShape(header);
-    comm_->waitFor(comm_->send(header, nextRank(), tagFor(kShapeTag, 0)), "learning activation shapes");
-    comm_->waitFor(comm_->send(out, nextRank(), tagFor(kShapeTag, 1)), "learning activation shapes");
-  }
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(rng);
-}
-
-std::vector<Batch> Varuna::Impl::splitMicrobatches(const Batch& inputs, int64_t expected, const char* what) const {
-  if (inputs.empty()) throw ConfigError(strCat(what, ": the input batch has no tensors"));
-  for (const auto& [key, t] : inputs) {
-    if (!t.defined() || t.dim() < 1 || t.size(0) != expected) {
-      throw ConfigError(strCat(what, ": input '", key, "' must be batch-major with ", expected,
-                               " samples along dimension 0, got ", t.defined() ? t.sizes() : at::IntArrayRef{}));
-    }
-  }
-  const int64_t m = (expected + opt_.chunkSize - 1) / opt_.chunkSize;
-  std::vector<Batch> micro(m);
-  for (const auto& [key, t] : inputs) {
-    auto onDevice = t.device() == opt_.device ? t : t.to(opt_.device);
-    auto chunks = onDevice.split(opt_.chunkSize, 0);
-    for (int64_t i = 0; i < m; ++i) micro[i][key] = chunks[i];
-  }
-  return micro;
-}
-
-const StageSchedule& Varuna::Impl::scheduleFor(int microbatches) {
-  auto it = schedules_.find(microbatches);
-  if (it == schedules_.end()) it = schedules_.emplace(microbatches, generateSchedule(opt_.schedule, P_, microbatches)).first;
-  return it->second[stage_];
-}
-
-void Varuna::Impl::checkOutgoing(const torch::Tensor& out, int64_t b) const {
-  const auto expected = outShape_.withBatch(b);
-  if (!out.sizes().equals(expected) || out.scalar_type() != outShape_.dtype) {
-    throw ConfigError(strCat("stage ", stage_, " produced an activation of shape ", out.sizes(), " ",
-                             out.scalar_type(), " but ", at::IntArrayRef(expected), " ", outShape_.dtype,
-                             " was learned from getBatch(); the dimensions after the batch must not change"));
-  }
-}
-
 void Varuna::Impl::setOptimizer(std::shared_ptr<StageOptimizer> optimizer, LossScaleOptions lossScale) {
   if (!optimizer) throw ConfigError("setOptimizer: the optimizer is null");
   optimizer_ = std::move(optimizer);
   optimizerSet_ = true;
   if (opt_.precision != Precision::kFp16) lossScale = LossScaleOptions{.dynamic = false, .initialScale = 1.0};
   scaler_ = LossScaler(lossScale);
-}
-
-StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
-  if (!optimizer_) throw ConfigError("call setOptimizer() before step()");
-  if (clip && !(*clip > 0)) throw ConfigError(strCat("clip_grad_max_norm must be > 0, got ", *clip));
-  const auto micro = splitMicrobatches(inputs, localBatch(), "step()");
-  const int m = static_cast<int>(micro.size());
-  const StageSchedule& tasks = scheduleFor(m);
-  const double scale = scaler_.scale();
-  salvageState_->stepStarted();
-  buckets_.zero();
-
-  std::vector<MicrobatchState> states(m);
-  std::vector<torch::Tensor> activationIn(m), gradientIn(m);
-  std::vector<c10::intrusive_ptr<c10d::Work>> activationRecv(m), gradientRecv(m);
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends;
-  auto bsize = [&](int i) { return micro[i].begin()->second.size(0); };
-  if (!first()) {
-    // Post every activation receive now: transfers overlap with compute.
-    for (int i = 0; i < m; ++i) {
-      activationIn[i] = torch::empty(inShape_.withBatch(bsize(i)),
-                                     torch::TensorOptions().dtype(inShape_.dtype).device(opt_.device));
-      activationRecv[i] = comm_->recv(activationIn[i], prevRank(), tagFor(kActivationTag, i));
-    }
-  }
-  int finalBackward = -1;
-  for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
-    if (tasks[k].type == TaskType::kBackward || tasks[k].type == TaskType::kBackwardWeight) finalBackward = k;
-  }
-  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
-  const std::function<void(int)> onPieceDone = [this](int piece) { buckets_.markPieceDone(piece); };
-  const std::function<void(int)> noCallback;
-
-  using Clock = std::chrono::steady_clock;
-  Clock::duration computeTime{};
-  for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
-    const Task& task = tasks[k];
-    const int i = task.microbatch;
-    // Waits for inputs are outside the timed region: only compute counts.
-    if (task.type == TaskType::kForward && !first()) comm_->waitFor(activationRecv[i], "receiving an activation");
-    const bool inputGradient = task.type == TaskType::kBackward || task.type == TaskType::kBackwardInput;
-    if (inputGradient && !last()) comm_->waitFor(gradientRecv[i], "receiving a gradient");
-    const auto taskStart = Clock::now();
-    switch (task.type) {
-      case TaskType::kForward: {
-        torch::Tensor out = runForward(states[i], activationIn[i], micro[i], task.keepActivations);
-        if (last()) {
-          lossSum += out.detach().to(torch::kDouble) * static_cast<double>(bsize(i));
-        } else {
-          checkOutgoing(out, bsize(i));
-          auto payload = out.detach().contiguous();
-          sends.emplace_back(comm_->send(payload, nextRank(), tagFor(kActivationTag, i)), payload);
-          gradientIn[i] = torch::empty_like(payload);
-          gradientRecv[i] = comm_->recv(gradientIn[i], nextRank(), tagFor(kGradientTag, i));
-        }
-        break;
-      }
-      case TaskType::kRecompute: {
-        AutocastScope autocast(opt_.precision != Precision::kFp32, opt_.device.type(), autocastType(opt_.precision));
-        model_->recompute(states[i], micro[i], bsize(i), last());
-        break;
-      }
-      case TaskType::kBackward:
-      case TaskType::kBackwardInput: {
-        torch::Tensor grad;
-        if (last()) {
-          // d(global mean loss)/d(micro-batch mean loss) = b_i / B, times the fp16 scale.
-          const double weight = scale * static_cast<double>(bsize(i)) / static_cast<double>(opt_.batchSize);
-          grad = torch::full_like(states[i].outputs.back(), weight);
-        } else {
-          grad = gradientIn[i];
-        }
-        const bool whole = task.type == TaskType::kBackward;
-        torch::Tensor gradInput = whole ? model_->backward(states[i], grad, k == finalBackward ? onPieceDone : noCallback)
-                                        : model_->backwardInput(states[i], grad);
-        if (!first()) {
-          auto payload = gradInput.contiguous();
-          sends.emplace_back(comm_->send(payload, prevRank(), tagFor(kGradientTag, i)), payload);
-        }
-        if (whole) states[i] = MicrobatchState{};
-        break;
-      }
-      case TaskType::kBackwardWeight:
-        model_->backwardWeight(states[i], k == finalBackward ? onPieceDone : noCallback);
-        states[i] = MicrobatchState{};
-        break;
-    }
-    computeTime += Clock::now() - taskStart;
-  }
-  for (auto& [work, tensor] : sends) comm_->waitFor(work, "sending to a neighbour stage");
-  buckets_.finish(*comm_);
-
-  if (opt_.faults.poisonGradients &&
-      opt_.faults.poisonGradients({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
-    buckets_.scale(std::numeric_limits<double>::infinity());
-  }
-  // The one job-wide exchange of a step: loss, and the squared gradient norm
-  // that yields clipping and the fp16 overflow verdict identically everywhere.
-  const PendingUpdate pending{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
-  salvageState_->exchangeStarted(pending);
-  auto summed = StepExchange::share(lossSum, buckets_.sumOfSquaresOnDevice(), gCheckpointSignal.load());
-  if (map_.worldSize() > 1) {
-    std::vector<at::Tensor> tensors{summed};
-    comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the step's loss and gradient norm");
-  }
-  if (opt_.faults.loseExchange && opt_.faults.loseExchange({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
-    throw PeerLostError("fault injected: this rank's exchange 'failed'", -1);
-  }
-  StepResult result = opt_.onNonFiniteGradients == NonFiniteGradients::kStopTraining
-                           ? queueUpdateThenRead(summed, pending)
-                           : applyStep(StepExchange::fromTensor(summed), pending);
-  // This step carries the request (a SIGUSR1 meanwhile asks for the same).
-  if (result.checkpointRequested) gCheckpointSignal.store(false);
-  synchroniseReplicaBuffers();
-  salvageState_->stepFinished();
-  return result;
-}
-
-double Varuna::Impl::evaluate(const Batch& inputs) {
-  const int64_t samples = inputs.empty() ? 0 : inputs.begin()->second.size(0);
-  const auto micro = splitMicrobatches(inputs, samples, "evaluate()");
-  torch::NoGradGuard noGrad;
-  model_->eval();
-  struct TrainModeOnExit {  // back to training mode even when a peer fails
-    StageModel& model;
-    ~TrainModeOnExit() { model.train(); }
-  } restore{*model_};
-  double lossSum = 0.0;
-  for (int i = 0; i < static_cast<int>(micro.size()); ++i) {
-    const int64_t b = micro[i].begin()->second.size(0);
-    torch::Tensor input;
-    if (!first()) {
-      input = torch::empty(inShape_.withBatch(b), torch::TensorOptions().dtype(inShape_.dtype).device(opt_.device));
-      comm_->waitFor(comm_->recv(input, prevRank(), tagFor(kEvalTag, i)), "receiving an evaluation activation");
-    }
-    MicrobatchState state;
-    torch::Tensor out = runForward(state, input, micro[i], /*keep=*/true);
-    if (last()) {
-      lossSum += out.item<double>() * static_cast<double>(b);
-    } else {
-      checkOutgoing(out, b);
-      auto payload = out.contiguous();
-      comm_->waitFor(comm_->send(payload, nextRank(), tagFor(kEvalTag, i)), "sending an evaluation activation");
-    }
-  }
-  auto stats = torch::tensor({last() ? lossSum : 0.0, last() ? static_cast<double>(samples) : 0.0},
-                             torch::TensorOptions().dtype(torch::kDouble));
-  if (map_.worldSize() > 1) {
-    stats = stats.to(opt_.device);
-    std::vector<at::Tensor> tensors{stats};
-    comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the evaluation loss");
-    stats = stats.cpu();
-  }
-  return stats[0].item<double>() / stats[1].item<double>();
 }
 
 // ---------------------------------------------------------------------------
@@ -719,6 +485,16 @@ int Varuna::rank() const { return impl_->options().rank; }
 int Varuna::stage() const { return impl_->stage(); }
 int Varuna::replica() const { return impl_->replica(); }
 int Varuna::numStages() const { return impl_->numStages(); }
+int Varuna::numChunks() const { return impl_->numChunks(); }
+bool Varuna::isLastStage() const { return impl_->holdsLoss(); }
+std::vector<std::pair<int, int>> Varuna::ownedPieces() const {
+  std::vector<std::pair<int, int>> ranges;
+  for (int c = 0; c < impl_->numChunks(); ++c) {
+    const int vs = impl_->layout().virtualStage(impl_->stage(), c);
+    ranges.emplace_back(impl_->partition().begin(vs), impl_->partition().end(vs));
+  }
+  return ranges;
+}
 int Varuna::numReplicas() const { return impl_->numReplicas(); }
 const Partition& Varuna::partition() const { return impl_->partition(); }
 const StageToRankMap& Varuna::stageToRankMap() const { return impl_->map(); }

@@ -1,10 +1,11 @@
 // Varuna::Impl: the state and steps behind the public Varuna class, shared by
 // the files that implement it. Private to the worker library: include it
-// only from pipeline/varuna.cpp, pipeline/varuna_update.cpp,
-// checkpoint/varuna_checkpoint.cpp and salvage/varuna_salvage.cpp.
+// only from pipeline/varuna.cpp, pipeline/varuna_step.cpp,
+// pipeline/varuna_update.cpp, checkpoint/varuna_checkpoint.cpp and
+// salvage/varuna_salvage.cpp.
 //
-// varuna.cpp builds the stage, wires gradients and ties, and runs step() and
-// evaluate(); varuna_update.cpp applies a step once its exchange is done;
+// varuna.cpp builds the stage and wires gradients and ties; varuna_step.cpp
+// runs step() and evaluate(); varuna_update.cpp applies a step once its exchange is done;
 // varuna_checkpoint.cpp writes and loads checkpoints; varuna_salvage.cpp
 // takes part in a salvage, reading what SalvageState (salvage/salvage_state.h),
 // which step() notifies, says this rank holds. They work on the same state
@@ -42,6 +43,9 @@
 #include "varuna/worker/varuna.h"
 
 namespace varuna {
+
+// The SIGUSR1 request is carried by a step (varuna.cpp keeps the flag).
+void clearCheckpointSignal();
 
 // The shape of what crosses a cut, without the micro-batch dimension.
 struct CutShape {
@@ -98,7 +102,12 @@ class Varuna::Impl {
   int replica() const { return replica_; }
   int numStages() const { return P_; }
   int numReplicas() const { return D_; }
+  int numChunks() const { return layout_.chunks; }
+  // The partition into virtual stages (stages x chunks; ChunkLayout places them).
   const Partition& partition() const { return partition_; }
+  const ChunkLayout& layout() const { return layout_; }
+  // Whether this rank's chunks include the one computing the loss.
+  bool holdsLoss() const { return layout_.stageOf(layout_.virtualStages() - 1) == stage_; }
   const StageToRankMap& map() const { return map_; }
   const LossScaler& scaler() const { return scaler_; }
   int64_t stepsDone() const { return stepsDone_; }
@@ -115,6 +124,7 @@ class Varuna::Impl {
   VarunaOptions opt_;
   StageToRankMap map_;
   int stage_ = 0, replica_ = 0, P_ = 1, D_ = 1;
+  ChunkLayout layout_;
   Partition partition_;
   // The training thread waits on peers (BlockedOnPeers); the link's
   // heartbeats carry it. Declared before the link and comm_, which point at it.
@@ -128,7 +138,7 @@ class Varuna::Impl {
   GradBuckets buckets_;
   std::shared_ptr<StageOptimizer> optimizer_;
   LossScaler scaler_;
-  CutShape inShape_, outShape_;
+  std::vector<CutShape> inShape_, outShape_;  // per chunk
   std::map<int, Schedule> schedules_;
   std::unique_ptr<CheckpointWriter> writer_;
   std::string runTag_;  // names this run's partial checkpoint folders (ckpt::runTag)
@@ -137,10 +147,17 @@ class Varuna::Impl {
   // once the stage is built.
   std::optional<SalvageState> salvageState_;
 
-  bool first() const { return stage_ == 0; }
-  bool last() const { return stage_ == P_ - 1; }
-  int prevRank() const { return map_.rankOf(stage_ - 1, replica_); }
-  int nextRank() const { return map_.rankOf(stage_ + 1, replica_); }
+  // Chunk c of this rank is virtual stage virtualStage(c) of the model. Its
+  // input comes from the previous virtual stage's rank (or, on the same
+  // rank, straight from chunk c-1: inFromChunkBefore), its output goes to
+  // the next one's.
+  int virtualStage(int chunk) const { return layout_.virtualStage(stage_, chunk); }
+  bool first(int chunk) const { return virtualStage(chunk) == 0; }
+  bool last(int chunk) const { return virtualStage(chunk) == layout_.virtualStages() - 1; }
+  bool inFromChunkBefore(int chunk) const { return !first(chunk) && layout_.stageOf(virtualStage(chunk) - 1) == stage_; }
+  bool outToChunkAfter(int chunk) const { return !last(chunk) && layout_.stageOf(virtualStage(chunk) + 1) == stage_; }
+  int prevRank(int chunk) const { return map_.rankOf(layout_.stageOf(virtualStage(chunk) - 1), replica_); }
+  int nextRank(int chunk) const { return map_.rankOf(layout_.stageOf(virtualStage(chunk) + 1), replica_); }
   int64_t localBatch() const { return opt_.batchSize / D_; }
 
   std::vector<double> pieceCosts() const;
@@ -149,11 +166,14 @@ class Varuna::Impl {
   std::string checkOneTensorUnderTwoNames() const;
   void setUpGradients();
   void synchroniseTiedWeights();
+  void resolveSchedule();
+  // Throws ConfigError where message tags cannot name every cut or micro-batch.
+  void checkMessageLimits(int microbatches) const;
   void learnCutShapes();
   std::vector<Batch> splitMicrobatches(const Batch& inputs, int64_t expected, const char* what) const;
   const StageSchedule& scheduleFor(int microbatches);
   torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
-  void checkOutgoing(const torch::Tensor& out, int64_t b) const;
+  void checkOutgoing(const torch::Tensor& out, int64_t b, int chunk) const;
   std::string checkAgainstProfile() const;
   StepResult applyStep(const StepExchange& exchange, const PendingUpdate& pending);
   // varuna_update.cpp: the update queued first, the exchange read after

@@ -89,7 +89,7 @@ struct LaunchArgs {
   int keepCheckpoints = -1; // VARUNA_KEEP_CHECKPOINTS (run_varuna --keep_checkpoints); -1: not given
   // run_varuna's AutoConfig choices (environment only); they win over the
   // program's own settings so the partition that runs is the one simulated.
-  std::string schedule;             // VARUNA_SCHEDULE: varuna, 1f1b or gpipe
+  std::string schedule;             // VARUNA_SCHEDULE: a schedule name, e.g. 1f1b or interleaved:4
   std::vector<double> pieceCosts;   // VARUNA_PIECE_COSTS: comma-separated, one per piece
   // VARUNA_PROFILE_PIECES: the pieces of the profile run_varuna planned with,
   // JSON [[name, parameter count], ...]; the runtime refuses a model that differs.

@@ -65,7 +65,13 @@ std::string toString(ScheduleKind kind);
 struct ScheduleChoice {
   ScheduleKind kind = ScheduleKind::kVaruna;
   int chunks = 1;
+
+  ScheduleChoice() = default;
+  ScheduleChoice(ScheduleKind k, int c) : kind(k), chunks(c) {}
+  // The kind with its default number of chunks.
+  ScheduleChoice(ScheduleKind k);  // NOLINT(google-explicit-constructor): a kind is a choice
   bool operator==(const ScheduleChoice&) const = default;
+  auto operator<=>(const ScheduleChoice&) const = default;
 };
 // Throws ConfigError naming the text and the fix.
 ScheduleChoice parseScheduleChoice(std::string_view text);
@@ -109,8 +115,9 @@ struct Task {
 using StageSchedule = std::vector<Task>;
 using Schedule = std::vector<StageSchedule>;
 
-// Throws ConfigError for stages < 1, microbatches < 1, or chunks that do not
-// suit the kind (checkChunks); chunks < 1 means the kind's default.
+// Throws ConfigError for stages < 1, microbatches < 1, chunks that do not
+// suit the kind (checkChunks; chunks < 1 means the kind's default), or
+// interleaved on a number of micro-batches that is not a multiple of stages.
 Schedule generateSchedule(ScheduleKind kind, int stages, int microbatches, int chunks = 0);
 
 // Whether the kind splits the backward into B and W tasks.
@@ -159,8 +166,9 @@ struct ReplayCosts {
   std::function<double(int stage, const Task& task)> taskSeconds;
   // Seconds from the end of the producing task until the neighbour may use its
   // output: micro-batch `microbatch`'s activation from stage s to s+1, or its
-  // gradient from s+1 to s (ranks; between two chunks of one rank there is no
-  // transfer). Null: transfers are free.
+  // gradient from s+1 to s. Under a chunked layout these are virtual stages
+  // (the cut is theirs), and between two chunks of one rank there is no
+  // transfer to ask about. Null: transfers are free.
   std::function<double(int fromStage, int toStage, int microbatch)> transferSeconds;
 };
 ScheduleTiming replaySchedule(const Schedule& schedule, const ReplayCosts& costs,

@@ -36,7 +36,10 @@ struct SimulationInput {
   int64_t microBatch = 1;   // chunk_size
   int64_t globalBatch = 1;  // per-replica batch = globalBatch / D
   ScheduleKind schedule = ScheduleKind::kVaruna;
-  // Partition (size P+1, see Partition::firstPiece). Empty: balance by
+  // Chunks per stage (interleaved, zbv); 0: the kind's default.
+  int chunks = 0;
+  // Partition into stages x chunks virtual stages (size P*chunks+1, see
+  // Partition::firstPiece; ChunkLayout places them). Empty: balance by
   // pieceCosts(profile, microBatch, schedule), as the runtime does when the
   // plan passes those costs to the workers.
   std::vector<int> firstPiece;
@@ -52,7 +55,8 @@ struct Simulation {
   double optimizerSeconds = 0;   // the slowest stage's optimizer step
   double bubbleFraction = 0;     // 1 - sum(stage busy) / (P * pipelineSeconds)
   int microbatches = 0;          // per replica: ceil(per-replica batch / micro-batch)
-  Partition partition;
+  Partition partition;  // into virtual stages
+  ChunkLayout layout;   // which stage holds which of them
   std::vector<double> stageComputeSeconds;  // busy time per stage (forwards + recomputes + backwards)
   // Parameters + gradients + optimizer state + the peak, over the schedule, of
   // live activations and the boundary tensors the runtime holds (see .cpp).
@@ -73,9 +77,10 @@ std::vector<double> pieceCosts(const profile::Profile& profile, int64_t microBat
 
 // Throws ConfigError naming the problem: the profile lacks the micro-batch
 // size or has no pieces, P > pieces, D does not divide the global batch, the
-// micro-batch exceeds the per-replica batch, a bad partition or placement.
+// micro-batch exceeds the per-replica batch, a bad partition or placement,
+// stages x chunks > pieces, or a micro-batch count the schedule cannot take.
 // `schedule`, when given, must be generateSchedule(input.schedule, P,
-// microbatches) (AutoConfig caches them).
+// microbatches, chunks) (AutoConfig caches them).
 Simulation simulate(const profile::Profile& profile, const SimulationInput& input,
                     const Schedule* schedule = nullptr);
 

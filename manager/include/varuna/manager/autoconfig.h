@@ -35,7 +35,7 @@ struct AutoConfigRequest {
   std::set<std::string> excludedHosts;
   int64_t globalBatch = 0;
   int64_t memoryPerDeviceBytes = 0;  // 0: unlimited
-  std::vector<ScheduleKind> schedules{ScheduleKind::kVaruna};
+  std::vector<ScheduleChoice> schedules{ScheduleKind::kVaruna};
   std::vector<int64_t> microBatchSizes;  // empty: every size in the profile
   int fixedStages = 0;     // > 0: only this P (--nstages given)
   int64_t fixedChunk = 0;  // > 0: only this micro-batch size (--chunk_size given)
@@ -46,7 +46,7 @@ struct AutoConfigRequest {
 
 struct Candidate {
   Plan plan;  // its `schedule` and `pieceCosts` are set: hand both to the workers
-  ScheduleKind schedule = ScheduleKind::kVaruna;
+  ScheduleChoice schedule = ScheduleKind::kVaruna;
   Simulation simulation;  // empty when skipped
   double samplesPerSecond = 0;
   bool feasible = false;

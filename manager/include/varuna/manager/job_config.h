@@ -83,8 +83,10 @@ nlohmann::json toJson(const JobConfig& config);
 // returns nullopt and sets `exitCode` when the caller should exit at once.
 std::optional<JobConfig> parseCommandLine(int argc, const char* const* argv, int& exitCode);
 
-// "varuna,1f1b" or "all" -> schedule kinds; ConfigError naming --schedules.
-std::vector<ScheduleKind> parseScheduleList(const std::string& text);
+// "varuna,1f1b,interleaved:4" or "all" -> schedules (with their chunks);
+// ConfigError naming --schedules. "all" is every kind, interleaved with 2
+// and with 4 chunks.
+std::vector<ScheduleChoice> parseScheduleList(const std::string& text);
 
 // The variables run_varuna hands every agent and (through LaunchWorkers)
 // every worker: the env file's `envFile` first, then the job's own

@@ -50,7 +50,7 @@ struct Plan {
   // workers must balance stages by (ModelSpec::pieceCosts) so that their
   // partition is the simulated one. Empty costs: the runtime's default
   // (parameter counts, or the model's own costs).
-  ScheduleKind schedule = ScheduleKind::kVaruna;
+  ScheduleChoice schedule = ScheduleKind::kVaruna;  // and its chunks
   std::vector<double> pieceCosts;
 
   int worldSize() const { return stages * replicas; }

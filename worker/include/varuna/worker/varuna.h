@@ -146,6 +146,9 @@ struct VarunaOptions {
   // on the CPU; Gloo on CUDA lets several ranks share one GPU.
   CommBackend commBackend = CommBackend::kAuto;
   ScheduleKind schedule = ScheduleKind::kVaruna;
+  // Chunks (virtual stages) per rank under interleaved (2..8) and zbv (2);
+  // 0 takes the kind's default (defaultChunks). Needs stages x chunks pieces.
+  int scheduleChunks = 0;
   NonFiniteGradients onNonFiniteGradients = NonFiniteGradients::kSkipStep;
   HostMemory hostMemory = HostMemory::kFast;
   RendezvousOptions rendezvous;
@@ -157,8 +160,8 @@ struct VarunaOptions {
   ManagerLinkOptions manager;
   CheckpointOptions checkpointing;
   // Set by applyLaunchArgs from run_varuna's AutoConfig; when given they
-  // override `schedule` and `model.pieceCosts`.
-  std::optional<ScheduleKind> launcherSchedule;
+  // override `schedule`, `scheduleChunks` and `model.pieceCosts`.
+  std::optional<ScheduleChoice> launcherSchedule;
   std::vector<double> launcherPieceCosts;
   // The pieces (name, parameter count) of the profile the launcher planned
   // with; a model that differs is refused at start-up (a stale profile).
@@ -296,7 +299,13 @@ class Varuna {
   int replica() const;
   int numStages() const;
   int numReplicas() const;
-  bool isLastStage() const { return stage() == numStages() - 1; }
+  // Whether this rank computes the loss: the last stage, or under zbv
+  // (whose last chunk sits on stage 0) the first.
+  bool isLastStage() const;
+  // Chunks (virtual stages) this rank holds: 1 unless the schedule is chunked.
+  int numChunks() const;
+  // The global pieces [begin, end) of each of this rank's chunks.
+  std::vector<std::pair<int, int>> ownedPieces() const;
   const Partition& partition() const;
   const StageToRankMap& stageToRankMap() const;
   torch::Device device() const;

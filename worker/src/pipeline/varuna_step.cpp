@@ -1,0 +1,363 @@
+// Running the pipeline: the shapes crossing each cut, learned once; step()
+// over the schedule (forwards, recomputes, backwards, or their B and W
+// halves, on every chunk this rank holds), the exchange that ends it; and
+// evaluate(). The Impl these share with varuna.cpp is in varuna_impl.h.
+//
+// Chunks: under interleaved and zbv a rank holds several virtual stages of
+// the model (ChunkLayout). Chunk c receives from the rank of virtual stage
+// virtualStage(c) - 1 and sends to that of virtualStage(c) + 1; where that is
+// this rank (zbv's turn at the bottom of the V, or one rank holding every
+// chunk), the tensor is handed from chunk to chunk without a message.
+#include <torch/autograd.h>
+
+#include <chrono>
+#include <functional>
+#include <limits>
+
+#include "device/autocast_scope.h"
+#include "pipeline/varuna_impl.h"
+#include "varuna/common/errors.h"
+
+namespace varuna {
+
+namespace {
+
+// Message tags: kind, the cut the message crosses (virtual stage c to c+1:
+// cut c), and the micro-batch. Each pair of ranks sees each tag once a step.
+enum TagKind : int { kActivationTag = 1, kGradientTag = 2, kEvalTag = 3, kShapeTag = 4 };
+constexpr int kCutBits = 12, kMicrobatchBits = 16;
+int tagFor(TagKind kind, int cut, int microbatch) {
+  return (kind << (kCutBits + kMicrobatchBits)) | (cut << kMicrobatchBits) | microbatch;
+}
+
+constexpr int kHeaderLength = 10;  // dtype, ndim, up to 8 dims
+
+torch::Tensor encodeShape(const torch::Tensor& t) {
+  VARUNA_CHECK(t.dim() <= kHeaderLength - 2, "activation with ", t.dim(), " dims");
+  auto header = torch::zeros({kHeaderLength}, torch::kLong);
+  auto h = header.accessor<int64_t, 1>();
+  h[0] = static_cast<int64_t>(t.scalar_type());
+  h[1] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) h[2 + d] = t.size(d);
+  return header;
+}
+
+CutShape decodeShape(const torch::Tensor& header) {
+  auto h = header.accessor<int64_t, 1>();
+  CutShape shape;
+  shape.dtype = static_cast<at::ScalarType>(h[0]);
+  for (int64_t d = 1; d < h[1]; ++d) shape.trailing.push_back(h[2 + d]);
+  shape.known = true;
+  return shape;
+}
+
+at::ScalarType autocastType(Precision p) { return p == Precision::kBf16 ? at::kBFloat16 : at::kHalf; }
+
+}  // namespace
+
+void Varuna::Impl::checkMessageLimits(int microbatches) const {
+  if (layout_.virtualStages() > (1 << kCutBits)) {
+    throw ConfigError(strCat(layout_.virtualStages(), " virtual stages (stages x chunks) exceed the ", 1 << kCutBits,
+                             " a step's messages can name: use fewer stages or chunks"));
+  }
+  if (microbatches > (1 << kMicrobatchBits)) {
+    throw ConfigError(strCat(microbatches, " micro-batches in a step exceed the ", 1 << kMicrobatchBits,
+                             " its messages can name: use a larger micro-batch size (chunk_size)"));
+  }
+}
+
+torch::Tensor Varuna::Impl::runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch,
+                                       bool keep) {
+  AutocastScope autocast(opt_.precision != Precision::kFp32, opt_.device.type(), autocastType(opt_.precision));
+  return model_->forward(state, input, batch, batch.begin()->second.size(0), keep, last(state.chunk));
+}
+
+void Varuna::Impl::learnCutShapes() {
+  // One sample micro-batch flows through the pipeline once, so every stage
+  // learns the shape and dtype arriving at and leaving its cuts; steps then
+  // post their receives ahead of time without any per-message header. Each
+  // rank runs its chunks in the model's order, so the flow never waits on
+  // itself.
+  torch::NoGradGuard noGrad;
+  auto gen = at::globalContext().defaultGenerator(opt_.device);
+  torch::Tensor rng;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state();
+  }
+  Batch sample = opt_.getBatch(opt_.chunkSize, opt_.device);
+  auto micro = splitMicrobatches(sample, opt_.chunkSize, "getBatch(chunk_size)");
+  const int chunks = numChunks();
+  inShape_.assign(chunks, CutShape{});
+  outShape_.assign(chunks, CutShape{});
+  auto flowThroughChunks = [&] {
+    torch::Tensor carried;  // the previous chunk's output, where it stays on this rank
+    for (int c = 0; c < chunks; ++c) {
+      torch::Tensor input;
+      if (inFromChunkBefore(c)) {
+        inShape_[c] = outShape_[c - 1];
+        input = carried;
+      } else if (!first(c)) {
+        const int cut = virtualStage(c) - 1;
+        auto header = torch::zeros({kHeaderLength}, torch::kLong);
+        comm_->waitFor(comm_->recv(header, prevRank(c), tagFor(kShapeTag, cut, 0)), "learning activation shapes");
+        inShape_[c] = decodeShape(header);
+        input = torch::empty(inShape_[c].withBatch(opt_.chunkSize),
+                             torch::TensorOptions().dtype(inShape_[c].dtype).device(opt_.device));
+        comm_->waitFor(comm_->recv(input, prevRank(c), tagFor(kShapeTag, cut, 1)), "learning activation shapes");
+      }
+      MicrobatchState state;
+      state.chunk = c;
+      torch::Tensor out = runForward(state, input, micro[0], /*keep=*/true);
+      if (last(c)) continue;
+      out = out.contiguous();
+      auto header = encodeShape(out);
+      outShape_[c] = decodeShape(header);
+      if (outToChunkAfter(c)) {
+        carried = out.detach();
+        continue;
+      }
+      const int cut = virtualStage(c);
+      comm_->waitFor(comm_->send(header, nextRank(c), tagFor(kShapeTag, cut, 0)), "learning activation shapes");
+      comm_->waitFor(comm_->send(out, nextRank(c), tagFor(kShapeTag, cut, 1)), "learning activation shapes");
+    }
+  };
+  // The sample forward must not count as training: every buffer is put back,
+  // and those it changed (running statistics) are remembered.
+  model_->learnChangingBuffers(flowThroughChunks);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(rng);
+}
+
+std::vector<Batch> Varuna::Impl::splitMicrobatches(const Batch& inputs, int64_t expected, const char* what) const {
+  if (inputs.empty()) throw ConfigError(strCat(what, ": the input batch has no tensors"));
+  for (const auto& [key, t] : inputs) {
+    if (!t.defined() || t.dim() < 1 || t.size(0) != expected) {
+      throw ConfigError(strCat(what, ": input '", key, "' must be batch-major with ", expected,
+                               " samples along dimension 0, got ", t.defined() ? t.sizes() : at::IntArrayRef{}));
+    }
+  }
+  const int64_t m = (expected + opt_.chunkSize - 1) / opt_.chunkSize;
+  std::vector<Batch> micro(m);
+  for (const auto& [key, t] : inputs) {
+    auto onDevice = t.device() == opt_.device ? t : t.to(opt_.device);
+    auto chunks = onDevice.split(opt_.chunkSize, 0);
+    for (int64_t i = 0; i < m; ++i) micro[i][key] = chunks[i];
+  }
+  return micro;
+}
+
+const StageSchedule& Varuna::Impl::scheduleFor(int microbatches) {
+  auto it = schedules_.find(microbatches);
+  if (it == schedules_.end()) {
+    checkMessageLimits(microbatches);
+    it = schedules_.emplace(microbatches, generateSchedule(opt_.schedule, P_, microbatches, numChunks())).first;
+  }
+  return it->second[stage_];
+}
+
+void Varuna::Impl::checkOutgoing(const torch::Tensor& out, int64_t b, int chunk) const {
+  const CutShape& shape = outShape_[chunk];
+  const auto expected = shape.withBatch(b);
+  if (!out.sizes().equals(expected) || out.scalar_type() != shape.dtype) {
+    throw ConfigError(strCat("stage ", stage_, numChunks() > 1 ? strCat(" chunk ", chunk) : "",
+                             " produced an activation of shape ", out.sizes(), " ", out.scalar_type(), " but ",
+                             at::IntArrayRef(expected), " ", shape.dtype,
+                             " was learned from getBatch(); the dimensions after the batch must not change"));
+  }
+}
+
+StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
+  if (!optimizer_) throw ConfigError("call setOptimizer() before step()");
+  if (clip && !(*clip > 0)) throw ConfigError(strCat("clip_grad_max_norm must be > 0, got ", *clip));
+  const auto micro = splitMicrobatches(inputs, localBatch(), "step()");
+  const int m = static_cast<int>(micro.size());
+  const StageSchedule& tasks = scheduleFor(m);
+  const double scale = scaler_.scale();
+  salvageState_->stepStarted();
+  buckets_.zero();
+
+  const int chunks = numChunks();
+  auto perChunk = [&](auto value) { return std::vector(chunks, std::vector<decltype(value)>(m)); };
+  std::vector<std::vector<MicrobatchState>> states(chunks);
+  for (int c = 0; c < chunks; ++c) {
+    states[c].resize(m);
+    for (auto& state : states[c]) state.chunk = c;
+  }
+  auto activationIn = perChunk(torch::Tensor()), gradientIn = perChunk(torch::Tensor());
+  auto activationRecv = perChunk(c10::intrusive_ptr<c10d::Work>()), gradientRecv = activationRecv;
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends;
+  auto bsize = [&](int i) { return micro[i].begin()->second.size(0); };
+  auto receivesActivations = [&](int c) { return !first(c) && !inFromChunkBefore(c); };
+  auto receivesGradients = [&](int c) { return !last(c) && !outToChunkAfter(c); };
+  for (int c = 0; c < chunks; ++c) {
+    if (!receivesActivations(c)) continue;
+    // Post every activation receive now: transfers overlap with compute.
+    for (int i = 0; i < m; ++i) {
+      activationIn[c][i] = torch::empty(inShape_[c].withBatch(bsize(i)),
+                                        torch::TensorOptions().dtype(inShape_[c].dtype).device(opt_.device));
+      activationRecv[c][i] = comm_->recv(activationIn[c][i], prevRank(c), tagFor(kActivationTag, virtualStage(c) - 1, i));
+    }
+  }
+  // Per chunk, the task that finalises its gradients: the buckets hear of it.
+  std::vector<int> finalBackward(chunks, -1);
+  for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
+    if (tasks[k].type == TaskType::kBackward || tasks[k].type == TaskType::kBackwardWeight) {
+      finalBackward[tasks[k].chunk] = k;
+    }
+  }
+  torch::Tensor lossSum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(opt_.device));
+  const std::function<void(int)> onPieceDone = [this](int piece) { buckets_.markPieceDone(piece); };
+  const std::function<void(int)> noCallback;
+
+  using Clock = std::chrono::steady_clock;
+  Clock::duration computeTime{};
+  for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
+    const Task& task = tasks[k];
+    const int i = task.microbatch, c = task.chunk;
+    MicrobatchState& state = states[c][i];
+    // Waits for inputs are outside the timed region: only compute counts.
+    if (task.type == TaskType::kForward && receivesActivations(c)) {
+      comm_->waitFor(activationRecv[c][i], "receiving an activation");
+    }
+    const bool inputGradient = task.type == TaskType::kBackward || task.type == TaskType::kBackwardInput;
+    if (inputGradient && receivesGradients(c)) comm_->waitFor(gradientRecv[c][i], "receiving a gradient");
+    const auto& pieceDone = k == finalBackward[c] ? onPieceDone : noCallback;
+    const auto taskStart = Clock::now();
+    switch (task.type) {
+      case TaskType::kForward: {
+        torch::Tensor out = runForward(state, activationIn[c][i], micro[i], task.keepActivations);
+        if (last(c)) {
+          lossSum += out.detach().to(torch::kDouble) * static_cast<double>(bsize(i));
+          break;
+        }
+        checkOutgoing(out, bsize(i), c);
+        auto payload = out.detach().contiguous();
+        if (outToChunkAfter(c)) {
+          activationIn[c + 1][i] = payload;
+          break;
+        }
+        sends.emplace_back(comm_->send(payload, nextRank(c), tagFor(kActivationTag, virtualStage(c), i)), payload);
+        gradientIn[c][i] = torch::empty_like(payload);
+        gradientRecv[c][i] = comm_->recv(gradientIn[c][i], nextRank(c), tagFor(kGradientTag, virtualStage(c), i));
+        break;
+      }
+      case TaskType::kRecompute: {
+        AutocastScope autocast(opt_.precision != Precision::kFp32, opt_.device.type(), autocastType(opt_.precision));
+        model_->recompute(state, micro[i], bsize(i), last(c));
+        break;
+      }
+      case TaskType::kBackward:
+      case TaskType::kBackwardInput: {
+        torch::Tensor grad;
+        if (last(c)) {
+          // d(global mean loss)/d(micro-batch mean loss) = b_i / B, times the fp16 scale.
+          const double weight = scale * static_cast<double>(bsize(i)) / static_cast<double>(opt_.batchSize);
+          grad = torch::full_like(state.outputs.back(), weight);
+        } else {
+          grad = gradientIn[c][i];
+          gradientIn[c][i] = torch::Tensor();
+        }
+        const bool whole = task.type == TaskType::kBackward;
+        torch::Tensor gradInput = whole ? model_->backward(state, grad, pieceDone) : model_->backwardInput(state, grad);
+        if (inFromChunkBefore(c)) {
+          gradientIn[c - 1][i] = gradInput;
+        } else if (!first(c)) {
+          auto payload = gradInput.contiguous();
+          sends.emplace_back(comm_->send(payload, prevRank(c), tagFor(kGradientTag, virtualStage(c) - 1, i)), payload);
+        }
+        if (whole) state = MicrobatchState{.chunk = c};
+        break;
+      }
+      case TaskType::kBackwardWeight:
+        model_->backwardWeight(state, pieceDone);
+        state = MicrobatchState{.chunk = c};
+        break;
+    }
+    computeTime += Clock::now() - taskStart;
+  }
+  for (auto& [work, tensor] : sends) comm_->waitFor(work, "sending to a neighbour stage");
+  buckets_.finish(*comm_);
+
+  if (opt_.faults.poisonGradients &&
+      opt_.faults.poisonGradients({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
+    buckets_.scale(std::numeric_limits<double>::infinity());
+  }
+  // The one job-wide exchange of a step: loss, and the squared gradient norm
+  // that yields clipping and the fp16 overflow verdict identically everywhere.
+  const PendingUpdate pending{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
+  salvageState_->exchangeStarted(pending);
+  auto summed = StepExchange::share(lossSum, buckets_.sumOfSquaresOnDevice(), checkpointSignalled());
+  if (map_.worldSize() > 1) {
+    std::vector<at::Tensor> tensors{summed};
+    comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the step's loss and gradient norm");
+  }
+  if (opt_.faults.loseExchange && opt_.faults.loseExchange({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
+    throw PeerLostError("fault injected: this rank's exchange 'failed'", -1);
+  }
+  StepResult result = opt_.onNonFiniteGradients == NonFiniteGradients::kStopTraining
+                          ? queueUpdateThenRead(summed, pending)
+                          : applyStep(StepExchange::fromTensor(summed), pending);
+  // This step carries the request (a SIGUSR1 meanwhile asks for the same).
+  if (result.checkpointRequested) clearCheckpointSignal();
+  synchroniseReplicaBuffers();
+  salvageState_->stepFinished();
+  return result;
+}
+
+double Varuna::Impl::evaluate(const Batch& inputs) {
+  const int64_t samples = inputs.empty() ? 0 : inputs.begin()->second.size(0);
+  const auto micro = splitMicrobatches(inputs, samples, "evaluate()");
+  checkMessageLimits(static_cast<int>(micro.size()));
+  torch::NoGradGuard noGrad;
+  model_->eval();
+  struct TrainModeOnExit {  // back to training mode even when a peer fails
+    StageModel& model;
+    ~TrainModeOnExit() { model.train(); }
+  } restore{*model_};
+  double lossSum = 0.0;
+  // Micro-batch by micro-batch, each through this rank's chunks in the
+  // model's order: every message's sender is earlier in that order.
+  for (int i = 0; i < static_cast<int>(micro.size()); ++i) {
+    const int64_t b = micro[i].begin()->second.size(0);
+    torch::Tensor carried;
+    for (int c = 0; c < numChunks(); ++c) {
+      torch::Tensor input;
+      if (inFromChunkBefore(c)) {
+        input = carried;
+      } else if (!first(c)) {
+        input = torch::empty(inShape_[c].withBatch(b),
+                             torch::TensorOptions().dtype(inShape_[c].dtype).device(opt_.device));
+        comm_->waitFor(comm_->recv(input, prevRank(c), tagFor(kEvalTag, virtualStage(c) - 1, i)),
+                       "receiving an evaluation activation");
+      }
+      MicrobatchState state;
+      state.chunk = c;
+      torch::Tensor out = runForward(state, input, micro[i], /*keep=*/true);
+      if (last(c)) {
+        lossSum += out.item<double>() * static_cast<double>(b);
+        continue;
+      }
+      checkOutgoing(out, b, c);
+      auto payload = out.contiguous();
+      if (outToChunkAfter(c)) {
+        carried = payload;
+        continue;
+      }
+      comm_->waitFor(comm_->send(payload, nextRank(c), tagFor(kEvalTag, virtualStage(c), i)),
+                     "sending an evaluation activation");
+    }
+  }
+  const bool lossHere = holdsLoss();
+  auto stats = torch::tensor({lossHere ? lossSum : 0.0, lossHere ? static_cast<double>(samples) : 0.0},
+                             torch::TensorOptions().dtype(torch::kDouble));
+  if (map_.worldSize() > 1) {
+    stats = stats.to(opt_.device);
+    std::vector<at::Tensor> tensors{stats};
+    comm_->waitFor(comm_->world()->allreduce(tensors), "all-reducing the evaluation loss");
+    stats = stats.cpu();
+  }
+  return stats[0].item<double>() / stats[1].item<double>();
+}
+
+}  // namespace varuna
