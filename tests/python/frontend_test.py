@@ -74,18 +74,22 @@ def compare(what, losses, params, ref_losses, ref_params):
 
 def test_equivalence():
     ref_losses, ref_params, ref_eval = frontend_model.reference(STEPS, GLOBAL_BATCH, "sgd", MICRO)
-    for stages, replicas in [(1, 1), (2, 1), (2, 2), (3, 1)]:
-        for schedule in ["varuna", "1f1b", "gpipe", "zb-h1"]:
-            with tempfile.TemporaryDirectory() as tmp:
-                run_job(tmp, stages, replicas, "--steps", STEPS, "--optimizer", "sgd", "--schedule", schedule)
-                losses, params = gathered(tmp, stages * replicas)
-                compare("%dx%d %s" % (stages, replicas, schedule), losses, params, ref_losses, ref_params)
-                # evaluate() runs the Python modules in eval mode (BatchNorm's running statistics);
-                # with one replica those are the plain loop's.
-                held_out = torch.load(os.path.join(tmp, "rank_0.pt"))["eval"]
-                if replicas == 1 and abs(held_out - ref_eval) > 1e-5 * max(1.0, abs(ref_eval)):
-                    failures.append("%dx%d %s: evaluate() %r vs the plain loop's %r" % (
-                        stages, replicas, schedule, held_out, ref_eval))
+    # The model has 4 pieces: the chunked schedules (two chunks per stage) run on up to 2 stages.
+    cases = [(stages, replicas, schedule) for stages, replicas in [(1, 1), (2, 1), (2, 2), (3, 1)]
+             for schedule in ["varuna", "1f1b", "gpipe", "zb-h1"]]
+    cases += [(stages, replicas, schedule) for stages, replicas in [(1, 2), (2, 1), (2, 2)]
+              for schedule in ["interleaved", "zbv"]]
+    for stages, replicas, schedule in cases:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_job(tmp, stages, replicas, "--steps", STEPS, "--optimizer", "sgd", "--schedule", schedule)
+            losses, params = gathered(tmp, stages * replicas)
+            compare("%dx%d %s" % (stages, replicas, schedule), losses, params, ref_losses, ref_params)
+            # evaluate() runs the Python modules in eval mode (BatchNorm's running statistics);
+            # with one replica those are the plain loop's.
+            held_out = torch.load(os.path.join(tmp, "rank_0.pt"))["eval"]
+            if replicas == 1 and abs(held_out - ref_eval) > 1e-5 * max(1.0, abs(ref_eval)):
+                failures.append("%dx%d %s: evaluate() %r vs the plain loop's %r" % (
+                    stages, replicas, schedule, held_out, ref_eval))
 
 
 def test_optimizers_resume_under_other_layouts():

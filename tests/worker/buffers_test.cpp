@@ -192,14 +192,21 @@ TEST_CASE("buffers move as in single-process training under every layout and sch
       for (int replicas : {1, 2}) layouts.push_back({stages, replicas, schedule});
     }
   }
+  // Two chunks per stage: 2 stages are 4 of the model's 6 pieces' virtual
+  // stages (a BatchNorm block in each chunk; zbv's stage 0 holds both ends).
+  for (const std::string schedule : {"interleaved", "zbv"}) {
+    for (int replicas : {1, 2}) layouts.push_back({2, replicas, schedule});
+  }
   for (const auto& l : layouts) {
     DYNAMIC_SECTION(l.schedule << " P=" << l.stages << " D=" << l.replicas) {
       WorkerJob job(layout(l.stages, l.replicas, trainArgs(l.schedule, rc)),
                     scratchDir(l.schedule + "-" + std::to_string(l.stages) + "x" + std::to_string(l.replicas)));
       requireAllSucceeded(job);
-      // The runtime split the model as runtimePartition says.
+      // The runtime split the model as runtimePartition says (into stages x
+      // chunks virtual stages).
+      const int chunks = defaultChunks(parseScheduleKind(l.schedule));
       CHECK_THAT(job.worker(0).stderrText(),
-                 Catch::Contains(runtimePartition(spec, l.stages).describe(pieceNames(spec))));
+                 Catch::Contains(runtimePartition(spec, l.stages * chunks).describe(pieceNames(spec))));
 
       // Losses and gradient norms: every layout, since a micro-batch's batch
       // statistics do not depend on where it runs.

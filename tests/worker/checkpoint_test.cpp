@@ -105,6 +105,51 @@ TEST_CASE("a checkpoint written as 2x2 resumes exactly as 3x1 and as 1x2, under 
   }
 }
 
+TEST_CASE("a checkpoint written under zbv as 2x2 resumes under 1F1B as 3x1, and the reverse, exactly",
+          "[integration][checkpoint]") {
+  // Pieces stay the unit of a checkpoint whatever chunks a stage held: zbv's
+  // stage 0 wrote the first and the last pieces, 1F1B's stages contiguous ones.
+  const auto root = scratchDir("chunked-resume");
+  WorkerJob uninterrupted(layout(2, 2, modelArgs(root / "full", 6)), root / "full-dump");
+  requireAllSucceeded(uninterrupted);
+  const auto reference = uninterrupted.steps(0);
+  REQUIRE(reference.size() == 6);
+  struct Way {
+    std::string name;
+    int writeStages, writeReplicas;
+    std::string writeSchedule;
+    int readStages, readReplicas;
+    std::string readSchedule;
+  };
+  for (const Way& way : {Way{"zbv 2x2 to 1f1b 3x1", 2, 2, "zbv", 3, 1, "1f1b"},
+                         Way{"1f1b 3x1 to zbv 2x2", 3, 1, "1f1b", 2, 2, "zbv"},
+                         Way{"interleaved 2x1 to zbv 2x2", 2, 1, "interleaved", 2, 2, "zbv"}}) {
+    DYNAMIC_SECTION(way.name) {
+      const auto store = root / ("store-" + way.writeSchedule + "-" + std::to_string(way.writeStages));
+      auto writeArgs = modelArgs(store, 3);
+      writeArgs.insert(writeArgs.end(), {"--schedule", way.writeSchedule});
+      WorkerJob first(layout(way.writeStages, way.writeReplicas, writeArgs), store.string() + "-first");
+      requireAllSucceeded(first);
+      REQUIRE(ckpt::latestComplete(store) == 3);
+
+      auto readArgs = modelArgs(store, 6);
+      readArgs.insert(readArgs.end(), {"--resume_step", "3", "--schedule", way.readSchedule});
+      WorkerJob resumed(layout(way.readStages, way.readReplicas, readArgs), store.string() + "-resumed");
+      requireAllSucceeded(resumed);
+      const auto steps = resumed.steps(0);
+      REQUIRE(steps.size() == 3);
+      for (size_t i = 0; i < steps.size(); ++i) {
+        INFO("step " << steps[i].step);
+        CHECK(steps[i].loss == Approx(reference[i + 3].loss).epsilon(kRtol));
+        CHECK(steps[i].gradNorm == Approx(reference[i + 3].gradNorm).epsilon(kRtol));
+      }
+      for (int replica = 0; replica < way.readReplicas; ++replica) {
+        checkClose(replicaParams(resumed, way.readStages, replica), replicaParams(uninterrupted, 2, 0));
+      }
+    }
+  }
+}
+
 TEST_CASE("resuming under the same layout is bit-exact, fp16 loss scale included", "[integration][checkpoint]") {
   const auto root = scratchDir("fp16-resume");
   auto args = [&](const std::string& store, int64_t steps) {
