@@ -15,7 +15,9 @@
 //  - workers: Hello, then Heartbeat{rank, step} at --heartbeat_hz, spread
 //    evenly over the period (rank r's beats are offset by r/N of it), and
 //    once all are connected a StepReport a second (every rank of every step,
-//    so the manager's step aggregation and slow-machine detector run), and
+//    so the manager's step aggregation and slow-machine detector run;
+//    relayed by the agent with the beats, as varuna_agent does, or with
+//    --direct_reports each over the worker's connection), and
 //    for --ping_workers of them a Ping a second. The Pong's round trip is the
 //    latency sample: it waits behind whatever the manager has queued, which
 //    is the point.
@@ -89,6 +91,7 @@ struct Options {
   bool keep = false;
   bool smoke = false;
   bool directBeats = false;  // each worker heartbeats the manager itself instead of through its agent
+  bool directReports = false;  // each worker sends its step reports to the manager itself
 };
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -241,6 +244,7 @@ class Bench {
     sim.agentHeartbeat = std::chrono::seconds(1);
     sim.workerHeartbeat = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(1000.0 / options.heartbeatHz)));
     sim.beatsThroughAgent = !options.directBeats;
+    sim.reportsThroughAgent = !options.directReports;
     sim.step = std::chrono::seconds(1);
     sim.checkpointDelay = std::chrono::milliseconds(0);
     sim.agentGrace = std::chrono::seconds(5);
@@ -675,6 +679,9 @@ int main(int argc, char** argv) {
   app.add_flag("--direct_beats", options.directBeats,
                "every worker heartbeats the manager over its own connection (the protocol before agents relayed "
                "them; for comparison)");
+  app.add_flag("--direct_reports", options.directReports,
+               "every worker sends its step reports over its own connection (the protocol before agents relayed "
+               "them with the beats; for comparison)");
   app.add_flag("--keep", options.keep, "keep the temp folder (run_varuna's log, state, events)");
   app.add_flag("--smoke", options.smoke,
                "a few seconds at a tiny size (4 hosts x 4 slots, 2 stages, 1 s warm-up, 2 s window; options given "
@@ -733,8 +740,9 @@ int main(int argc, char** argv) {
   std::printf("\nrun_varuna with %d simulated workers on %d hosts, %.0f heartbeats/s each (%s), over %.1f s:\n",
               r.workers, options.hosts, options.heartbeatHz,
               options.directBeats ? "each to the manager" : "relayed by their agents every 250 ms", r.windowS);
-  std::printf("  messages to the manager   %.0f /s (%s, step reports, pings, agent heartbeats)\n", rate,
-              options.directBeats ? "heartbeats" : "relayed beats");
+  std::printf("  messages to the manager   %.0f /s (%s, %s, pings, agent heartbeats)\n", rate,
+              options.directBeats ? "heartbeats" : "relayed beats",
+              options.directReports ? "step reports" : "step reports relayed with them");
   // A smoke run is too short and too small for the targets: its figures are not judged.
   auto verdict = [&](bool met) { return options.smoke ? "not judged: --smoke" : met ? "met" : "MISSED"; };
   std::printf("  manager CPU               %.3f of a core   (target <= 0.10: %s)\n", cpu, verdict(cpuMet));
@@ -766,10 +774,11 @@ int main(int argc, char** argv) {
                 "{\"workers\": %d, \"seconds\": %.1f, \"cpu_fraction_of_core\": %.4f, \"p50_ms\": %.3f, "
                 "\"p99_ms\": %.3f, \"max_ms\": %.3f, \"messages_per_s\": %.0f, \"latency_samples\": %zu, "
                 "\"bench_cpu_fraction_of_core\": %.4f, \"manager_cpu_wait_fraction\": %.4f, \"manager_wakeups_per_s\": %.0f, "
-                "\"cpu_pressure_some\": %.4f, \"manager_exit\": %d, \"clean\": %s, \"smoke\": %s, \"beats\": \"%s\"}",
+                "\"cpu_pressure_some\": %.4f, \"manager_exit\": %d, \"clean\": %s, \"smoke\": %s, \"beats\": \"%s\", "
+                "\"reports\": \"%s\"}",
                 r.workers, r.windowS, cpu, p50, p99, maxMs, rate, r.rttMs.size(), benchCpu, waitFraction, wakeups, pressure,
                 r.managerKilled ? -9 : r.managerExit, clean ? "true" : "false", options.smoke ? "true" : "false",
-                options.directBeats ? "direct" : "relayed");
+                options.directBeats ? "direct" : "relayed", options.directReports ? "direct" : "relayed");
   std::cout << std::flush;
   std::printf("%s\n", line);
   return status;

@@ -35,7 +35,7 @@ step_time_over_cpp = its step time over the C++ example's with the same
 (the Python side's best) schedule.
 
 This machine's speed drifts by tens of percent within minutes (shared VM), so
-every configuration (ours x 4 schedules in C++ and in Python, single process,
+every configuration (ours x 6 schedules in C++ and in Python, single process,
 peer x 6) runs once per round, the rounds interleave them, and each figure is
 the best of the rounds' median step times. Each schedule's C++ and Python runs
 are next to each other in time, their order alternating by round.
@@ -74,7 +74,8 @@ SIZES = {
     "tiny": dict(d_model=32, layers=2, heads=2, seq_len=16, chunk=1, warmup=1, steps=2),
 }
 P, M = 2, 8
-SCHEDULES = ["varuna", "1f1b", "gpipe", "zb-h1"]  # ours; 1f1b must be there: the peer loads its initial weights
+# ours; 1f1b must be there: the peer loads its initial weights
+SCHEDULES = ["varuna", "1f1b", "gpipe", "zb-h1", "interleaved", "zbv"]
 
 
 def busy_bound(schedule):
@@ -83,6 +84,10 @@ def busy_bound(schedule):
         return M / (M + P - 1)  # forward F, backward 2F: (P-1)(F+B) idle
     if schedule == "zb-h1":
         return 3 * M / (3 * M + 2 * (P - 1) - 1)  # F = B = W: (P-1)(F+B) - W idle (common/schedule.h)
+    if schedule == "interleaved":
+        return M / (M + (P - 1) / 2)  # two chunks per stage: (P-1)(F+B)/2 idle
+    if schedule == "zbv" and P == 2:
+        return 3 * M / (3 * M + 0.5)  # the list-scheduled order's replay (schedule_test.cpp), F = B = W
     return None  # varuna: recompute changes the work per stage
 PEER_SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 PYTHON_TRAINER = os.path.join(ROOT, "examples", "python", "train_gpt.py")

@@ -147,6 +147,7 @@ json toJson(const Profile& p) {
       if (s.backwardInput.samples > 0 && s.backwardWeight.samples > 0) {
         sizes[std::to_string(size)]["backward_input"] = toJson(s.backwardInput);
         sizes[std::to_string(size)]["backward_weight"] = toJson(s.backwardWeight);
+        sizes[std::to_string(size)]["split_kept_bytes"] = s.splitKeptBytes;
       }
     }
     pieces.push_back({{"name", piece.name}, {"param_count", piece.paramCount}, {"param_bytes", piece.paramBytes},
@@ -211,6 +212,7 @@ Profile fromJson(const json& j, const std::string& source) {
         if (s.contains("backward_input") && s.contains("backward_weight")) {
           pp.bySize[m].backwardInput = timingFromJson(s.at("backward_input"));
           pp.bySize[m].backwardWeight = timingFromJson(s.at("backward_weight"));
+          pp.bySize[m].splitKeptBytes = s.value("split_kept_bytes", int64_t{0});
         }
       }
       p.pieces.push_back(std::move(pp));

@@ -37,7 +37,7 @@ VARUNA_WIRE(Hello, "hello", required("version", &Hello::version), required("toke
 VARUNA_WIRE(Heartbeat, "heartbeat", required("rank", &Heartbeat::rank), required("step", &Heartbeat::step),
             optional("waiting", &Heartbeat::waiting, false))
 VARUNA_WIRE(WorkerBeats, "worker_beats", required("generation", &WorkerBeats::generation),
-            required("beats", &WorkerBeats::beats))
+            required("beats", &WorkerBeats::beats), optional("reports", &WorkerBeats::reports, {}))
 VARUNA_WIRE(StepReport, "step_report", required("rank", &StepReport::rank), required("stage", &StepReport::stage),
             required("replica", &StepReport::replica), required("step", &StepReport::step),
             required("loss", &StepReport::loss), required("step_seconds", &StepReport::stepSeconds),

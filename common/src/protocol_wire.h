@@ -40,6 +40,32 @@ inline void from_json(const nlohmann::json& j, WorkerBeat& b) {
   j.at(2).get_to(b.waiting);
 }
 
+// [rank, stage, replica, step, loss, step_seconds, compute_seconds_per_microbatch]:
+// a relayed step report (WorkerBeats::reports). A non-finite figure (a loss
+// that overflowed) travels as null and comes back as NaN: one bad step must
+// not cost the host's whole relay.
+inline nlohmann::json finiteOrNull(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
+inline double numberOrNan(const nlohmann::json& v) {
+  return v.is_null() ? std::numeric_limits<double>::quiet_NaN() : v.get<double>();
+}
+inline void to_json(nlohmann::json& j, const StepReport& r) {
+  j = {r.rank, r.stage, r.replica, r.step, finiteOrNull(r.loss), finiteOrNull(r.stepSeconds),
+       finiteOrNull(r.computeSecondsPerMicrobatch)};
+}
+inline void from_json(const nlohmann::json& j, StepReport& r) {
+  if (!j.is_array() || j.size() != 7) {
+    throw ProtocolError("worker_beats: each report must be [rank, stage, replica, step, loss, step_seconds, "
+                        "compute_seconds_per_microbatch]");
+  }
+  j.at(0).get_to(r.rank);
+  j.at(1).get_to(r.stage);
+  j.at(2).get_to(r.replica);
+  j.at(3).get_to(r.step);
+  r.loss = numberOrNan(j.at(4));
+  r.stepSeconds = numberOrNan(j.at(5));
+  r.computeSecondsPerMicrobatch = numberOrNan(j.at(6));
+}
+
 namespace wire {
 
 template <typename T, typename M>

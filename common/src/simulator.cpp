@@ -37,6 +37,7 @@ struct Figures {
   double forward = 0, backward = 0, recompute = 0;
   int64_t outputBytes = 0, savedBytes = 0, peakBytes = 0;
   double backwardInput = 0, backwardWeight = 0;  // a split backward's halves
+  int64_t splitKeptBytes = 0;                    // held from B to W
 };
 
 Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
@@ -51,7 +52,8 @@ Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
                    s.savedActivationBytes,
                    s.peakBytes,
                    measured ? s.backwardInput.median : s.backward.median / 2,
-                   measured ? s.backwardWeight.median : s.backward.median / 2};
+                   measured ? s.backwardWeight.median : s.backward.median / 2,
+                   s.splitKeptBytes};
   };
   if (exact != piece.bySize.end()) return from(exact->second);
   VARUNA_CHECK(!piece.bySize.empty(), "piece ", piece.name, " has no profiled sizes");
@@ -64,7 +66,8 @@ Figures figuresAt(const profile::PieceProfile& piece, int64_t b) {
     return Figures{mix(a.forward, c.forward),         mix(a.backward, c.backward),
                    mix(a.recompute, c.recompute),     mixBytes(a.outputBytes, c.outputBytes),
                    mixBytes(a.savedBytes, c.savedBytes), mixBytes(a.peakBytes, c.peakBytes),
-                   mix(a.backwardInput, c.backwardInput), mix(a.backwardWeight, c.backwardWeight)};
+                   mix(a.backwardInput, c.backwardInput), mix(a.backwardWeight, c.backwardWeight),
+                   mixBytes(a.splitKeptBytes, c.splitKeptBytes)};
   };
   if (hi == piece.bySize.begin()) {  // below the smallest profiled size: proportional
     const Figures zero{};
@@ -86,6 +89,7 @@ struct StageFigures {
   int64_t inBytes = 0;   // the activation arriving from the previous stage (0 on stage 0)
   int64_t outBytes = 0;  // the activation leaving for the next stage (0 on the last)
   int64_t savedBytes = 0;
+  int64_t splitKeptBytes = 0;  // what B keeps for W, held from B to W
   int64_t transientBytes = 0;  // CUDA peak above the saved activations, the largest piece's
   std::vector<double> pieceBackward;  // by piece, in piece order
   std::vector<double> pieceWeight;    // by piece, the weight-gradient half
@@ -116,6 +120,7 @@ std::vector<StageFigures> stageFigures(const profile::Profile& profile, const st
       f.backward += piece.backward;
       f.recompute += piece.recompute;
       f.savedBytes += piece.savedBytes;
+      f.splitKeptBytes += piece.splitKeptBytes;
       f.transientBytes = std::max(f.transientBytes, piece.peakBytes - piece.savedBytes);
       f.pieceBackward.push_back(piece.backward);
       f.backwardInput += piece.backwardInput;
@@ -377,13 +382,17 @@ std::pair<int64_t, int> activationPeak(const Schedule& schedule, const ChunkLayo
       case TaskType::kBackward:
       case TaskType::kBackwardInput:
         boundary += f.inBytes;
+        if (t.type == TaskType::kBackwardInput) {  // held until the W, with what W needs
+          live += f.splitKeptBytes;
+          peak = std::max(peak, boundary + live);
+          break;
+        }
         peak = std::max(peak, boundary + live);
-        if (t.type == TaskType::kBackwardInput) break;  // held until the W
         live -= f.savedBytes;
         --liveCount;
         break;
       case TaskType::kBackwardWeight:
-        live -= f.savedBytes;
+        live -= f.savedBytes + f.splitKeptBytes;
         --liveCount;
         break;
     }

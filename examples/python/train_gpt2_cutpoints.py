@@ -43,7 +43,8 @@ def parse(argv):
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (<= 0: off)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--schedule", default="varuna", choices=["varuna", "1f1b", "gpipe", "zb-h1"])
+    p.add_argument("--schedule", default="varuna",
+                   help="varuna, 1f1b, gpipe, zb-h1, interleaved[:chunks] or zbv (docs/worker-api.md)")
     p.add_argument("--data_seed", type=int, default=7)
     p.add_argument("--log_every", type=int, default=1)
     p.add_argument("--init_loss_scale", type=float, default=65536, help="fp16 initial loss scale")

@@ -75,12 +75,14 @@ def test_a_host_killed_between_checkpoints_loses_no_step():
     """kill -9 of every process of 127.0.0.2 (replica 1) about 30 steps after the
     periodic checkpoint of step 50: replica 0 holds the step the job reached,
     writes it, and the job resumes from it on 127.0.0.1 as 2 x 1. Under the
-    zero-bubble schedule (zb-h1), whose backward ends in W tasks: the step a
-    survivor holds is the same as under any schedule."""
+    zero-bubble V schedule (zbv: two chunks per stage, stage 0 holding the
+    model's first and last pieces, every backward ending in W tasks): the step
+    a survivor holds, and what it writes (per piece), are the same as under
+    any schedule."""
     # Steps to spare after the kill's step: state.json's step is a second
     # old, and a quiet machine trains ~50 steps a second.
     steps = 400
-    zero_bubble = ["--schedule", "zb-h1"]
+    zero_bubble = ["--schedule", "zbv"]
     m = manager("host", steps=steps, train_args=["--checkpoint_every", "50", *zero_bubble]).start()
     m.wait_step(80)
     victims = processes_of_host(m, "127.0.0.2")

@@ -11,8 +11,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -360,6 +362,53 @@ time.sleep(120)
   // Relayed, not forwarded one by one: 50 beats each in a few relays.
   CHECK(relaysWith.at(0) < 25);
   CHECK(relaysWith.at(1) < 25);
+}
+
+TEST_CASE("agent: step reports on the beat socket reach the manager, every one in order, before the worker's exit",
+          "[agent]") {
+  AgentUnderTest t("agent-step-reports", "30");
+  // Each worker sends 40 step reports back to back (loss 0.5 x step; the
+  // last one's loss is NaN, an overflowed step) two seconds after its start,
+  // then exits 0 at once: the
+  // agent must relay all of them, the last ones before it reports the exit.
+  const std::string worker = R"(
+import os, socket, struct, time
+s = socket.socket(fileno=os.dup(int(os.environ["VARUNA_AGENT_BEAT_FD"])))
+rank = int(os.environ["RANK"])
+time.sleep(2)  # (the test sees both workers started first)
+for step in range(40):
+    loss = float("nan") if step == 39 else 0.5 * step
+    s.send(struct.pack("=iiiiqddd", rank, rank, 0, 0, step, loss, 0.25, 0.01))
+)";
+  t.launch({"/usr/bin/python3", "-c", worker});
+  std::map<int, std::vector<proto::StepReport>> reports;
+  std::map<int, size_t> reportsAtExit;
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (std::chrono::steady_clock::now() < deadline && reportsAtExit.size() < 2) {
+    auto message = t.link->receive(1s);
+    if (!message) continue;
+    if (const auto* relay = std::get_if<proto::WorkerBeats>(&*message)) {
+      CHECK(relay->generation == 1);
+      for (const auto& r : relay->reports) reports[r.rank].push_back(r);
+    } else if (const auto* exited = std::get_if<proto::WorkerExited>(&*message)) {
+      CHECK(exited->exitCode == 0);
+      reportsAtExit[exited->rank] = reports[exited->rank].size();
+    }
+  }
+  REQUIRE(reportsAtExit.size() == 2);
+  for (int rank : {0, 1}) {
+    INFO("rank " << rank);
+    CHECK(reportsAtExit.at(rank) == 40);  // all of them came before its WorkerExited
+    REQUIRE(reports[rank].size() == 40);
+    for (int step = 0; step < 40; ++step) {
+      const auto& r = reports[rank][step];
+      CHECK(r.step == step);
+      CHECK(r.stage == rank);
+      CHECK(r.stepSeconds == 0.25);
+      if (step < 39) CHECK(r.loss == 0.5 * step);
+    }
+    CHECK(std::isnan(reports[rank][39].loss));
+  }
 }
 
 namespace {

@@ -36,6 +36,7 @@ struct SimCluster::Agent {
   std::vector<proto::WorkerExited> held;         // reports of a frozen agent
   TimePoint nextHeartbeat;
   std::map<int, proto::WorkerBeat> pendingBeats;  // the newest beat of each worker since the last relay
+  std::vector<proto::StepReport> pendingReports;  // every step report since then (reportsThroughAgent)
   TimePoint nextBeatForward;
   std::optional<TimePoint> killWorkersAt;  // lost the manager: its grace
   bool expectClose = false;  // the manager's close follows an order (Shutdown, a refusal)
@@ -228,6 +229,7 @@ void SimCluster::launch(const std::shared_ptr<Agent>& agent, const proto::Launch
   killAgentWorkers(*agent, /*report=*/true);
   agent->generation = launch.generation;
   agent->pendingBeats.clear();  // the old workers' (varuna_agent: a new beat socket per launch)
+  agent->pendingReports.clear();
   const auto now = clock_.now();
   auto [it, fresh] = generations_.try_emplace(launch.generation);
   Generation& gen = it->second;
@@ -393,6 +395,8 @@ void SimCluster::exitWorker(const std::shared_ptr<Worker>& worker, int exitCode,
                                ? std::string()
                                : strCat("simulated worker, rank ", worker->rank, ": ",
                                         exitCode >= 0 ? strCat("exit code ", exitCode) : strCat("signal ", signal));
+  // varuna_agent relays what its workers sent before it reports their exit.
+  if (!agent->pendingReports.empty()) relayBeats(*agent, TimePoint::max());
   report(*agent, proto::WorkerExited{worker->host, worker->rank, exitCode, signal, worker->generation, tail});
 }
 
@@ -477,17 +481,29 @@ void SimCluster::tickAgent(Agent& agent, TimePoint now) {
 }
 
 void SimCluster::relayBeats(Agent& agent, TimePoint now) {
-  if (agent.pendingBeats.empty()) return;
+  if (agent.pendingBeats.empty() && agent.pendingReports.empty()) return;
   if (now >= agent.nextBeatForward) {
-    proto::WorkerBeats relay{agent.generation, {}};
+    proto::WorkerBeats relay{agent.generation, {}, std::move(agent.pendingReports)};
     for (const auto& [rank, beat] : agent.pendingBeats) relay.beats.push_back(beat);
     agent.pendingBeats.clear();
+    agent.pendingReports.clear();
     send(*agent.peer, proto::encode(relay));
     ++relays_;
-    agent.nextBeatForward = now + options_.agentBeatForward;
+    agent.nextBeatForward = now == TimePoint::max() ? clock_.now() + options_.agentBeatForward
+                                                     : now + options_.agentBeatForward;
     return;
   }
   wakeAgentsBy(agent.nextBeatForward);
+}
+
+void SimCluster::sendStepReport(Worker& w, const proto::StepReport& report) {
+  const auto agent = w.agent.lock();
+  if (options_.reportsThroughAgent && agent && agent->state == Agent::State::kUp && agent->generation == w.generation) {
+    agent->pendingReports.push_back(report);
+    wakeAgentsBy(std::max(agent->nextBeatForward, clock_.now()));
+    return;
+  }
+  send(*w.peer, proto::encode(report));
 }
 
 void SimCluster::beat(Worker& w, bool waiting) {
@@ -547,7 +563,7 @@ void SimCluster::tickWorker(const std::shared_ptr<Worker>& w, TimePoint now) {
         const proto::StepReport report{w->rank, w->stage, w->replica, w->step,
                                        2.0 + 6.0 * std::exp(-static_cast<double>(w->step) / 200.0),
                                        w->computeSeconds * (options_.microbatches + stages - 1), w->computeSeconds};
-        send(*w->peer, proto::encode(report));
+        sendStepReport(*w, report);
       }
     }
   }

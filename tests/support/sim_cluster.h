@@ -105,6 +105,7 @@ struct SimOptions {
   std::chrono::milliseconds agentHeartbeat{1000};
   std::chrono::milliseconds workerHeartbeat{500};  // 0: none
   bool beatsThroughAgent = true;                   // as varuna_agent's workers; false: each beats the manager
+  bool reportsThroughAgent = false;                // step reports relayed with the beats, as varuna_agent's
   std::chrono::milliseconds agentBeatForward{250}; // an agent relays its workers' beats this often
   std::chrono::milliseconds step{200};             // a step report this often per rank; 0: none
   std::chrono::milliseconds checkpointDelay{0};    // CheckpointAndExit -> exit 75 this much later
@@ -287,6 +288,8 @@ class SimCluster {
   void relayBeats(Agent& agent, TimePoint now);
   // A worker's heartbeat: through its agent, or to the manager (see above).
   void beat(Worker& worker, bool waiting);
+  // Directly, or through its agent with reportsThroughAgent.
+  void sendStepReport(Worker& worker, const proto::StepReport& report);
   // The agents' loop runs at the next tick at or after `at` (a beat or a grace due).
   void wakeAgentsBy(TimePoint at) { agentsWakeAt_ = std::min(agentsWakeAt_, at); }
   // (Re)queues the worker's next wake-up: the earliest of its start, beat,

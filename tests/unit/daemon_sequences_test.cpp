@@ -8,10 +8,13 @@
 // case spans pass in milliseconds.
 #include <catch2/catch.hpp>
 
+#include <cmath>
+
 #include <functional>
 
 #include <nlohmann/json.hpp>
 
+#include "daemon/job_metrics.h"
 #include "sim_daemon_harness.h"
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/manager/manager_daemon.h"
@@ -356,6 +359,43 @@ TEST_CASE("sequences: workers heard only through their agents' relayed beats sta
   CHECK(f.cluster->directHeartbeats() == 4);
   CHECK(f.cluster->relayedBeats() > 100);
   CHECK(f.cluster->relays() > 20);
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+namespace {
+
+// The value of an unlabelled gauge or counter of the daemon's metrics; NaN if none.
+double gauge(const SimDaemon& f, const std::string& name) {
+  for (const auto& family : f.daemon->metrics().collect()) {
+    if (family.name != name || family.metric.empty()) continue;
+    const auto& metric = family.metric.front();
+    return family.type == prometheus::MetricType::Counter ? metric.counter.value : metric.gauge.value;
+  }
+  return std::nan("");
+}
+
+}  // namespace
+
+TEST_CASE("sequences: step reports relayed by the agents count as the ranks' own, through a host's loss",
+          "[sequences]") {
+  // Every step report goes through the agent (one frame per host and
+  // relay, as varuna_agent's workers send them): steps complete, losses
+  // reach the metrics, and after a host is lost the survivors' relayed
+  // reports carry the next generation.
+  sim::SimOptions options = sim::fastSimOptions();
+  options.reportsThroughAgent = true;
+  SimDaemon f("seq_relayed_reports", Job{{"node-a", "node-b"}, 2, 2, 4}, {}, options);
+  REQUIRE(f.runUntil([&] { return f.cluster->welcomedWorkers(1) == 4 && gauge(f, "varuna_step") >= 5; }));
+  CHECK(gauge(f, "varuna_generation") == 1);
+  CHECK(std::isfinite(gauge(f, "varuna_loss")));
+  f.cluster->setHostReachable("node-b", false);
+  f.cluster->freezeAgent("node-b");
+  REQUIRE(f.runUntil([&] { return f.cluster->launches() == 2; }));
+  // Steps of the survivors' generation complete from their relayed reports
+  // (each completed step counts the global batch of 4 once).
+  REQUIRE(f.runUntil([&] { return gauge(f, "varuna_generation") == 2 && gauge(f, "varuna_morph_in_progress") == 0; }));
+  const double trained = gauge(f, "varuna_trained_samples_total");
+  REQUIRE(f.runUntil([&] { return gauge(f, "varuna_trained_samples_total") >= trained + 3 * 4; }));
   CHECK(f.daemon->handlerFailures() == 0);
 }
 

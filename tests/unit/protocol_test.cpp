@@ -154,6 +154,30 @@ TEST_CASE("worker_beats: beats are [rank, step, waiting] triples; any other shap
   }
 }
 
+TEST_CASE("worker_beats: relayed step reports are 7-tuples, non-finite figures as null; other shapes refused",
+          "[protocol]") {
+  const StepReport fine{3, 1, 0, 42, 2.5, 0.125, 0.01};
+  const StepReport overflowed{2, 0, 1, 43, std::nan(""), std::numeric_limits<double>::infinity(), 0.02};
+  const auto back = std::get<WorkerBeats>(decodeBody(encode(WorkerBeats{5, {{3, 42, false}}, {fine, overflowed}}).substr(4)));
+  CHECK(back.generation == 5);
+  CHECK(back.beats == std::vector<WorkerBeat>{{3, 42, false}});
+  REQUIRE(back.reports.size() == 2);
+  CHECK(back.reports[0] == fine);
+  CHECK(back.reports[1].rank == 2);
+  CHECK(back.reports[1].step == 43);
+  CHECK(std::isnan(back.reports[1].loss));
+  CHECK(std::isnan(back.reports[1].stepSeconds));  // inf travels as null, like NaN
+  // An agent from before relayed reports sends none: the field may be absent.
+  CHECK(std::get<WorkerBeats>(decodeBody(R"({"type":"worker_beats","generation":2,"beats":[]})")).reports.empty());
+  for (const char* body : {R"({"type":"worker_beats","generation":2,"beats":[],"reports":[[1,0,0,4,2.5,0.1]]})",
+                           R"({"type":"worker_beats","generation":2,"beats":[],"reports":[{"rank":1}]})",
+                           R"({"type":"worker_beats","generation":2,"beats":[],"reports":[["1",0,0,4,2.5,0.1,0.0]]})",
+                           R"({"type":"worker_beats","generation":2,"beats":[],"reports":{"a":1}})"}) {
+    INFO(body);
+    CHECK_THROWS_AS(decodeBody(body), ProtocolError);
+  }
+}
+
 TEST_CASE("salvage: the exchange result travels bit for bit; non-finite as null; any other shape is refused",
           "[protocol]") {
   const std::vector<double> exact = {1.0 / 3.0, 4.9406564584124654e-324, 1.7976931348623157e308};

@@ -404,11 +404,20 @@ TEST_CASE("simulator: zb-h1 replays B and W as halves of the backward, and beats
   }
   const Simulation heavyB = simulate(measured, input(2, 1, 1, 8, ScheduleKind::kZeroBubbleH1));
   CHECK(heavyB.pipelineSeconds > zb.pipelineSeconds);
+  // What B keeps for W is memory from B to W: zb-h1's stages need more,
+  // 1F1B's (whole backwards) the same.
+  auto kept = measured;
+  for (auto& piece : kept.pieces) piece.bySize.at(1).splitKeptBytes = 1 << 20;
+  const Simulation keptZb = simulate(kept, input(2, 1, 1, 8, ScheduleKind::kZeroBubbleH1));
+  CHECK(keptZb.maxStageMemoryBytes() >= heavyB.maxStageMemoryBytes() + (1 << 20));
+  CHECK(simulate(kept, input(2, 1, 1, 8, ScheduleKind::k1F1B)).maxStageMemoryBytes() == ofob.maxStageMemoryBytes());
   // The split survives the profile's file format.
   const auto text = profile::toJson(measured).dump();
   const auto back = profile::fromJson(nlohmann::json::parse(text), "test").pieces[0].bySize.at(1);
   CHECK(back.backwardInput.median == 1.5);
   CHECK(back.backwardWeight.median == 0.5);
+  const auto keptText = profile::toJson(kept).dump();
+  CHECK(profile::fromJson(nlohmann::json::parse(keptText), "test").pieces[0].bySize.at(1).splitKeptBytes == 1 << 20);
 }
 
 TEST_CASE("simulator: chunked schedules place two virtual stages per stage and shrink the bubble", "[simulator]") {

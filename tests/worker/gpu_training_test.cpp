@@ -109,7 +109,7 @@ TEST_CASE("2x1 and 2x2 sharing one GPU through Gloo equal the plain loop, every 
   rc.chunkSize = 2;
   rc.device = torch::Device(torch::kCUDA, 0);
   const auto reference = trainReference(gpt::makeGptModel(smallGpt(data.vocabSize())), data, rc);
-  for (const std::string schedule : {"varuna", "1f1b", "gpipe", "zb-h1"}) {
+  for (const std::string schedule : {"varuna", "1f1b", "gpipe", "zb-h1", "interleaved", "zbv"}) {
     for (const auto& [stages, replicas] : std::vector<std::pair<int, int>>{{2, 1}, {2, 2}}) {
       DYNAMIC_SECTION(schedule << " " << stages << "x" << replicas) {
         WorkerJobSpec spec;

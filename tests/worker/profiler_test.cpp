@@ -166,8 +166,13 @@ TEST_CASE("profile_gpt profiles a small GPT with 2 processes, adds sizes and reu
       CHECK(f.peakBytes >= f.savedActivationBytes);
     }
   }
-  // A block keeps activations proportional to the micro-batch.
+  // A block keeps activations proportional to the micro-batch; its split
+  // backward keeps the gradients at its matrix products from B to W, more
+  // for a larger micro-batch, less than the activations.
   CHECK(figures(p1, "block0", 2).savedActivationBytes > figures(p1, "block0", 1).savedActivationBytes);
+  CHECK(figures(p1, "block0", 1).splitKeptBytes > 0);
+  CHECK(figures(p1, "block0", 2).splitKeptBytes > figures(p1, "block0", 1).splitKeptBytes);
+  CHECK(figures(p1, "block0", 1).splitKeptBytes < figures(p1, "block0", 1).savedActivationBytes);
   CHECK(figures(p1, "block0", 1).savedActivationBytes > figures(p1, "block0", 1).outputBytes);
   CHECK(p1.optimizerSecondsPerParam > 0);
   CHECK(p1.optimizerBytesPerParam == 8);  // adamw

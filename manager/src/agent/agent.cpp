@@ -245,43 +245,80 @@ int Agent::openBeatSocket(int generation) {
     return -1;
   }
   beatSocket_.assign(asio::local::datagram_protocol(), fds[0]);
+  beatSocket_.non_blocking(true);
   readBeats();
   return fds[1];
 }
 
 void Agent::readBeats() {
-  // A receive that completed before a relaunch closed its socket still runs
-  // (closing cancels only what has not completed): it belongs to the old
-  // launch, and must neither count nor start a second read on the new socket.
+  // Waits for the socket to be readable, then reads what it holds: no
+  // datagram ever waits in a completed-but-not-yet-run receive, where a
+  // worker's exit could overtake its last step reports (drainBeats, run at
+  // each reap, sees everything the socket got). A wait that completed
+  // before a relaunch closed its socket still runs (closing cancels only
+  // what has not completed): it belongs to the old launch, and must not
+  // start a second wait on the new socket.
   const uint64_t epoch = beatEpoch_;
-  beatSocket_.async_receive(asio::buffer(beatBuffer_), [this, epoch](const boost::system::error_code& ec, size_t bytes) {
+  beatSocket_.async_wait(asio::socket_base::wait_read, [this, epoch](const boost::system::error_code& ec) {
     if (ec == asio::error::operation_aborted || exiting_ || epoch != beatEpoch_) return;
     if (ec) {
       log::warn("reading the workers' beats failed: ", ec.message());
       return;
     }
-    // Only ranks this agent runs in the current launch count.
-    const auto record = AgentBeatRecord::decode(beatBuffer_.data(), bytes);
-    if (record && monotonicNs() - record->sentNs <= kMaxAgentBeatAgeNs) {
-      const bool ours = std::any_of(workers_.begin(), workers_.end(), [&](const auto& entry) {
-        return entry.second.rank == record->rank && entry.second.generation == beatGeneration_;
-      });
-      if (ours) pendingBeats_[record->rank] = proto::WorkerBeat{record->rank, record->step, record->waiting != 0};
-    }
+    drainBeats();
     readBeats();
   });
+}
+
+void Agent::onBeatRecord(const char* data, size_t bytes) {
+  // Only ranks this agent runs in the current launch count.
+  auto ours = [&](int rank) {
+    return std::any_of(workers_.begin(), workers_.end(), [&](const auto& entry) {
+      return entry.second.rank == rank && entry.second.generation == beatGeneration_;
+    });
+  };
+  if (const auto beat = AgentBeatRecord::decode(data, bytes)) {
+    if (monotonicNs() - beat->sentNs <= kMaxAgentBeatAgeNs && ours(beat->rank)) {
+      pendingBeats_[beat->rank] = proto::WorkerBeat{beat->rank, beat->step, beat->waiting != 0};
+    }
+  } else if (const auto report = AgentStepRecord::decode(data, bytes)) {
+    // Bounded should the manager stop reading (its connection then closes).
+    if (ours(report->rank) && pendingReports_.size() < kMaxPendingReports) {
+      pendingReports_.push_back(proto::StepReport{report->rank, report->stage, report->replica, report->step,
+                                                  report->loss, report->stepSeconds,
+                                                  report->computeSecondsPerMicrobatch});
+    }
+  }
+}
+
+void Agent::drainBeats() {
+  // What exited workers sent last is in the socket before their exit is:
+  // read at each reap, while they still count as ours, their last step
+  // reports go out before their WorkerExited. The socket is non-blocking.
+  if (!beatSocket_.is_open()) return;
+  boost::system::error_code ec;
+  while (true) {
+    const size_t bytes = beatSocket_.receive(asio::buffer(beatBuffer_), 0, ec);
+    if (ec) break;  // would_block: empty
+    onBeatRecord(beatBuffer_.data(), bytes);
+  }
+}
+
+void Agent::relayBeats() {
+  if ((!pendingBeats_.empty() || !pendingReports_.empty()) && manager_->open()) {
+    proto::WorkerBeats relay{beatGeneration_, {}, std::move(pendingReports_)};
+    for (const auto& [rank, beat] : pendingBeats_) relay.beats.push_back(beat);
+    manager_->send(relay);
+  }
+  pendingBeats_.clear();
+  pendingReports_.clear();
 }
 
 void Agent::scheduleBeatForward() {
   beatForwardTimer_.expires_after(options_.beatForwardInterval);
   beatForwardTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || exiting_) return;
-    if (!pendingBeats_.empty() && manager_->open()) {
-      proto::WorkerBeats relay{beatGeneration_, {}};
-      for (const auto& [rank, beat] : pendingBeats_) relay.beats.push_back(beat);
-      manager_->send(relay);
-    }
-    pendingBeats_.clear();
+    relayBeats();
     scheduleBeatForward();
   });
 }
@@ -469,6 +506,8 @@ void Agent::reapChildren() {
     if (pid <= 0) break;
     auto it = workers_.find(pid);
     if (it == workers_.end()) continue;
+    drainBeats();
+    relayBeats();
     const Worker worker = it->second;
     workers_.erase(it);
     ::kill(-pid, SIGKILL);  // anything it left behind in its group

@@ -16,8 +16,9 @@
 //    instead of killing it (installCheckpointSignalHandler unblocks it),
 //  - relays its workers' heartbeats: each worker of a launch beats over a
 //    Unix datagram socket the agent hands it (agent_beat.h); every
-//    `beatForwardInterval` the newest beat of each worker goes to the
-//    manager in one WorkerBeats frame,
+//    `beatForwardInterval` the newest beat of each worker, and every step
+//    report they sent, go to the manager in one WorkerBeats frame (the last
+//    ones before a worker's WorkerExited),
 //  - spawns every worker with a parent-death signal (SIGKILL): an agent that
 //    dies without cleaning up (OOM-killed, SIGKILL, a crash) takes its
 //    workers along. (A frozen agent cannot act: run_varuna then orders its
@@ -36,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "varuna/common/protocol.h"
 #include "agent/scheduler_notice.h"
@@ -94,6 +96,13 @@ class Agent {
   // (the workers then beat to the manager directly).
   int openBeatSocket(int generation);
   void readBeats();
+  // One datagram from a worker: a beat (the newest per rank is kept) or a
+  // step report (each is kept, in order).
+  void onBeatRecord(const char* data, size_t bytes);
+  // Reads what the beat socket holds now, without waiting.
+  void drainBeats();
+  // Sends what is pending in one WorkerBeats frame.
+  void relayBeats();
   void scheduleBeatForward();
   void signalWorkers(int signal, bool wholeGroup);
   void killWorkers(const std::string& reason);
@@ -128,6 +137,8 @@ class Agent {
   int beatGeneration_ = -1;
   uint64_t beatEpoch_ = 0;  // one per beat socket: a read of an earlier one is dropped
   std::map<int, proto::WorkerBeat> pendingBeats_;
+  static constexpr size_t kMaxPendingReports = 100000;
+  std::vector<proto::StepReport> pendingReports_;
   boost::asio::steady_timer beatForwardTimer_;
   std::map<pid_t, Worker> workers_;
   SchedulerNotice schedulerNotice_;

@@ -324,10 +324,7 @@ void ManagerDaemon::Impl::workerMessage(int rank, const proto::Message& message)
   if (const auto* heartbeat = std::get_if<proto::Heartbeat>(&message)) {
     onWorkerBeat(*worker, heartbeat->step, heartbeat->waiting, now);
   } else if (const auto* report = std::get_if<proto::StepReport>(&message)) {
-    liveness_.noteStep(*worker, report->step, /*report=*/true, now);
-    reachedStep_ = std::max(reachedStep_, report->step);
-    generationReached_ = std::max(generationReached_, report->step);
-    reporter_->onStepReport(*report, controller_->plan(), controller_->generation());
+    onStepReport(worker, *report, now);
   } else if (const auto* failed = std::get_if<proto::CheckpointFailed>(&message)) {
     reporter_->onCheckpointFailed(rank, *failed, controller_->plan());
   } else if (const auto* ping = std::get_if<proto::Ping>(&message)) {
@@ -335,6 +332,13 @@ void ManagerDaemon::Impl::workerMessage(int rank, const proto::Message& message)
   } else if (const auto* ready = std::get_if<proto::SalvageReady>(&message)) {
     onSalvageReady(rank, *ready);
   }
+}
+
+void ManagerDaemon::Impl::onStepReport(WorkerState* worker, const proto::StepReport& report, TimePoint now) {
+  if (worker) liveness_.noteStep(*worker, report.step, /*report=*/true, now);
+  reachedStep_ = std::max(reachedStep_, report.step);
+  generationReached_ = std::max(generationReached_, report.step);
+  reporter_->onStepReport(report, controller_->plan(), controller_->generation());
 }
 
 void ManagerDaemon::Impl::onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now) {
@@ -357,6 +361,16 @@ void ManagerDaemon::Impl::onWorkerBeats(const std::string& host, const proto::Wo
     if (placement[static_cast<size_t>(beat.rank)].host != host) continue;
     WorkerState* worker = workers_.find(beat.rank);
     if (worker && worker->connection && worker->connection->open()) onWorkerBeat(*worker, beat.step, beat.waiting, now);
+  }
+  // Step reports: of the current launch's ranks on that host, each as if the
+  // rank had sent it (a relayed report can come before the rank's own
+  // hello: it counts all the same). An agent speaks for its own host only.
+  for (const auto& report : beats.reports) {
+    if (report.rank < 0 || static_cast<size_t>(report.rank) >= placement.size()) continue;
+    if (placement[static_cast<size_t>(report.rank)].host != host) continue;
+    WorkerState* worker = workers_.find(report.rank);
+    if (worker) worker->lastSeen = now;
+    onStepReport(worker, report, now);
   }
 }
 

@@ -129,6 +129,9 @@ class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sin
   void preemptNotice(const std::shared_ptr<FramedConnection>& connection, const proto::PreemptNotice& notice) override;
   // A worker's heartbeat, from its own connection or relayed by its agent.
   void onWorkerBeat(WorkerState& worker, int64_t step, bool waiting, TimePoint now);
+  // A step report, sent by the rank (`worker`) or relayed by its agent
+  // (`worker` null when the rank's own hello has not come yet).
+  void onStepReport(WorkerState* worker, const proto::StepReport& report, TimePoint now);
   void onWorkerBeats(const std::string& host, const proto::WorkerBeats& beats);
   void onWorkerExited(const std::string& host, const proto::WorkerExited& exited);
   // Salvage (manager_daemon_salvage.cpp).

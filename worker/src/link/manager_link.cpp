@@ -171,7 +171,7 @@ void ManagerLink::run() {
             sendHeartbeat(*client, step, waiting);
             lastSent = now;
           }
-          for (const auto& r : reports) client->send(r, timings_.sendTimeout);
+          for (const auto& r : reports) sendStepReport(*client, r);
           for (const auto& f : failures) client->send(f, timings_.sendTimeout);
           if (stopping) {
             // What the manager sent is read (and dropped) so that the close
@@ -227,6 +227,18 @@ void ManagerLink::sendHeartbeat(proto::ControlClient& client, int64_t step, bool
   }
   client.send(proto::Heartbeat{rank_, step, waiting}, timings_.sendTimeout);
   directBeatDue_ = false;
+}
+
+void ManagerLink::sendStepReport(proto::ControlClient& client, const proto::StepReport& report) {
+  if (agentBeatFd_ >= 0) {
+    const auto record = AgentStepRecord{report.rank, report.stage, report.replica, report.step, report.loss,
+                                        report.stepSeconds, report.computeSecondsPerMicrobatch}
+                            .encode();
+    if (::send(agentBeatFd_, record.data(), record.size(), MSG_DONTWAIT | MSG_NOSIGNAL) >= 0) return;
+    // A full queue or a broken socket: this one goes directly (a report is
+    // never dropped for that); sendHeartbeat decides about the socket.
+  }
+  client.send(report, timings_.sendTimeout);
 }
 
 void ManagerLink::onManagerMessage(const proto::Message& message, std::optional<proto::ControlClient>& client) {

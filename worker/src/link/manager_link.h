@@ -113,6 +113,9 @@ class ManagerLink {
   [[noreturn]] void exitProcess(const std::string& why, int code = kExitSuperseded);
   // Link thread: a heartbeat to the manager, through the agent when it can.
   void sendHeartbeat(proto::ControlClient& client, int64_t step, bool waiting);
+  // Link thread: a step report, through the agent when it can (it relays
+  // a host's reports in one frame), else directly.
+  void sendStepReport(proto::ControlClient& client, const proto::StepReport& report);
 
   ManagerLinkOptions options_;
   int rank_;

@@ -168,7 +168,8 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
     for (const auto& p : opt_.model.pieces) names.push_back(p.name);
     log::info("plan: ", P_, " stages x ", D_, " replicas, schedule ",
               toString(ScheduleChoice{opt_.schedule, layout_.chunks}), ", precision ",
-              toString(opt_.precision), ", micro-batch ", opt_.chunkSize, "; ", partition_.describe(names));
+              toString(opt_.precision), ", micro-batch ", opt_.chunkSize, "; ", partition_.describe(names),
+              describeChunks());
   }
   setUpGradients();
   synchroniseTiedWeights();
@@ -194,6 +195,18 @@ void Varuna::Impl::resolveSchedule() {
                              " stages needs ", layout_.virtualStages(), " pieces (stages x chunks) but the model has ",
                              pieces, ": add CutPoints, use fewer stages or chunks, or a schedule without chunks"));
   }
+}
+
+// "; virtual stages per stage: 0: 0,3; 1: 1,2" under a chunked schedule (the
+// partition above is into virtual stages), "" otherwise.
+std::string Varuna::Impl::describeChunks() const {
+  if (layout_.chunks == 1) return "";
+  std::string out = "; virtual stages per stage:";
+  for (int s = 0; s < P_; ++s) {
+    out += strCat(s ? "; " : " ", s, ":");
+    for (int c = 0; c < layout_.chunks; ++c) out += strCat(c ? "," : " ", layout_.virtualStage(s, c));
+  }
+  return out;
 }
 
 // One meaning of the batch size: the global batch, whoever gives it (the

@@ -167,6 +167,7 @@ class Varuna::Impl {
   void setUpGradients();
   void synchroniseTiedWeights();
   void resolveSchedule();
+  std::string describeChunks() const;
   // Throws ConfigError where message tags cannot name every cut or micro-batch.
   void checkMessageLimits(int microbatches) const;
   void learnCutShapes();

@@ -62,7 +62,7 @@ class Profiler::Impl {
   struct Samples {
     std::vector<double> forward, backward, recompute;
     std::vector<double> backwardInput, backwardWeight;  // a split backward's halves (zero-bubble schedules)
-    int64_t outputBytes = 0, savedMax = 0, peakMax = 0;
+    int64_t outputBytes = 0, savedMax = 0, peakMax = 0, splitKeptMax = 0;
     profile::PieceAtSize summary() const;
   };
   void runPiece(StageModel& piece, const torch::Tensor& input, const Batch& batch, int64_t size, bool isLast,

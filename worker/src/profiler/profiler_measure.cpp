@@ -218,20 +218,27 @@ void Profiler::Impl::runPiece(StageModel& piece, const torch::Tensor& input, con
     gradOutput = torch::ones_like(out);
   }
   // The backward split in two, as zero-bubble schedules run it: B, then W.
+  // What B leaves allocated beyond the input's gradient (which crosses the
+  // cut) is what it keeps for W: held from B to W on top of the activations.
   {
     MicrobatchState split;
     forward(split);
     sync();
+    const int64_t beforeB = meter.live();
     const auto t0 = Clock::now();
-    piece.backwardInput(split, gradOutput);
+    torch::Tensor gradInput = piece.backwardInput(split, gradOutput);
     sync();
     const auto t1 = Clock::now();
+    const int64_t inputGradient = gradInput.defined() ? static_cast<int64_t>(gradInput.storage().nbytes()) : 0;
+    const int64_t kept = std::max<int64_t>(0, meter.live() - beforeB - inputGradient);
+    gradInput = torch::Tensor();
     piece.backwardWeight(split, nullptr);
     sync();
     const auto t2 = Clock::now();
     if (timed) {
       samples.backwardInput.push_back(seconds(t0, t1));
       samples.backwardWeight.push_back(seconds(t1, t2));
+      samples.splitKeptMax = std::max(samples.splitKeptMax, kept);
     }
   }
   // Recompute then backward, back to back as the Varuna schedule runs them:
@@ -265,6 +272,7 @@ profile::PieceAtSize Profiler::Impl::Samples::summary() const {
   result.outputBytes = outputBytes;
   result.savedActivationBytes = savedMax;
   result.peakBytes = peakMax;
+  result.splitKeptBytes = splitKeptMax;
   return result;
 }
 

@@ -5,9 +5,13 @@
 // fixed-size datagram per heartbeat there instead of a frame to the
 // manager, and the agent relays the newest beat of each worker in one
 // WorkerBeats frame a few times a second. A thousand workers then cost the
-// manager a frame per host, not one per worker and beat. Both ends come from
-// the same build; a record of another size is ignored.
-// A beat older than kMaxAgentBeatAgeNs when the agent reads it is dropped.
+// manager a frame per host, not one per worker and beat. Step reports take
+// the same way (AgentStepRecord, told apart by its size): the agent relays
+// every one, in the same frame, so the manager reads one frame per host and
+// interval instead of one per rank and step. Both ends come from the same
+// build; a record of another size is ignored.
+// A beat older than kMaxAgentBeatAgeNs when the agent reads it is dropped;
+// a step report is a fact and is relayed however old.
 #pragma once
 
 #include <time.h>
@@ -58,5 +62,39 @@ struct AgentBeatRecord {
     return r;
   }
 };
+
+// One step report (proto::StepReport) as a datagram to the agent.
+struct AgentStepRecord {
+  int32_t rank = 0, stage = 0, replica = 0;
+  int64_t step = 0;
+  double loss = 0, stepSeconds = 0, computeSecondsPerMicrobatch = 0;
+
+  static constexpr size_t kBytes = 48;
+
+  std::array<char, kBytes> encode() const {
+    std::array<char, kBytes> out{};
+    std::memcpy(out.data(), &rank, 4);
+    std::memcpy(out.data() + 4, &stage, 4);
+    std::memcpy(out.data() + 8, &replica, 4);
+    std::memcpy(out.data() + 16, &step, 8);
+    std::memcpy(out.data() + 24, &loss, 8);
+    std::memcpy(out.data() + 32, &stepSeconds, 8);
+    std::memcpy(out.data() + 40, &computeSecondsPerMicrobatch, 8);
+    return out;
+  }
+  static std::optional<AgentStepRecord> decode(const char* data, size_t bytes) {
+    if (bytes != kBytes) return std::nullopt;
+    AgentStepRecord r;
+    std::memcpy(&r.rank, data, 4);
+    std::memcpy(&r.stage, data + 4, 4);
+    std::memcpy(&r.replica, data + 8, 4);
+    std::memcpy(&r.step, data + 16, 8);
+    std::memcpy(&r.loss, data + 24, 8);
+    std::memcpy(&r.stepSeconds, data + 32, 8);
+    std::memcpy(&r.computeSecondsPerMicrobatch, data + 40, 8);
+    return r;
+  }
+};
+static_assert(AgentStepRecord::kBytes != AgentBeatRecord::kBytes, "the agent tells records apart by their size");
 
 }  // namespace varuna

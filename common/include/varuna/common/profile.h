@@ -53,6 +53,10 @@ struct PieceAtSize {  // one piece at one micro-batch size
   // measured (samples 0, a profile from before): half of `backward` each.
   Timing backwardInput;
   Timing backwardWeight;
+  // What B keeps for W beyond the saved activations (the gradients arriving
+  // at the nodes where parameters branch off): held from B to W. 0 when not
+  // measured (a profile from before).
+  int64_t splitKeptBytes = 0;
   bool operator==(const PieceAtSize&) const = default;
 };
 

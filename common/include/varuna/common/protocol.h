@@ -65,16 +65,19 @@ struct WorkerBeat {
   bool waiting = false;
   bool operator==(const WorkerBeat&) const = default;
 };
-struct WorkerBeats {
-  int generation = 0;  // of the launch whose workers beat
-  std::vector<WorkerBeat> beats;
-  bool operator==(const WorkerBeats&) const = default;
-};
 struct StepReport {
   int rank = 0, stage = 0, replica = 0;
   int64_t step = 0;
   double loss = 0, stepSeconds = 0, computeSecondsPerMicrobatch = 0;
   bool operator==(const StepReport&) const = default;
+};
+struct WorkerBeats {
+  int generation = 0;  // of the launch whose workers beat
+  std::vector<WorkerBeat> beats;
+  // The step reports its workers sent since the last relay, in order (each
+  // [rank, stage, replica, step, loss, step_seconds, compute_seconds_per_microbatch]).
+  std::vector<StepReport> reports;
+  bool operator==(const WorkerBeats&) const = default;
 };
 struct WorkerExited {  // from the agent, the moment it reaps a worker
   std::string host;
