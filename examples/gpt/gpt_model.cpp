@@ -120,7 +120,8 @@ varuna::ModelSpec makeGptModel(const GptConfig& c) {
     spec.pieces.push_back({"block" + std::to_string(i), [c] { return std::make_shared<BlockPiece>(c); }, blockParams});
   }
   spec.pieces.push_back({"head", [c] { return std::make_shared<HeadPiece>(c); }, 2 * d + c.vocabSize * d});
-  if (c.tieEmbeddings) spec.sharedWeights.push_back({"embed.wte.weight", "head.lm_head.weight"});
+  if (c.tieEmbeddings && c.tieHeadFirst) spec.sharedWeights.push_back({"head.lm_head.weight", "embed.wte.weight"});
+  if (c.tieEmbeddings && !c.tieHeadFirst) spec.sharedWeights.push_back({"embed.wte.weight", "head.lm_head.weight"});
   return spec;
 }
 

@@ -25,6 +25,7 @@ struct GptConfig {
   double dropout = 0.0;
   uint64_t seed = 1234;
   bool tieEmbeddings = true;
+  bool tieHeadFirst = false;  // declare the tied pair as (head, embedding): the order must not matter
   bool batchNorm = false;  // a BatchNorm1d at the start of every block
 };
 

@@ -26,6 +26,9 @@ inline void addModelOptions(CLI::App& app, GptConfig& model) {
       "--untied", [&model](int64_t) { model.tieEmbeddings = false; },
       "do not tie the LM head to the token embedding");
   app.add_flag_function(
+      "--tie_head_first", [&model](int64_t) { model.tieHeadFirst = true; },
+      "declare the tied pair head first (tests: the declaration order must not change training)");
+  app.add_flag_function(
       "--batchnorm", [&model](int64_t) { model.batchNorm = true; },
       "start every block with a BatchNorm1d over (batch x seq_len, d_model): running-statistics buffers");
 }

@@ -41,6 +41,7 @@ struct TrainOptions {
   std::string schedule = "varuna";
   std::string nonFinite = "skip";
   std::string hostMemory = "fast";
+  int64_t bucketBytes = 4 << 20;
   double initLossScale = 65536;
   int64_t growthInterval = 1000;
   uint64_t dataSeed = 7;
@@ -120,6 +121,8 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
                  "fp32/bf16 step with non-finite gradients: skip (read the step's exchange before the optimizer) "
                  "or stop (queue the optimizer first, faster on GPUs; exit 1 on a non-finite step)")
       ->check(CLI::IsMember({"skip", "stop"}));
+  app.add_option("--bucket_bytes", o.bucketBytes, "data-parallel gradient bucket size (VarunaOptions::bucketBytes)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--host_memory", o.hostMemory,
                  "fast (the C library's allocator as it is) or compact (host blocks of 4 MiB and more returned "
                  "when freed: lower peak memory on the CPU, slower CPU steps)")
@@ -283,6 +286,7 @@ int run(int argc, char** argv) {
   options.onNonFiniteGradients =
       o.nonFinite == "stop" ? varuna::NonFiniteGradients::kStopTraining : varuna::NonFiniteGradients::kSkipStep;
   options.hostMemory = o.hostMemory == "compact" ? varuna::HostMemory::kCompact : varuna::HostMemory::kFast;
+  options.bucketBytes = o.bucketBytes;
   options.commBackend = varuna::parseCommBackend(o.commBackend);
   options.device = o.device == "cuda" ? varuna::cudaDeviceForLocalRank(launch.localRank, options.commBackend)
                                       : torch::Device(torch::kCPU);

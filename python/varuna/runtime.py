@@ -363,6 +363,7 @@ class Varuna:
     replica = property(lambda self: self._runtime.replica)
     num_stages = property(lambda self: self._runtime.num_stages)
     num_chunks = property(lambda self: self._runtime.num_chunks)
+    owned_pieces = property(lambda self: self._runtime.owned_pieces)
     num_replicas = property(lambda self: self._runtime.num_replicas)
     is_last_stage = property(lambda self: self._runtime.is_last_stage)
     steps_done = property(lambda self: self._runtime.steps_done)

@@ -73,7 +73,9 @@ try:
     named = {name: p.detach().clone() for name, p in model.named_parameters()}
     os.makedirs(args.out, exist_ok=True)
     torch.save({"losses": losses, "params": named, "eval": evaluation, "stage": model.stage, "replica": model.replica,
-                "buffers": {n: b.clone() for n, b in model.named_buffers()}},
+                "buffers": {n: b.clone() for n, b in model.named_buffers()},
+                "owned_pieces": [tuple(r) for r in model.owned_pieces], "num_chunks": model.num_chunks,
+                "is_last_stage": model.is_last_stage},
                os.path.join(args.out, "rank_%d.pt" % launch.rank))
 except Exception as error:  # noqa: BLE001 - every failure ends the worker with its code
     varuna.exit_after_failure(error)

@@ -1,4 +1,5 @@
 #include "sim_cluster.h"
+#include "sim_cluster_state.h"
 
 #include <signal.h>
 
@@ -25,49 +26,6 @@ const char* toString(PeerKind kind) {
   }
   return "?";
 }
-
-struct SimCluster::Agent {
-  enum class State { kConnecting, kUp, kFrozen, kGone };
-  std::string host;
-  std::shared_ptr<SimPeer> peer;
-  State state = State::kConnecting;
-  int generation = -1;  // of its latest launch
-  std::vector<std::shared_ptr<Worker>> workers;  // alive
-  std::vector<proto::WorkerExited> held;         // reports of a frozen agent
-  TimePoint nextHeartbeat;
-  std::map<int, proto::WorkerBeat> pendingBeats;  // the newest beat of each worker since the last relay
-  std::vector<proto::StepReport> pendingReports;  // every step report since then (reportsThroughAgent)
-  TimePoint nextBeatForward;
-  std::optional<TimePoint> killWorkersAt;  // lost the manager: its grace
-  bool expectClose = false;  // the manager's close follows an order (Shutdown, a refusal)
-};
-
-struct SimCluster::Worker {
-  enum class State { kStarting, kConnecting, kUp, kExited };
-  std::string host;
-  int rank = 0, generation = 0, stage = 0, replica = 0, worldSize = 1;
-  bool stray = false;  // connectStaleWorker: no agent, no launch
-  std::weak_ptr<Agent> agent;
-  std::shared_ptr<SimPeer> peer;
-  State state = State::kStarting;
-  bool welcomed = false;
-  bool ordered = false;  // an ExitNow or a refusal came: the close that follows is expected
-  bool progressFrozen = false, processFrozen = false;
-  bool checkpointing = false;
-  int64_t step = -1;  // the last finished step
-  double computeSeconds = 0.05;  // per micro-batch: this "machine's" speed
-  TimePoint startAt;
-  // Never, until set: a heartbeat from the hello on, steps from the rendezvous.
-  TimePoint nextHeartbeat = TimePoint::max(), nextStep = TimePoint::max();
-  std::optional<TimePoint> exitAt;  // a checkpoint, the lost-manager grace
-  TimePoint wakeAt = TimePoint::max();  // its entry in wakes_ (max: none)
-  int exitCode = 0;
-  std::chrono::milliseconds lostManagerGrace{15000};  // until the Welcome says otherwise
-  std::string heartbeatFrame;  // encoded Heartbeat{rank, frameStep, frameWaiting}
-  bool directBeatSent = false;  // its first heartbeat after the hello (to the manager) went out
-  int64_t frameStep = std::numeric_limits<int64_t>::min();
-  bool frameWaiting = false;
-};
 
 namespace {
 
@@ -673,106 +631,6 @@ void SimCluster::setHostReachable(const std::string& host, bool reachable) {
   } else {
     unreachable_.insert(host);
   }
-}
-
-// --- queries --------------------------------------------------------------------------------
-
-std::vector<Order> SimCluster::ordersTo(PeerKind kind, const std::string& host, const std::string& type) const {
-  std::vector<Order> out;
-  for (const auto& o : orders_) {
-    if (o.to == kind && (host.empty() || o.host == host) && (type.empty() || o.type == type)) out.push_back(o);
-  }
-  return out;
-}
-
-size_t SimCluster::count(PeerKind kind, const std::string& type, const std::string& host) const {
-  return static_cast<size_t>(std::count_if(orders_.begin(), orders_.end(), [&](const Order& o) {
-    return o.to == kind && o.type == type && (host.empty() || o.host == host);
-  }));
-}
-
-std::vector<proto::LaunchWorkers> SimCluster::launchesTo(const std::string& host) const {
-  std::vector<proto::LaunchWorkers> out;
-  for (const auto& o : orders_) {
-    if (o.to != PeerKind::kAgent || o.host != host) continue;
-    if (const auto* launch = std::get_if<proto::LaunchWorkers>(&o.message)) out.push_back(*launch);
-  }
-  return out;
-}
-
-bool SimCluster::workerGot(const std::string& type, int rank, int generation) const {
-  return std::any_of(orders_.begin(), orders_.end(), [&](const Order& o) {
-    return o.to == PeerKind::kWorker && o.type == type && o.rank == rank && o.generation == generation;
-  });
-}
-
-bool SimCluster::agentUp(const std::string& host) const {
-  auto agent = findAgent(host);
-  return agent && agent->state == Agent::State::kUp;
-}
-
-bool SimCluster::takeStartFailure(const std::string& host) {
-  auto it = failNext_.find(host);
-  if (it == failNext_.end() || it->second == 0) return false;
-  --it->second;
-  return true;
-}
-
-int SimCluster::agentStarts(const std::string& host) const { return static_cast<int>(agentStartTimes(host).size()); }
-
-std::vector<TimePoint> SimCluster::agentStartTimes(const std::string& host) const {
-  auto it = startAttempts_.find(host);
-  return it == startAttempts_.end() ? std::vector<TimePoint>{} : it->second;
-}
-
-int SimCluster::worldSize(int generation) const {
-  auto it = generations_.find(generation);
-  return it == generations_.end() ? 0 : it->second.worldSize;
-}
-
-int SimCluster::liveWorkers(int generation) const {
-  int n = 0;
-  for (const auto& [key, w] : workers_) n += key.first == generation ? 1 : 0;
-  return n;
-}
-
-int SimCluster::connectedWorkers(int generation) const {
-  int n = 0;
-  for (const auto& [key, w] : workers_) n += key.first == generation && w->state == Worker::State::kUp ? 1 : 0;
-  return n;
-}
-
-int SimCluster::welcomedWorkers(int generation) const {
-  int n = 0;
-  for (const auto& [key, w] : workers_) n += key.first == generation && w->welcomed ? 1 : 0;
-  return n;
-}
-
-int64_t SimCluster::minStep(int generation) const {
-  std::optional<int64_t> lowest;
-  for (const auto& [key, w] : workers_) {
-    if (key.first == generation) lowest = std::min(lowest.value_or(w->step), w->step);
-  }
-  return lowest.value_or(-2);
-}
-
-int64_t SimCluster::step(int rank) const {
-  auto w = find(rank, newestGeneration_);
-  return w ? w->step : -2;
-}
-
-std::vector<int> SimCluster::liveRanks(int generation) const {
-  std::vector<int> ranks;
-  for (const auto& [key, w] : workers_) {
-    if (key.first == generation) ranks.push_back(key.second);
-  }
-  return ranks;
-}
-
-bool SimCluster::sendFromWorker(int rank, std::string_view frame) {
-  auto w = find(rank, newestGeneration_);
-  if (!w || w->state != Worker::State::kUp || w->processFrozen) return false;
-  return send(*w->peer, frame);
 }
 
 // --- helpers --------------------------------------------------------------------------------

@@ -463,4 +463,13 @@ TEST_CASE("autoconfig: chooses the chunked schedule and its chunks where the bub
   const auto oddResult = autoConfigure(profile, odd);
   REQUIRE(oddResult.ranked.size() == 1);
   CHECK(oddResult.best.plan.schedule == ScheduleKind::k1F1B);
+  // Nothing but schedules that cannot run: the error says why.
+  odd.schedules = {ScheduleKind::kInterleaved1F1B};
+  CHECK_THROWS_WITH(autoConfigure(profile, odd),
+                    Catch::Contains("no schedule listed in --schedules fits") &&
+                        Catch::Contains("needs a multiple of 2 micro-batches per replica, not 7"));
+  auto few = request({{"a", 4, 1}}, 8);
+  few.fixedStages = 4;
+  few.schedules = {ScheduleKind::kZeroBubbleV};
+  CHECK_THROWS_WITH(autoConfigure(profile, few), Catch::Contains("zbv on 4 stages needs 8 pieces, the model has 4"));
 }

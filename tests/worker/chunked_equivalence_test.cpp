@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <memory>
+#include <tuple>
 
 #include "char_dataset.h"
 #include "gpt_model.h"
@@ -31,10 +32,15 @@ struct ChunkedCase {
   int replicas;
   int layers;          // the model has layers + 2 pieces; stages x chunks must not exceed it
   int64_t globalBatch;  // micro-batches of 2: interleaved needs a multiple of the stages per replica
+  // Declare the tied pair (head, embedding), with buckets of 1 KiB (one
+  // tensor each): with both on one stage, the tied weight's bucket must wait
+  // for the embedding's backward, though the head's finishes first.
+  bool tieHeadFirst = false;
 };
 
-gpt::GptConfig tinyGpt(int64_t vocab, int layers) {
+gpt::GptConfig tinyGpt(int64_t vocab, int layers, bool tieHeadFirst) {
   gpt::GptConfig c;
+  c.tieHeadFirst = tieHeadFirst;
   c.vocabSize = vocab;
   c.dModel = 32;
   c.heads = 2;
@@ -45,10 +51,13 @@ gpt::GptConfig tinyGpt(int64_t vocab, int layers) {
 }
 
 std::vector<std::string> trainArgs(const ChunkedCase& c, const ReferenceConfig& rc) {
-  return {"--schedule", c.schedule, "--optimizer", "sgd", "--lr", std::to_string(rc.lr), "--momentum",
-          std::to_string(rc.momentum), "--clip", std::to_string(rc.clip), "--steps", std::to_string(rc.steps),
-          "--d_model", "32", "--heads", "2", "--layers", std::to_string(c.layers), "--seq_len", "16",
-          "--model_seed", "1234", "--data_seed", std::to_string(rc.dataSeed), "--peer_timeout_s", "60"};
+  std::vector<std::string> args{
+      "--schedule", c.schedule, "--optimizer", "sgd", "--lr", std::to_string(rc.lr), "--momentum",
+      std::to_string(rc.momentum), "--clip", std::to_string(rc.clip), "--steps", std::to_string(rc.steps),
+      "--d_model", "32", "--heads", "2", "--layers", std::to_string(c.layers), "--seq_len", "16",
+      "--model_seed", "1234", "--data_seed", std::to_string(rc.dataSeed), "--peer_timeout_s", "60"};
+  if (c.tieHeadFirst) args.insert(args.end(), {"--tie_head_first", "--bucket_bytes", "1024"});
+  return args;
 }
 
 }  // namespace
@@ -60,15 +69,17 @@ TEST_CASE("interleaved and zbv training equal single-process training", "[integr
       {"interleaved", 1, 2, 4, 8}, {"interleaved:3", 2, 1, 4, 8}, {"interleaved", 4, 1, 6, 8},
       {"zbv", 2, 1, 4, 8},         {"zbv", 2, 2, 4, 8},         {"zbv", 3, 1, 4, 8},
       {"zbv", 1, 2, 4, 8},         {"zbv", 4, 1, 6, 8},         {"zbv", 3, 2, 4, 8},
+      {"zbv", 2, 2, 4, 8, true},   {"1f1b", 1, 2, 4, 8, true},
   };
-  std::map<std::pair<int, int64_t>, ReferenceRun> references;  // by (layers, global batch)
+  std::map<std::tuple<int, int64_t, bool>, ReferenceRun> references;  // by (layers, global batch, head first)
   for (const auto& c : cases) {
-    DYNAMIC_SECTION(c.schedule << " P=" << c.stages << " D=" << c.replicas) {
+    DYNAMIC_SECTION(c.schedule << " P=" << c.stages << " D=" << c.replicas << (c.tieHeadFirst ? " head first" : "")) {
       ReferenceConfig rc;
       rc.globalBatch = c.globalBatch;
-      auto key = std::make_pair(c.layers, c.globalBatch);
+      auto key = std::make_tuple(c.layers, c.globalBatch, c.tieHeadFirst);
       if (!references.count(key)) {
-        references.emplace(key, trainReference(gpt::makeGptModel(tinyGpt(data.vocabSize(), c.layers)), data, rc));
+        references.emplace(
+            key, trainReference(gpt::makeGptModel(tinyGpt(data.vocabSize(), c.layers, c.tieHeadFirst)), data, rc));
       }
       const auto& reference = references.at(key);
       REQUIRE(reference.gradNorms.front() > rc.clip);  // the clip bites
@@ -80,7 +91,7 @@ TEST_CASE("interleaved and zbv training equal single-process training", "[integr
       spec.chunkSize = 2;
       spec.trainArgs = trainArgs(c, rc);
       WorkerJob job(spec, scratchDir("chunked-" + c.schedule + "-" + std::to_string(c.stages) + "x" +
-                                     std::to_string(c.replicas)));
+                                     std::to_string(c.replicas) + (c.tieHeadFirst ? "-head-first" : "")));
       requireAllSucceeded(job);
       CHECK_THAT(job.worker(0).stderrText(), Catch::Contains("schedule " + c.schedule));
       // zbv: stage 0 holds the first and the last virtual stage.

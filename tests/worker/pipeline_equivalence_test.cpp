@@ -139,17 +139,18 @@ TEST_CASE("without shared weights the pipeline equals single-process training to
   CHECK_FALSE(torch::equal(seen.at("embed.wte.weight"), seen.at("head.lm_head.weight")));
 }
 
-TEST_CASE("the example learns: loss falls in fp32 and bf16", "[integration]") {
-  for (const std::string precision : {"fp32", "bf16"}) {
-    DYNAMIC_SECTION(precision) {
+TEST_CASE("the example learns: loss falls in fp32 and bf16, and in bf16 under zbv", "[integration]") {
+  for (const auto& [precision, schedule] : std::vector<std::pair<std::string, std::string>>{
+           {"fp32", "varuna"}, {"bf16", "varuna"}, {"bf16", "zbv"}}) {
+    DYNAMIC_SECTION(precision << " " << schedule) {
       WorkerJobSpec spec;
       spec.stages = 2;
       spec.replicas = 1;
       spec.perReplicaBatch = 8;
       spec.chunkSize = 4;
       spec.trainArgs = {"--d_model", "64", "--heads", "2", "--layers", "2", "--seq_len", "32", "--steps", "40",
-                        "--lr", "3e-3", "--precision", precision};
-      WorkerJob job(spec, scratchDir("learns-" + precision));
+                        "--lr", "3e-3", "--precision", precision, "--schedule", schedule};
+      WorkerJob job(spec, scratchDir("learns-" + precision + "-" + schedule));
       requireAllSucceeded(job);
       const auto steps = job.steps(0);
       REQUIRE(steps.size() == 40);

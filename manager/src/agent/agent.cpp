@@ -233,10 +233,14 @@ void Agent::scheduleHeartbeat() {
 }
 
 int Agent::openBeatSocket(int generation) {
-  boost::system::error_code ignored;
-  beatSocket_.close(ignored);  // the previous launch's: its workers' beats no longer count
-  ++beatEpoch_;
+  // The previous launch's step reports still go out, under its generation;
+  // its workers' beats no longer count.
+  drainBeats();
   pendingBeats_.clear();
+  relayBeats();
+  boost::system::error_code ignored;
+  beatSocket_.close(ignored);
+  ++beatEpoch_;
   beatGeneration_ = generation;
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, fds) != 0) {
@@ -282,12 +286,15 @@ void Agent::onBeatRecord(const char* data, size_t bytes) {
       pendingBeats_[beat->rank] = proto::WorkerBeat{beat->rank, beat->step, beat->waiting != 0};
     }
   } else if (const auto report = AgentStepRecord::decode(data, bytes)) {
+    if (!ours(report->rank)) return;
     // Bounded should the manager stop reading (its connection then closes).
-    if (ours(report->rank) && pendingReports_.size() < kMaxPendingReports) {
-      pendingReports_.push_back(proto::StepReport{report->rank, report->stage, report->replica, report->step,
-                                                  report->loss, report->stepSeconds,
-                                                  report->computeSecondsPerMicrobatch});
+    if (pendingReports_.size() >= kMaxPendingReports) {
+      if (droppedReports_++ == 0) log::warn("the manager does not take the step reports: dropping them");
+      return;
     }
+    pendingReports_.push_back(proto::StepReport{report->rank, report->stage, report->replica, report->step,
+                                                report->loss, report->stepSeconds,
+                                                report->computeSecondsPerMicrobatch});
   }
 }
 

@@ -139,6 +139,7 @@ class Agent {
   std::map<int, proto::WorkerBeat> pendingBeats_;
   static constexpr size_t kMaxPendingReports = 100000;
   std::vector<proto::StepReport> pendingReports_;
+  uint64_t droppedReports_ = 0;  // over kMaxPendingReports (logged once)
   boost::asio::steady_timer beatForwardTimer_;
   std::map<pid_t, Worker> workers_;
   SchedulerNotice schedulerNotice_;

@@ -365,12 +365,16 @@ void ManagerDaemon::Impl::onWorkerBeats(const std::string& host, const proto::Wo
   // Step reports: of the current launch's ranks on that host, each as if the
   // rank had sent it (a relayed report can come before the rank's own
   // hello: it counts all the same). An agent speaks for its own host only.
+  const Plan& plan = controller_->plan();
   for (const auto& report : beats.reports) {
     if (report.rank < 0 || static_cast<size_t>(report.rank) >= placement.size()) continue;
     if (placement[static_cast<size_t>(report.rank)].host != host) continue;
+    // Stage and replica name metrics series: only the plan's.
+    if (report.stage < 0 || report.stage >= plan.stages || report.replica < 0 || report.replica >= plan.replicas) continue;
     WorkerState* worker = workers_.find(report.rank);
-    if (worker) worker->lastSeen = now;
-    onStepReport(worker, report, now);
+    const bool connected = worker && worker->connection && worker->connection->open();
+    if (connected) worker->lastSeen = now;
+    onStepReport(connected ? worker : nullptr, report, now);
   }
 }
 

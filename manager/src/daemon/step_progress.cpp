@@ -13,6 +13,9 @@ void StepProgress::newGeneration() {
 }
 
 std::optional<StepProgress::Step> StepProgress::add(const proto::StepReport& report, int worldSize) {
+  // A report of a step already complete (a rank's report that went
+  // directly and overtook its relayed ones) completes nothing.
+  if (firstSeen_ && report.step <= lastStep_) return std::nullopt;
   Reports& reports = steps_[report.step];
   ++reports.count;
   reports.maxStepSeconds = std::max(reports.maxStepSeconds, report.stepSeconds);

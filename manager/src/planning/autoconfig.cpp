@@ -112,12 +112,18 @@ int simulationThreads(const AutoConfigRequest& request, size_t plans) {
   return std::max(1, std::min<int>(cores, static_cast<int>(plans / 16)));
 }
 
-// Whether the schedule can run P stages of this model on M micro-batches:
-// a chunked one needs P x chunks pieces (and more than one stage to gain
-// anything), interleaved a multiple of P micro-batches.
-bool fitsSchedule(const ScheduleChoice& choice, int P, int M, int pieces) {
-  if (choice.chunks > 1 && (P < 2 || P * choice.chunks > pieces)) return false;
-  return choice.kind != ScheduleKind::kInterleaved1F1B || M % P == 0;
+// Why the schedule cannot run P stages of this model on M micro-batches
+// ("" if it can): a chunked one needs P x chunks pieces (and more than one
+// stage to gain anything), interleaved a multiple of P micro-batches.
+std::string scheduleMisfit(const ScheduleChoice& choice, int P, int M, int pieces) {
+  if (choice.chunks > 1 && P < 2) return strCat(toString(choice), " needs at least 2 stages");
+  if (choice.chunks > 1 && P * choice.chunks > pieces) {
+    return strCat(toString(choice), " on ", P, " stages needs ", P * choice.chunks, " pieces, the model has ", pieces);
+  }
+  if (choice.kind == ScheduleKind::kInterleaved1F1B && M % P != 0) {
+    return strCat(toString(choice), " needs a multiple of ", P, " micro-batches per replica, not ", M);
+  }
+  return "";
 }
 
 // Whether a plan's lower bound rules it out against the fastest step so far.
@@ -244,6 +250,7 @@ AutoConfigResult autoConfigure(const profile::Profile& profile, const AutoConfig
   std::map<std::pair<int64_t, ScheduleKind>, std::vector<double>> costs;
   std::map<std::tuple<int64_t, ScheduleChoice, int>, std::vector<int>> partitions;  // (m, schedule, P)
   std::vector<PlanToSimulate> plans;
+  std::string lastMisfit;  // why a schedule was left out of a plan (the newest)
   for (int P = minP; P <= maxP; ++P) {
     for (int D = 1; P * D <= slots; ++D) {
       if (request.globalBatch % D != 0) continue;
@@ -252,7 +259,10 @@ AutoConfigResult autoConfigure(const profile::Profile& profile, const AutoConfig
         if (m > perReplica) continue;
         const int M = static_cast<int>((perReplica + m - 1) / m);
         for (const ScheduleChoice& kind : kinds) {
-          if (!fitsSchedule(kind, P, M, pieces)) continue;
+          if (auto misfit = scheduleMisfit(kind, P, M, pieces); !misfit.empty()) {
+            lastMisfit = std::move(misfit);
+            continue;
+          }
           PlanRequest planRequest;
           planRequest.machines = request.machines;
           planRequest.stages = P;
@@ -301,6 +311,10 @@ AutoConfigResult autoConfigure(const profile::Profile& profile, const AutoConfig
   }
   std::stable_sort(result.ranked.begin(), result.ranked.end(), Ranking(kinds));
 
+  if (result.ranked.empty() && !lastMisfit.empty()) {
+    throw ConfigError(strCat("no plan: no schedule listed in --schedules fits any plan (e.g. ", lastMisfit,
+                             "); add a schedule without chunks (e.g. 1f1b), CutPoints, or change the batch"));
+  }
   if (result.ranked.empty()) {
     // Only the batch can leave nothing to simulate: every size is too large for every replica count.
     throw ConfigError(strCat("no plan: the smallest micro-batch size considered (", sizes.front(),
@@ -360,13 +374,13 @@ std::string AutoConfigResult::explain() const {
 std::string AutoConfigResult::table(int maxRows) const {
   std::ostringstream out;
   out << std::left << std::setw(4) << "#" << std::setw(8) << "stages" << std::setw(10) << "replicas"
-      << std::setw(7) << "micro" << std::setw(8) << "sched" << std::right << std::setw(11) << "step (s)"
+      << std::setw(7) << "micro" << std::setw(15) << "sched" << std::right << std::setw(11) << "step (s)"
       << std::setw(11) << "samples/s" << std::setw(8) << "bubble" << std::setw(13) << "max memory" << "  note\n";
   const int rows = std::min<int>(maxRows, static_cast<int>(ranked.size()));
   for (int i = 0; i < rows; ++i) {
     const Candidate& c = ranked[i];
     out << std::left << std::setw(4) << i + 1 << std::setw(8) << c.plan.stages << std::setw(10) << c.plan.replicas
-        << std::setw(7) << c.plan.chunkSize << std::setw(8) << toString(c.schedule) << std::right;
+        << std::setw(7) << c.plan.chunkSize << std::setw(15) << toString(c.schedule) << std::right;
     if (!c.simulated) {  // only the bound is known
       out << std::setw(11) << (">=" + number(c.lowerBoundSeconds, 4)) << std::setw(11)
           << ("<=" + number(static_cast<double>(c.plan.globalBatch) / c.lowerBoundSeconds, 1)) << std::setw(8) << "-"

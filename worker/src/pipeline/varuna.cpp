@@ -190,11 +190,21 @@ void Varuna::Impl::resolveSchedule() {
   checkChunks(opt_.schedule, opt_.scheduleChunks);
   layout_ = ChunkLayout::of(opt_.schedule, P_, opt_.scheduleChunks);
   const int pieces = static_cast<int>(opt_.model.pieces.size());
+  const std::string name = toString(ScheduleChoice{opt_.schedule, layout_.chunks});
   if (layout_.chunks > 1 && pieces < layout_.virtualStages()) {
-    throw ConfigError(strCat("schedule ", toString(ScheduleChoice{opt_.schedule, layout_.chunks}), " on ", P_,
-                             " stages needs ", layout_.virtualStages(), " pieces (stages x chunks) but the model has ",
-                             pieces, ": add CutPoints, use fewer stages or chunks, or a schedule without chunks"));
+    throw ConfigError(strCat("schedule ", name, " on ", P_, " stages needs ", layout_.virtualStages(),
+                             " pieces (stages x chunks) but the model has ", pieces,
+                             ": add CutPoints, use fewer stages or chunks, or a schedule without chunks"));
   }
+  // NCCL matches point-to-point messages by their order between two ranks,
+  // not by tag, and a chunked schedule interleaves several cuts' messages on
+  // one pair of ranks in an order each side posts differently.
+  if (layout_.chunks > 1 && P_ > 1 && resolveCommBackend(opt_.commBackend, opt_.device) == CommBackend::kNccl) {
+    throw ConfigError(strCat("schedule ", name, " needs the Gloo backend between stages for now (NCCL matches "
+                             "messages by order, not tag): use --comm_backend gloo, or a schedule without chunks"));
+  }
+  // A micro-batch count the schedule cannot take fails now, before the rendezvous.
+  scheduleFor(static_cast<int>((localBatch() + opt_.chunkSize - 1) / opt_.chunkSize));
 }
 
 // "; virtual stages per stage: 0: 0,3; 1: 1,2" under a chunked schedule (the
@@ -360,13 +370,20 @@ void Varuna::Impl::setUpGradients() {
   std::stable_sort(crossTies_.begin(), crossTies_.end(),
                    [](const CrossStageTie& x, const CrossStageTie& y) { return x.groupName < y.groupName; });
 
-  // Data-parallel buckets: pieces last-first, as the backward finalises them.
-  // A tensor two pieces hold (a declared same-tensor pair) goes in once, with
-  // the first of them: its gradient is complete only once that piece's
-  // backward is done.
-  std::map<const void*, int> firstPieceOf;
+  // Data-parallel buckets: pieces last-first, as the backward finalises them
+  // (local pieces finish in descending order, chunks included). A gradient
+  // is complete once the lowest local piece that adds to it is done: a
+  // tensor two pieces hold (a declared same-tensor pair) goes in once, with
+  // the first of them, and a same-stage tied pair's twin adds into it too,
+  // whichever of the two was declared first (zbv puts an embedding and its
+  // head on one stage).
+  std::map<const void*, int> finalPiece;
   for (int k = model_->numPieces() - 1; k >= 0; --k) {
-    for (const auto& p : model_->pieceParams(k)) firstPieceOf[p.unsafeGetTensorImpl()] = k;
+    for (const auto& p : model_->pieceParams(k)) finalPiece[p.unsafeGetTensorImpl()] = k;
+  }
+  for (const auto& [a, b] : localTies_) {
+    int& piece = finalPiece.at(model_->namedParams().at(a).unsafeGetTensorImpl());
+    piece = std::min(piece, model_->localPieceOf(b));
   }
   std::vector<BucketedParam> ordered;
   std::set<const void*> bucketed;
@@ -374,8 +391,8 @@ void Varuna::Impl::setUpGradients() {
     auto params = model_->pieceParams(k);
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
       const void* impl = it->unsafeGetTensorImpl();
-      if (notDataParallel.count(impl) || firstPieceOf.at(impl) != k || !bucketed.insert(impl).second) continue;
-      ordered.push_back({*it, k, true});
+      if (notDataParallel.count(impl) || !bucketed.insert(impl).second) continue;
+      ordered.push_back({*it, finalPiece.at(impl), true});
     }
   }
   buckets_.add(ordered, dp, opt_.bucketBytes);
