@@ -7,7 +7,6 @@
 
 #include "schedule_chunked.h"
 #include "schedule_ticks.h"
-#include "schedule_zero_bubble.h"
 #include "varuna/common/errors.h"
 
 namespace varuna {
@@ -311,7 +310,10 @@ Schedule generateSchedule(ScheduleKind kind, int stages, int microbatches, int c
     case ScheduleKind::kGPipe: return gpipe(stages, microbatches);
     case ScheduleKind::k1F1B: return oneFOneB(stages, microbatches);
     case ScheduleKind::kVaruna: return VarunaScheduleBuilder(stages, microbatches).build();
-    case ScheduleKind::kZeroBubbleH1: return zeroBubbleH1Schedule(stages, microbatches);
+    case ScheduleKind::kZeroBubbleH1:
+      // One chunk per stage, B > F > W, at most P - s + 1 micro-batches in flight:
+      // one more than 1F1B's, which lets a W wait past the next B.
+      return chunkedSchedule(layout, microbatches, /*splitBackward=*/true, [&](int s) { return stages - s + 1; });
     case ScheduleKind::kInterleaved1F1B: return interleaved1F1B(stages, microbatches, chunks);
     case ScheduleKind::kZeroBubbleV:
       // 1F1B's memory on its first rank (P whole micro-batches), on every rank.

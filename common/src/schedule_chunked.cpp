@@ -9,8 +9,8 @@
 namespace varuna {
 namespace {
 
-// The chunked schedules come from a list-scheduling simulation in integer
-// ticks, like Varuna's and zb-h1's: a chunk's forward, input gradient and
+// zb-h1 (one chunk per stage) and zbv come from a list-scheduling simulation
+// in integer ticks, like Varuna's: a chunk's forward, input gradient and
 // weight gradient take 100 ticks each (a whole backward 200), a message
 // between ranks 1 (none between two chunks of one rank). An idle rank takes
 // the first ready task in the priority B > F > W and, within a kind, the
@@ -23,7 +23,13 @@ namespace {
 //    the loss as early as the memory allows, which is what starts the
 //    steady one-forward-one-backward phase;
 //    Micro-batches enter the first chunk in groups of P (groupAdmitted);
-//  - W last: nobody waits for it; it fills time the rank would idle.
+//  - W last: nobody waits for it; it fills time the rank would idle, and
+//    the tail's W run while the earlier stages finish their B.
+// For zb-h1 the cap is P - s + 1 micro-batches: one more than 1F1B's P - s,
+// which lets a stage defer a W past the next B and takes a W off the
+// bubble: (P-1)(F+B) - W for equal costs (the paper's ZB-H1 reaches
+// (P-1)(F+B-W) by counting a pending W's memory as less than a
+// micro-batch's; we count whole micro-batches).
 class ChunkedBuilder {
  public:
   ChunkedBuilder(const ChunkLayout& layout, int m, bool split, const std::function<int(int)>& maxInFlight)

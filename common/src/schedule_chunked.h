@@ -1,4 +1,6 @@
-// The generator of the chunked zero-bubble schedule (ScheduleKind::kZeroBubbleV), private to schedule.cpp, which checks the arguments first.
+// The list-scheduling generator of the zero-bubble schedules: zb-h1 (one
+// chunk per stage) and zbv (two in a V). Private to schedule.cpp, which
+// checks the arguments first.
 #pragma once
 
 #include <functional>

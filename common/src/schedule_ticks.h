@@ -1,5 +1,5 @@
 // The clock of the list-scheduling simulations that generate schedules
-// (schedule.cpp's Varuna builder, schedule_zero_bubble.cpp): integer ticks.
+// (schedule.cpp's Varuna builder, schedule_chunked.cpp): integer ticks.
 // Private to common/src.
 #pragma once
 
