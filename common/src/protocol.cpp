@@ -33,7 +33,7 @@ namespace wire {
 
 VARUNA_WIRE(Hello, "hello", required("version", &Hello::version), required("token", &Hello::token),
             required("role", &Hello::role), required("host", &Hello::host), required("rank", &Hello::rank),
-            required("generation", &Hello::generation))
+            required("generation", &Hello::generation), optional("slots", &Hello::slots, 0))
 VARUNA_WIRE(Heartbeat, "heartbeat", required("rank", &Heartbeat::rank), required("step", &Heartbeat::step),
             optional("waiting", &Heartbeat::waiting, false))
 VARUNA_WIRE(WorkerBeats, "worker_beats", required("generation", &WorkerBeats::generation),
@@ -61,6 +61,7 @@ VARUNA_WIRE(KillWorkers, "kill_workers", required("reason", &KillWorkers::reason
 VARUNA_WIRE(Shutdown, "shutdown", required("reason", &Shutdown::reason))
 VARUNA_WIRE(Ping, "ping", required("sequence", &Ping::sequence), required("sent_ns", &Ping::sentNs))
 VARUNA_WIRE(Pong, "pong", required("sequence", &Pong::sequence), required("sent_ns", &Pong::sentNs))
+VARUNA_WIRE(Joined, "joined", required("credential", &Joined::credential), required("env", &Joined::env))
 VARUNA_WIRE(Ack, "ack", required("ok", &Ack::ok), required("error", &Ack::error))
 VARUNA_WIRE(Welcome, "welcome", required("generation", &Welcome::generation),
             required("lost_manager_grace_ms", &Welcome::lostManagerGraceMs),

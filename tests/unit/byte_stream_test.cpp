@@ -375,6 +375,28 @@ TEST_CASE("credentials: HMAC-SHA256 as specified (known answers), one per host, 
   CHECK(credentials::expected("secret", "spy", "host-a", 3, 7).empty());
 }
 
+TEST_CASE("credentials: a join credential carries its expiry under the job's MAC", "[byte_stream]") {
+  // The MAC computed with Python's hmac module from credentials.h's definition.
+  const std::string j = credentials::join("secret", 2000000000);
+  CHECK(j == "vj1.2000000000.250bfcf456cf9f4851ddcaa71c75e9c9a6c6d97ec4aedfc2acba0dc7242aa4da");
+  CHECK(credentials::joinExpiry(j) == 2000000000);
+  using credentials::JoinCheck;
+  CHECK(credentials::checkJoin("secret", j, 1999999999) == JoinCheck::kValid);
+  CHECK(credentials::checkJoin("secret", j, 2000000000) == JoinCheck::kExpired);
+  CHECK(credentials::checkJoin("other", j, 1999999999) == JoinCheck::kWrong);
+  // A later expiry written over the MAC'd one no longer holds.
+  std::string extended = j;
+  extended.replace(4, 10, "2100000000");
+  CHECK(credentials::checkJoin("secret", extended, 1999999999) == JoinCheck::kWrong);
+  for (const std::string& bad : std::vector<std::string>{"", "vj1.", "vj1..abc", "vj1.12x4.abc", "vj2.2000000000.abc", "2000000000",
+                                "vj1.1234567890123.abc", std::string(200, 'a')}) {
+    CHECK(credentials::checkJoin("secret", bad, 0) == JoinCheck::kMalformed);
+  }
+  // An agent credential is not a join credential, and the reverse.
+  CHECK(credentials::checkJoin("secret", credentials::agent("secret", "h"), 0) == JoinCheck::kMalformed);
+  CHECK(credentials::expected("secret", "join", "h", -1, -1).empty());
+}
+
 TEST_CASE("control listener: a credential speaks only for its own role, host, rank and generation", "[byte_stream]") {
   asio::io_context io;
   test::FakeClock clock;

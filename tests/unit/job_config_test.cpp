@@ -93,6 +93,12 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
   REQUIRE_NOTHROW(validateJobConfig(ok, "/opt/varuna/bin/run_varuna"));
   CHECK(ok.agentPath == "/opt/varuna/bin/varuna_agent");
   CHECK(std::filesystem::path(ok.codeDir).is_absolute());
+  JobConfig joins = valid();  // no machine list: hosts join by themselves
+  joins.machineList.clear();
+  joins.machineSource = "join";
+  joins.minHosts = 2;
+  REQUIRE_NOTHROW(validateJobConfig(joins, "/x/run_varuna"));
+  CHECK(joins.machineList.empty());
   JobConfig noHangDetection = valid();
   noHangDetection.hangTimeoutS = 0;  // off
   REQUIRE_NOTHROW(validateJobConfig(noHangDetection, "/opt/varuna/bin/run_varuna"));
@@ -135,6 +141,12 @@ TEST_CASE("job config validation names the missing or bad option", "[config]") {
       {[](JobConfig& c) { c.nstages = 0; c.profile = "/nonexistent/p.json"; }, "--profile /nonexistent/p.json does not exist"},
       {[](JobConfig& c) { c.chunkSize = 0; }, "or leave it out and give --profile"},
       {[](JobConfig& c) { c.memoryPerDeviceGb = -1; }, "--memory_per_device_gb"},
+      {[](JobConfig& c) { c.machineList.clear(); }, "or --machine_source join"},
+      {[](JobConfig& c) { c.machineSource = "slurm"; }, "--machine_source must be list or join, got 'slurm'"},
+      {[](JobConfig& c) { c.machineSource = "join"; }, "--machine_list and --machine_source join exclude each other"},
+      {[](JobConfig& c) { c.machineSource = "join"; c.machineList.clear(); c.dryRun = true; }, "--dry_run"},
+      {[](JobConfig& c) { c.minHosts = -1; }, "--min_hosts must be >= 0"},
+      {[](JobConfig& c) { c.joinTtlH = 0; }, "--join_ttl_h must be > 0"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     INFO("case " << i);

@@ -35,6 +35,10 @@ struct RecordingSink : PeerRouter::Sink {
   void agentHello(const std::shared_ptr<FramedConnection>&, const proto::Hello& hello) override {
     agents.push_back(hello.host);
   }
+  std::vector<std::string> joins;
+  void joinHello(const std::shared_ptr<FramedConnection>&, const proto::Hello& hello) override {
+    joins.push_back(hello.host);
+  }
   int runningGeneration() const override { return generation; }
   bool expectsWorker(int rank) const override { return expected.count(rank) > 0; }
   std::string hostOf(int rank) const override { return rank == 1 ? "host-b" : "host-a"; }
@@ -121,10 +125,12 @@ struct RouterFixture {
 
 }  // namespace
 
-TEST_CASE("router: an agent's hello goes to the sink; an unknown role is refused") {
+TEST_CASE("router: an agent's and a joining host's hellos go to the sink; an unknown role is refused") {
   RouterFixture f("router_roles");
   f.connect(RouterFixture::hello("agent"));
   CHECK(f.sink.agents == std::vector<std::string>{"host-a"});
+  f.connect(RouterFixture::hello("join"));
+  CHECK(f.sink.joins == std::vector<std::string>{"host-a"});
   CHECK_THROWS_AS(f.router.route(f.peers.back()->manager, RouterFixture::hello("spy"), RouterFixture::t0), proto::ProtocolError);
 }
 

@@ -22,6 +22,8 @@ std::vector<Message> samples() {
   launch.masterPort = 29500;
   launch.worldSize = 4;
   return {Hello{kVersion, "secret", "worker", "10.0.0.4", 3, 2},
+          Hello{kVersion, "vj1.2000000000.ab", "join", "node-7", -1, -1, 8},
+          Joined{"1b6c", {{"NCCL_DEBUG", "WARN"}, {"EMPTY", ""}}},
           Heartbeat{2, 17},
           StepReport{1, 1, 0, 9, 2.5, 0.25, 0.0125},
           WorkerExited{"10.0.0.5", 3, -1, 9, 4},
@@ -59,6 +61,12 @@ TEST_CASE("every message survives encode and decode", "[protocol]") {
     CHECK(*back == m);
     CHECK(decoder.buffered() == 0);
   }
+}
+
+TEST_CASE("hello: a hello without slots (every role but join) decodes with 0", "[protocol]") {
+  const auto m = decodeBody(R"({"type":"hello","version":2,"token":"t","role":"agent","host":"h","rank":-1,"generation":-1})");
+  CHECK(std::get<Hello>(m).slots == 0);
+  CHECK_THROWS_AS(decodeBody(R"({"type":"joined","credential":"c","env":[["A"]]})"), ProtocolError);
 }
 
 TEST_CASE("frames split anywhere and glued together decode in order", "[protocol]") {

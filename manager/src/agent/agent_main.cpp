@@ -15,6 +15,7 @@
 #include "varuna/common/log.h"
 #include "varuna/common/time_util.h"
 #include "agent/agent.h"
+#include "agent/join.h"
 #include "agent/run_dir.h"
 
 namespace {
@@ -31,6 +32,11 @@ struct MainOptions {
   int64_t lostManagerMs = 15000;
   bool daemonize = false;
   std::string logLevel = "info";
+  // --join: the host came by itself (join.h); empty: run_varuna started it.
+  std::string join;
+  std::string joinTokenFile;
+  int slots = 1;
+  double joinWaitS = 120;
 };
 
 // The agent's credential (its host's, credentials.h): from stdin's first line
@@ -54,6 +60,14 @@ std::string readJobToken(bool fromStdin) {
   return token;
 }
 
+std::string thisHostName() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0 || !*name) {
+    throw ConfigError("cannot read this machine's host name: give --host");
+  }
+  return name;
+}
+
 // Daemon mode: the parent waits on a pipe for the child's verdict ("ok" or an
 // error line) and turns it into its own output and exit code.
 int waitForChild(int readFd, const std::string& logPath) {
@@ -71,14 +85,47 @@ int waitForChild(int readFd, const std::string& logPath) {
   return verdict.rfind("config", 0) == 0 ? kExitConfigError : 1;
 }
 
+// The start-up's verdict: to the waiting parent (daemon mode), else stderr.
 void report(int fd, const std::string& line) {
-  if (fd < 0) return;
+  if (fd < 0) {
+    if (line.rfind("ok ", 0) != 0) std::cerr << line << std::flush;
+    return;
+  }
   (void)!::write(fd, line.data(), line.size());
   ::close(fd);
 }
 
-int run(const MainOptions& options, int verdictFd) {
+// --join: the host's agent credential and the job's env_file variables,
+// from the manager. The exit code when that failed (the verdict reported), else 0.
+int joinFirst(MainOptions& options, const std::string& joinCredential, int verdictFd) {
+  try {
+    JoinRequest request{options.manager, joinCredential, options.agent.host, options.slots,
+                        millis(options.joinWaitS)};
+    const proto::Joined joined = joinManager(request);
+    options.agent.credential = joined.credential;
+    for (const auto& [name, value] : joined.env) ::setenv(name.c_str(), value.c_str(), 1);
+    log::info("joined the job at ", options.manager, " as host ", options.agent.host, " (", options.slots, " slots)");
+    return 0;
+  } catch (const ConfigError& e) {
+    log::error("join refused: ", e.what());
+    report(verdictFd, strCat("config error: varuna_agent on ", options.agent.host, ": ", e.what(), "\n"));
+    return kExitConfigError;
+  } catch (const std::exception& e) {
+    log::error(e.what());
+    report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": ", e.what(), "\n"));
+    return 1;
+  }
+}
+
+int run(MainOptions options, const std::string& joinCredential, int verdictFd) {
   boost::asio::io_context io;
+  // Joined first: a refused join must leave an agent already running alone.
+  if (!options.join.empty()) {
+    if (const int failed = joinFirst(options, joinCredential, verdictFd); failed != 0) {
+      log::flush();
+      return failed;
+    }
+  }
   replacePreviousAgent(options.agent.runDir);
   int fd = -1;
   try {
@@ -124,8 +171,21 @@ void setEnvironmentFromStdin() {
 int main(int argc, char** argv) {
   MainOptions options;
   CLI::App app{"varuna_agent: starts and watches the workers of one host for run_varuna"};
-  app.add_option("--manager", options.manager, "run_varuna's control address host:port")->required();
-  app.add_option("--host", options.agent.host, "this host's name in the machine list")->required();
+  app.add_option("--manager", options.manager, "run_varuna's control address host:port (it started this agent)");
+  app.add_option("--join", options.join,
+                 "join the job of the run_varuna at this host:port by itself (under a scheduler: Slurm, Kubernetes) "
+                 "with the join credential of --join_token_file or VARUNA_JOIN_TOKEN");
+  app.add_option("--join_token_file", options.joinTokenFile,
+                 "with --join: a file only you can read holding the join credential (run_varuna's "
+                 "<state_dir>/join_token or a copy)");
+  app.add_option("--slots", options.slots, "with --join: the workers this host runs (its GPUs; default 1)")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--join_wait_s", options.joinWaitS,
+                 "with --join: keep trying this long while the manager cannot be reached yet (default 120)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--host", options.agent.host,
+                 "this host's name in the machine list; with --join, the name (an address the other hosts reach) "
+                 "it joins as (default: this machine's host name)");
   app.add_option("--job", options.agent.job, "job name")->required();
   app.add_option("--run_dir", options.agent.runDir, "logs, pid file and connection.json (default /tmp/varuna/JOB/HOST)");
   app.add_option("--code_dir", options.codeDir, "folder the workers start in");
@@ -156,8 +216,19 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : kExitConfigError;
   }
+  std::string joinCredential;
   try {
-    options.agent.credential = readJobToken(tokenFromStdin);
+    if (options.join.empty() == options.manager.empty()) {
+      throw ConfigError("give --manager (run_varuna starts this agent) or --join (the host joins by itself), one of them");
+    }
+    if (!options.join.empty()) {
+      options.manager = options.join;
+      joinCredential = readJoinCredential(options.joinTokenFile);
+      if (options.agent.host.empty()) options.agent.host = thisHostName();
+    } else {
+      if (options.agent.host.empty()) throw ConfigError("--host is required with --manager");
+      options.agent.credential = readJobToken(tokenFromStdin);
+    }
     if (envFromStdin) setEnvironmentFromStdin();
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
     options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
@@ -178,7 +249,7 @@ int main(int argc, char** argv) {
     std::cerr << "varuna_agent on " << options.agent.host << ": " << e.what() << std::endl;
     return 1;
   }
-  if (!options.daemonize) return run(options, -1);
+  if (!options.daemonize) return run(options, joinCredential, -1);
 
   const std::string logPath = (fs::path(options.agent.runDir) / "agent.log").string();
   int pipeFds[2];
@@ -197,5 +268,5 @@ int main(int argc, char** argv) {
   ::dup2(devNull, 0);
   ::dup2(logFd, 1);
   ::dup2(logFd, 2);
-  return run(options, pipeFds[1]);
+  return run(options, joinCredential, pipeFds[1]);
 }

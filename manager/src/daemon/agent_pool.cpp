@@ -49,7 +49,9 @@ AgentPool::~AgentPool() {
   }
 }
 
-bool AgentPool::isListed(const std::string& host) const { return listedHosts_.count(host) > 0; }
+bool AgentPool::isListed(const std::string& host) const {
+  return listedHosts_.count(host) > 0 || joined_.count(host) > 0;
+}
 
 void AgentPool::setListed(std::vector<Machine> machines) {
   listed_ = std::move(machines);
@@ -191,6 +193,78 @@ bool AgentPool::admit(const std::shared_ptr<FramedConnection>& connection, const
   return true;
 }
 
+// --- hosts that join by themselves ---------------------------------------------------
+
+std::string AgentPool::joinRefusal(const proto::Hello& hello) const {
+  if (shutDown_) return "the job stopped";
+  if (!isValidHostAddress(hello.host)) return "the name is not an IP address or host name";
+  if (hello.slots < 1 || hello.slots > kMaxJoinSlots) {
+    return strCat("slots ", hello.slots, " is not in 1..", kMaxJoinSlots, " (varuna_agent --slots)");
+  }
+  if (listedHosts_.count(hello.host)) return "the host is in the machine list: run_varuna starts its agent";
+  auto it = agents_.find(hello.host);
+  if (it != agents_.end() && (it->second.status == Status::kStarting || it->second.status == Status::kUp ||
+                              it->second.launching)) {
+    return strCat(proto::kJoinHostPresent, ", from another agent (give each host a name of its own)");
+  }
+  return "";
+}
+
+bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+  const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
+  if (const std::string why = joinRefusal(hello); !why.empty()) {
+    // Bounded like the listener's refusals: a flood of joins must not fill the disk.
+    uint64_t suppressed = 0;
+    if (joinRefusals_.allow(clock_.now(), &suppressed)) {
+      log::warn("join of host ", host, " from ", connection->peer(), " refused: ", why,
+                suppressed ? strCat(" (", suppressed, " more refused since the last line)") : std::string());
+      events_.write("join_refused",
+                    {{"host", host}, {"peer", connection->peer()}, {"reason", why}, {"suppressed_before", suppressed}});
+    }
+    connection->send(proto::Ack{false, strCat("join of host ", host, " refused: ", why)});
+    connection->closeAfterSending("join refused");
+    return false;
+  }
+  joined_[host] = Machine{host, hello.slots, 0};
+  Agent& agent = agents_[host];
+  const uint64_t attempt = agent.attempt + 1;
+  agent = Agent{};
+  agent.status = Status::kStarting;
+  agent.attempt = attempt;
+  agent.joined = true;
+  absences_.forget(host);
+  observer_.hostBack(host);  // whatever the job held against an earlier host of that name is over
+  connection->send(proto::Joined{credentials::agent(settings_.token, host), settings_.agentEnvironment});
+  connection->closeAfterSending("joined");
+  log::info("host ", host, " joined (", hello.slots, " slots, from ", connection->peer(), "); waiting for its agent");
+  events_.write("host_joined", {{"host", host}, {"slots", hello.slots}, {"peer", connection->peer()}});
+  clock_.runAfter(io_, settings_.helloWait, guard_->wrap("waiting for a joined agent's hello", [this, host, attempt] {
+    auto a = agents_.find(host);
+    if (shutDown_ || a == agents_.end() || a->second.status != Status::kStarting || a->second.attempt != attempt) return;
+    log::error("host ", host, " joined but its agent never said hello; it is forgotten");
+    events_.write("join_abandoned", {{"host", host}});
+    a->second.status = Status::kGone;
+    leaveJoined(host, "no hello after joining", /*expected=*/true);
+    observer_.hostsChanged();
+  }));
+  observer_.hostsChanged();
+  return true;
+}
+
+void AgentPool::leaveJoined(const std::string& host, const std::string& reason, bool expected) {
+  joined_.erase(host);
+  absences_.forget(host);
+  agents_.erase(host);
+  if (expected) {
+    log::info("joined host ", host, " left the job (", reason, ")");
+    events_.write("host_left", {{"host", host}, {"reason", reason}});
+    return;
+  }
+  log::error("lost the agent of joined host ", host, " (", reason, "); the host is out until it joins again");
+  events_.write("host_lost", {{"host", host}, {"reason", reason}, {"joined", true}});
+  observer_.agentLost(host, reason);
+}
+
 void AgentPool::onMessage(const std::string& host, const proto::Message& message) {
   auto& agent = agents_.at(host);
   agent.lastSeen = clock_.now();
@@ -206,6 +280,7 @@ void AgentPool::onClosed(const std::string& host, const std::string& reason) {
   const bool expected = agent.released || shutDown_;
   agent.status = Status::kGone;
   agent.connection.reset();
+  if (agent.joined) return leaveJoined(host, reason, expected);
   const auto now = clock_.now();
   if (expected) {
     // Released because it was preempted (it waits for the notice's deadline)
@@ -271,7 +346,7 @@ void AgentPool::closeAll(const std::string& reason) {
 // --- the tick ------------------------------------------------------------------------
 
 void AgentPool::tick(TimePoint now, bool retry) {
-  if (agents_.size() > listedHosts_.size()) forgetUnlisted();  // some unlisted: their agents may be gone now
+  if (agents_.size() > listedHosts_.size() + joined_.size()) forgetUnlisted();  // some unlisted: their agents may be gone now
   sendHeartbeats(now);
   if (retry && !shutDown_) retryAbsentHosts(now);
 }
@@ -313,7 +388,8 @@ void AgentPool::retryAbsentHosts(TimePoint now) {
       }
       continue;
     }
-    if (agent.status == Status::kStarting || agent.launching) continue;  // one start-up at a time
+    // One start-up at a time; a joined host is never started here (it joins again).
+    if (agent.status == Status::kStarting || agent.launching || agent.joined) continue;
     if (absences_.retryDue(host, now)) due.push_back(host);
   }
   for (const auto& host : answered) back(host, "its agent still answers after the preemption notice's deadline");
@@ -380,6 +456,9 @@ std::vector<Machine> AgentPool::usable() const {
   for (const auto& m : listed_) {
     if (usableAgent(m.host)) usable.push_back(m);
   }
+  for (const auto& [host, m] : joined_) {
+    if (usableAgent(host)) usable.push_back(m);
+  }
   return usable;
 }
 
@@ -393,7 +472,9 @@ size_t AgentPool::startingCount() const {
 
 nlohmann::json AgentPool::describe(TimePoint now) const {
   json hosts = json::object();
-  for (const auto& m : listed_) {
+  std::vector<Machine> machines = listed_;
+  for (const auto& [host, m] : joined_) machines.push_back(m);
+  for (const auto& m : machines) {
     auto it = agents_.find(m.host);
     const bool starting = it != agents_.end() && it->second.status == Status::kStarting;
     hosts[m.host] = {{"slots", m.slots},
@@ -401,6 +482,7 @@ nlohmann::json AgentPool::describe(TimePoint now) const {
                      {"preempted", absences_.preempted(m.host)},
                      // Out of the job: why, since when, and what brings it back.
                      {"out", absences_.describe(m.host, starting, now)}};
+    if (joined_.count(m.host)) hosts[m.host]["joined"] = true;
   }
   return hosts;
 }

@@ -27,6 +27,7 @@
 #include "loop/event_log.h"
 #include "loop/framed_connection.h"
 #include "loop/handler_guard.h"
+#include "loop/rate_limiter.h"
 #include "varuna/manager/host_launcher.h"
 
 namespace varuna {
@@ -74,11 +75,15 @@ class AgentPool {
     agentCommand_ = std::move(command);
   }
 
+  // The most worker slots a joining host may announce.
+  static constexpr int kMaxJoinSlots = 1024;
+
   // The machine list as last read.
   // Hosts no longer listed whose agent is gone are forgotten (weeks of
   // machines that come and go under new names must not pile up).
   void setListed(std::vector<Machine> machines);
   const std::vector<Machine>& listed() const { return listed_; }
+  // Listed, or joined by itself.
   bool isListed(const std::string& host) const;
 
   // Starts the agent on `host` unless one is starting or up.
@@ -86,6 +91,15 @@ class AgentPool {
   // An agent's hello (already authenticated): false if refused (unknown host,
   // or one with an agent already), with the reason sent to it.
   bool admit(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  // A host joining by itself (role "join", its join credential checked):
+  // refused, with the reason sent, when the pool stopped, the name is not a
+  // host address, the slots are out of range, or the name is listed or
+  // joined already with an agent starting or up. Otherwise the host becomes
+  // a machine of the job like a listed one, waiting for its agent's hello
+  // (helloWait), and the connection gets Joined: the host's agent credential
+  // and the env_file's variables. A joined host leaves with its agent.
+  bool join(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  size_t joinedCount() const { return joined_.size(); }
 
   // Closes agents silent for the heartbeat timeout (each one's loss goes to
   // the observer). First in the daemon's tick.
@@ -148,11 +162,16 @@ class AgentPool {
     // thread still runs (one at a time per host).
     uint64_t attempt = 0;
     bool launching = false;
+    bool joined = false;  // came by itself (join): never started by the pool, forgotten when it goes
   };
 
   void forgetUnlisted();
   void onMessage(const std::string& host, const proto::Message& message);
   void onClosed(const std::string& host, const std::string& reason);
+  // A joined host's agent went: the host leaves the job (a lost one is
+  // reported to the observer); it comes back only by joining again.
+  void leaveJoined(const std::string& host, const std::string& reason, bool expected);
+  std::string joinRefusal(const proto::Hello& hello) const;
   void onStartupDone(const std::string& host, const HostCommandResult& result);
   void startupFailed(const std::string& host, const std::string& message);
   void reapLaunchThread(uint64_t id);
@@ -171,6 +190,8 @@ class AgentPool {
   std::function<std::string(const std::string&)> agentCommand_;
   std::vector<Machine> listed_;
   std::set<std::string> listedHosts_;
+  std::map<std::string, Machine> joined_;  // hosts that joined by themselves, until their agent goes
+  RateLimiter joinRefusals_{std::chrono::seconds(60), 3};  // written in full, per minute
   std::map<std::string, Agent> agents_;
   HostAbsences absences_;
   std::map<uint64_t, std::thread> launchThreads_;

@@ -167,7 +167,16 @@ const proto::Hello& ControlListener::checkCredential(const proto::Message& messa
   const auto* hello = std::get_if<proto::Hello>(&message);
   if (!hello) return proto::checkHello(message, token_);  // refuses it, naming what came instead
   std::string expected;
-  if (hello->role == "notifier" && constantTimeEquals(hello->token, token_)) {
+  if (hello->role == "join") {
+    // A host that joins by itself: the join credential (no host in it) and
+    // its expiry, before anything else of the hello counts.
+    const auto check = credentials::checkJoin(token_, hello->token, unixSecondsNow());
+    if (check != credentials::JoinCheck::kValid) {
+      throw proto::ProtocolError(strCat("join of host '", proto::boundedText(hello->host, proto::kMaxLoggedPeerTextBytes),
+                                        "' refused: ", credentials::toString(check)));
+    }
+    expected = hello->token;
+  } else if (hello->role == "notifier" && constantTimeEquals(hello->token, token_)) {
     expected = token_;  // the operator's notifier (--token_file): any host
   } else {
     expected = credentials::expected(token_, hello->role, hello->host, hello->rank, hello->generation);

@@ -8,6 +8,7 @@
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
+#include "varuna/manager/credentials.h"
 #include "varuna/manager/autoconfig.h"
 #include "varuna/manager/host_launcher.h"
 #include "varuna/manager/planner.h"
@@ -33,6 +34,13 @@ std::string loadOrCreateToken(const fs::path& stateDir) {
   ::umask(old);
   ::chmod(path.c_str(), 0600);
   return token;
+}
+
+void writeJoinCredential(const fs::path& stateDir, const std::string& jobSecret, int64_t expiresUnixS) {
+  const auto old = ::umask(077);
+  ckpt::writeFileAtomic(stateDir, "join_token", credentials::join(jobSecret, expiresUnixS) + "\n");
+  ::umask(old);
+  ::chmod((stateDir / "join_token").c_str(), 0600);
 }
 
 json readJsonFile(const fs::path& path) {

@@ -21,6 +21,10 @@ namespace varuna {
 // (mode 0600) so a restarted manager and the notifiers keep using it.
 std::string loadOrCreateToken(const std::filesystem::path& stateDir);
 
+// <state_dir>/join_token (mode 0600): the join credential hosts present to
+// join by themselves (credentials.h), valid until `expiresUnixS`.
+void writeJoinCredential(const std::filesystem::path& stateDir, const std::string& jobSecret, int64_t expiresUnixS);
+
 // A checkpoint folder belongs to one job: a new job pointed at another job's
 // store would silently resume that job's weights. The first manager to use a
 // store writes its job name there; later managers of the same job continue,

@@ -105,7 +105,8 @@ void ManagerDaemon::Impl::start() {
   env_ = jobEnvironment(config_, std::move(env_));
   fs::create_directories(config_.globalStore, ec);
   if (ec) throw ConfigError(strCat("cannot create --global_store ", config_.globalStore, ": ", ec.message()));
-  const auto listed = machineList_.read();
+  const auto listed = joinOnly() ? std::vector<Machine>{} : machineList_.read();
+  renewJoinCredentialIfDue();
   claimGlobalStore(config_.globalStore, config_.job);
   const int first = firstGeneration(config_, previous, *events_);
 
@@ -125,7 +126,13 @@ void ManagerDaemon::Impl::start() {
   log::info("job '", config_.job, "': manager ",
             tcpListening_ ? "listening on " + advertisedAddress_ : std::string("on an in-process network only"),
             "; state in ", config_.stateDir);
-  log::info("starting agents on ", listed.size(), " host(s) from ", config_.machineList);
+  if (joinOnly()) {
+    log::info("no machine list: hosts join with `varuna_agent --join ", advertisedAddress_, " --join_token_file ",
+              (fs::path(config_.stateDir) / "join_token").string(), " --job ", config_.job,
+              " --host NAME --slots N`; training starts at ", std::max(config_.minHosts, 1), " host(s)");
+  } else {
+    log::info("starting agents on ", listed.size(), " host(s) from ", config_.machineList);
+  }
   events_->write("manager_started", {{"address", advertisedAddress_}, {"pid", ::getpid()},
                                       {"hosts", listed.size()}, {"config", toJson(config_)},
                                       {"metrics", metricsServer_ ? json(metricsServer_->url()) : json()}});
@@ -459,13 +466,20 @@ void ManagerDaemon::Impl::usableMachinesChanged() {
   apply(controller_->machinesChanged(pool_->usable(), clock_.now()));
 }
 
+bool ManagerDaemon::Impl::enoughHostsToStart() const {
+  const size_t usable = pool_->usable().size();
+  if (config_.minHosts > 0 && usable >= static_cast<size_t>(config_.minHosts)) return true;
+  if (joinOnly()) return config_.minHosts == 0 && usable > 0;
+  return config_.minHosts == 0 && !pool_->anyStarting();  // every listed agent started or failed
+}
+
 void ManagerDaemon::Impl::maybeStartJob() {
-  if (phase_ != DaemonPhase::kStartingAgents || pool_->anyStarting()) return;  // still waiting for some
+  if (phase_ != DaemonPhase::kStartingAgents || !enoughHostsToStart()) return;  // still waiting for some
   phase_ = DaemonPhase::kRunning;
   const auto usable = pool_->usable();
   const size_t listed = pool_->listed().size();
-  log::info(usable.size(), " of ", listed, " host(s) ready");
-  if (usable.size() < listed) {
+  log::info(usable.size(), " host(s) ready (", listed, " listed, ", pool_->joinedCount(), " joined)");
+  if (usable.size() < listed && !pool_->anyStarting()) {
     log::error(listed - usable.size(), " host(s) could not start an agent (see the errors above); they are ",
                config_.hostRetryS > 0 ? "retried with backoff and " : "", "retried when the machine list is written");
   }
@@ -687,6 +701,7 @@ void ManagerDaemon::Impl::onTick() {
   if (now - lastListPoll_ >= kListPollInterval) {
     lastListPoll_ = now;
     watchMachineList();
+    renewJoinCredentialIfDue();
   }
   // Stopping, no host is needed again.
   pool_->tick(now, /*retry=*/phase_ == DaemonPhase::kRunning);
@@ -739,6 +754,7 @@ void ManagerDaemon::Impl::checkProgress(TimePoint now) {
 }
 
 void ManagerDaemon::Impl::watchMachineList() {
+  if (joinOnly()) return;  // no list to watch
   const auto change = machineList_.poll();
   const auto now = clock_.now();
   if (!change.edited) {

@@ -120,6 +120,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sin
 
   // PeerRouter::Sink: hellos and frames, routed by role (the listener checked the token).
   void agentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) override;
+  void joinHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) override;
   int runningGeneration() const override { return controller_->generation(); }
   bool expectsWorker(int rank) const override { return workers_.expects(rank); }
   std::string hostOf(int rank) const override;
@@ -149,8 +150,13 @@ class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sin
   void agentConfigError(const std::string& host, const std::string& reason) override;
   void agentMessage(const std::string& host, const proto::Message& message) override;
 
-  // The job: started once the first start-up of every listed agent is over.
+  // The job: started once the first start-up of every listed agent is over,
+  // or (--min_hosts, joins) once enough hosts are usable.
   void maybeStartJob();
+  bool enoughHostsToStart() const;
+  // <state_dir>/join_token: written at start, renewed at half its life.
+  void renewJoinCredentialIfDue();
+  bool joinOnly() const { return config_.machineSource == "join"; }
   // The controller runs the job (kRunning or kStopping).
   bool jobRunning() const { return phase_ == DaemonPhase::kRunning || phase_ == DaemonPhase::kStopping; }
   bool finished() const { return phase_ == DaemonPhase::kFinished; }
@@ -229,6 +235,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sin
   int64_t generationResume_ = -1;
   int64_t generationReached_ = -1;
 
+  int64_t joinCredentialWrittenUnixS_ = 0;
   TimePoint lastListPoll_{};
   TimePoint lastCheckpointPoll_{};
   TimePoint shutdownWaitSince_{};  // finishShutdown waits for the final scan from then (bounded)

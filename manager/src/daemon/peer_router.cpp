@@ -22,6 +22,8 @@ void PeerRouter::route(const std::shared_ptr<FramedConnection>& connection, cons
                        TimePoint now) {
   if (hello.role == "agent") {
     sink_.agentHello(connection, hello);
+  } else if (hello.role == "join") {
+    sink_.joinHello(connection, hello);  // the listener checked the join credential
   } else if (hello.role == "worker") {
     onWorkerHello(connection, hello);
   } else if (hello.role == "notifier") {

@@ -2,6 +2,7 @@
 // every connection whose hello carried the job's token; it turns the hello
 // and the frames that follow into calls on its Sink (the daemon), by role:
 //  - an agent: Sink::agentHello (the AgentPool admits it);
+//  - a host joining (`varuna_agent --join`): Sink::joinHello;
 //  - a worker of the running launch: Sink::workerConnected, then the Welcome
 //    (how long it may go without hearing from the manager, the salvage
 //    timeout), its frames to Sink::workerMessage, and
@@ -46,6 +47,9 @@ class PeerRouter {
    public:
     virtual ~Sink() = default;
     virtual void agentHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) = 0;
+    // A host that joins by itself (role "join", its credential checked): the
+    // AgentPool registers it and answers with its agent credential.
+    virtual void joinHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) = 0;
     // The running generation, and whether its launch waits for `rank`'s hello.
     virtual int runningGeneration() const = 0;
     virtual bool expectsWorker(int rank) const = 0;

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "varuna/common/errors.h"
+#include "varuna/common/secrets.h"
 
 namespace varuna::credentials {
 namespace {
@@ -30,6 +31,46 @@ std::string notifier(const std::string& agentCredential) { return hmacHex(agentC
 
 std::string worker(const std::string& agentCredential, int rank, int generation) {
   return hmacHex(agentCredential, strCat("worker\n", rank, "\n", generation));
+}
+
+namespace {
+constexpr std::string_view kJoinPrefix = "vj1.";
+}  // namespace
+
+std::string join(const std::string& jobSecret, int64_t expiresUnixS) {
+  const std::string expiry = std::to_string(expiresUnixS);
+  return strCat(kJoinPrefix, expiry, ".", hmacHex(jobSecret, "join\n" + expiry));
+}
+
+int64_t joinExpiry(const std::string& credential) {
+  if (credential.size() > 128 || credential.rfind(kJoinPrefix, 0) != 0) return -1;
+  const size_t dot = credential.find('.', kJoinPrefix.size());
+  if (dot == std::string::npos || dot == kJoinPrefix.size() || dot - kJoinPrefix.size() > 12) return -1;
+  int64_t expiry = 0;
+  for (size_t i = kJoinPrefix.size(); i < dot; ++i) {
+    const char c = credential[i];
+    if (c < '0' || c > '9') return -1;
+    expiry = expiry * 10 + (c - '0');
+  }
+  return expiry;
+}
+
+JoinCheck checkJoin(const std::string& jobSecret, const std::string& credential, int64_t nowUnixS) {
+  const int64_t expiry = joinExpiry(credential);
+  if (expiry < 0) return JoinCheck::kMalformed;
+  // The MAC first: an expiry the holder wrote itself says nothing.
+  if (!constantTimeEquals(credential, join(jobSecret, expiry))) return JoinCheck::kWrong;
+  return nowUnixS < expiry ? JoinCheck::kValid : JoinCheck::kExpired;
+}
+
+const char* toString(JoinCheck check) {
+  switch (check) {
+    case JoinCheck::kValid: return "valid";
+    case JoinCheck::kMalformed: return "not a join credential";
+    case JoinCheck::kWrong: return "a wrong join credential (not this job's)";
+    case JoinCheck::kExpired: return "an expired join credential (read the current one from run_varuna's state_dir/join_token)";
+  }
+  return "unknown";
 }
 
 std::string expected(const std::string& jobSecret, const std::string& role, const std::string& host, int rank,

@@ -39,6 +39,15 @@ const std::vector<Field>& fields() {
   static const std::vector<Field> table = {
       {"job", &JobConfig::job, "job name: logs, state folder, agent folders"},
       {"machine_list", &JobConfig::machineList, "file: one host per line, `host [slots=N]`; watched while the job runs"},
+      {"machine_source", &JobConfig::machineSource,
+       "list (default: the hosts of --machine_list) or join (no list: hosts join by themselves with "
+       "`varuna_agent --join`, e.g. tasks of a Slurm job array or Kubernetes pods)"},
+      {"min_hosts", &JobConfig::minHosts,
+       "start training once this many hosts are usable, growing as more come (default 0: with a list, once every "
+       "listed agent started or failed; with joins, at the first host)"},
+      {"join_ttl_h", &JobConfig::joinTtlH,
+       "hours the join credential in <state_dir>/join_token stays valid; run_varuna renews the file at half of it "
+       "(default 720)"},
       {"gpus_per_node", &JobConfig::gpusPerNode, "slots of a host without slots=N (default 1)"},
       {"nstages", &JobConfig::nstages, "pipeline stages P (without --profile: required)"},
       {"chunk_size", &JobConfig::chunkSize, "micro-batch size (without --profile: required)"},
@@ -196,8 +205,25 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
   if (config.job.empty() || config.job.find_first_of("/ \t\n") != std::string::npos) {
     throw ConfigError(strCat("--job '", config.job, "' must be a non-empty name without '/' or spaces"));
   }
-  if (config.machineList.empty()) {
-    throw ConfigError("--machine_list is required: a file with one host per line (e.g. `127.0.0.1 slots=2`)");
+  const bool joinOnly = config.machineSource == "join";
+  if (!joinOnly && config.machineSource != "list") {
+    throw ConfigError(strCat("--machine_source must be list or join, got '", config.machineSource, "'"));
+  }
+  if (joinOnly && !config.machineList.empty()) {
+    throw ConfigError("--machine_list and --machine_source join exclude each other: with join, hosts join by "
+                      "themselves (drop --machine_list, or use --machine_source list)");
+  }
+  if (!joinOnly && config.machineList.empty()) {
+    throw ConfigError("--machine_list is required: a file with one host per line (e.g. `127.0.0.1 slots=2`), or "
+                      "--machine_source join for hosts that join by themselves");
+  }
+  if (joinOnly && config.dryRun) {
+    throw ConfigError("--dry_run plans for the hosts of a machine list: give --machine_list (with --machine_source "
+                      "join there are no hosts before they join)");
+  }
+  if (config.minHosts < 0) throw ConfigError(strCat("--min_hosts must be >= 0, got ", config.minHosts));
+  if (!(config.joinTtlH > 0) || config.joinTtlH > 24 * 365 * 10) {
+    throw ConfigError(strCat("--join_ttl_h must be > 0 and at most ten years, got ", config.joinTtlH));
   }
   if (config.gpusPerNode < 1) throw ConfigError(strCat("--gpus_per_node must be >= 1, got ", config.gpusPerNode));
   const bool autoConfig = !config.profile.empty();
@@ -266,9 +292,11 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
   if (config.codeDir.empty()) config.codeDir = fs::current_path().string();
   config.codeDir = fs::absolute(config.codeDir, ec).lexically_normal().string();
   config.globalStore = fs::absolute(config.globalStore, ec).lexically_normal().string();
-  config.machineList = fs::absolute(config.machineList, ec).lexically_normal().string();
-  if (!fs::exists(config.machineList)) {
-    throw ConfigError(strCat("--machine_list ", config.machineList, " does not exist"));
+  if (!joinOnly) {
+    config.machineList = fs::absolute(config.machineList, ec).lexically_normal().string();
+    if (!fs::exists(config.machineList)) {
+      throw ConfigError(strCat("--machine_list ", config.machineList, " does not exist"));
+    }
   }
   if (!config.envFile.empty() && !fs::exists(config.envFile)) {
     throw ConfigError(strCat("--env_file ", config.envFile, " does not exist"));

@@ -35,10 +35,11 @@ inline constexpr size_t kMaxLoggedPeerTextBytes = 200;
 struct Hello {  // first frame of every connection
   uint32_t version = kVersion;
   std::string token;
-  std::string role;  // "worker", "agent" or "notifier"
+  std::string role;  // "worker", "agent", "notifier" or "join"
   std::string host;
   int rank = -1;        // workers
   int generation = -1;  // workers and agents: the launch they belong to
+  int slots = 0;        // "join": the workers the host can run (its GPUs)
   bool operator==(const Hello&) const = default;
 };
 // From a worker (every 0.5 s; one started by an agent beats through it,
@@ -203,6 +204,18 @@ struct SalvageWrite {
   std::vector<double> exchange;
   bool operator==(const SalvageWrite&) const = default;
 };
+// To an agent whose join was admitted (role "join", docs/protocol.md): its
+// host's agent credential, with which it dials again as that host's agent,
+// and the job's env_file variables for it and its workers. The connection
+// closes after it.
+struct Joined {
+  std::string credential;
+  std::vector<std::pair<std::string, std::string>> env;
+  bool operator==(const Joined&) const = default;
+};
+// In the refusal of a join whose host name has an agent already: the joiner
+// may try again (that agent may be on its way out).
+inline constexpr std::string_view kJoinHostPresent = "a host of that name is present already";
 struct Ack {
   bool ok = true;
   std::string error;
@@ -211,7 +224,7 @@ struct Ack {
 
 using Message = std::variant<Hello, Heartbeat, StepReport, WorkerExited, PreemptNotice, LaunchWorkers,
                              CheckpointAndExit, KillWorkers, Shutdown, Ping, Pong, Ack, CheckpointFailed, Welcome,
-                             ExitNow, SalvageStop, SalvageReady, SalvageWrite, WorkerBeats>;
+                             ExitNow, SalvageStop, SalvageReady, SalvageWrite, WorkerBeats, Joined>;
 
 // A malformed frame or message; the connection that sent it must be closed.
 class ProtocolError : public Error {

@@ -21,6 +21,11 @@ inline std::chrono::milliseconds millis(double seconds) {
 
 inline double seconds(std::chrono::milliseconds duration) { return static_cast<double>(duration.count()) / 1000; }
 
+// The wall clock, in seconds since 1970 (credential expiries).
+inline int64_t unixSecondsNow() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 // From `nowUnixMs` until `deadlineUnixMs` (milliseconds since 1970), at
 // least 0 and at most `most`: a deadline a peer sent may lie far in the
 // future, where adding it to a time point would overflow.

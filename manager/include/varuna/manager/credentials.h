@@ -15,8 +15,19 @@
 // secret and the hello's own role, host, rank and generation. The secret
 // itself also passes as a notifier of any host (the operator's
 // `notify_manager_preempt --token_file`). Hex strings, 64 characters.
+//
+// A host that joins by itself (`varuna_agent --join`, under a scheduler)
+// holds no A(H) yet: it proves it may join with the join credential
+//
+//   J(E) = "vj1." E "." HMAC-SHA256(secret, "join\n" E)
+//
+// where E is the Unix time (s) after which it is refused; run_varuna writes
+// a fresh one to <state_dir>/join_token (0600) and renews it at half its
+// life. A join admitted, the manager answers with A(H) for the host named:
+// the credential bootstraps the agent's own, as `kubeadm join` does.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace varuna::credentials {
@@ -24,6 +35,14 @@ namespace varuna::credentials {
 std::string agent(const std::string& jobSecret, const std::string& host);
 std::string notifier(const std::string& agentCredential);
 std::string worker(const std::string& agentCredential, int rank, int generation);
+
+std::string join(const std::string& jobSecret, int64_t expiresUnixS);
+enum class JoinCheck { kValid, kMalformed, kWrong, kExpired };
+// Checks a join credential against the secret (in constant time) and the clock.
+JoinCheck checkJoin(const std::string& jobSecret, const std::string& credential, int64_t nowUnixS);
+// When a well-formed join credential expires (Unix s), -1 if malformed.
+int64_t joinExpiry(const std::string& credential);
+const char* toString(JoinCheck check);
 
 // What a hello of `role` from `host` (rank and generation for a worker) must
 // carry; empty for a role that has none.

@@ -21,6 +21,14 @@ namespace varuna {
 struct JobConfig {
   std::string job = "varuna";       // name: log prefix, state and run folders
   std::string machineList;          // path, watched for changes
+  // "list": the machine list's hosts (agents started by run_varuna, SSH or
+  // local); "join": none listed, hosts join by themselves (varuna_agent
+  // --join, under Slurm or Kubernetes). Joins are accepted in either mode.
+  std::string machineSource = "list";
+  // Start training once this many hosts are usable (0: with a list, when
+  // every listed agent started or failed; with joins, at the first host).
+  int minHosts = 0;
+  double joinTtlH = 720;            // life of <state_dir>/join_token; renewed at half of it
   int gpusPerNode = 1;              // slots of a host without slots=N
   int nstages = 0;                  // P; 0: AutoConfig chooses (needs `profile`)
   int64_t chunkSize = 0;            // micro-batch size; 0: AutoConfig chooses
