@@ -47,15 +47,18 @@ class Manager:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.job = job
-        self.machine_list = self.workdir / "machines.txt"
-        self.write_machines(machines)
+        # machines None: no list, hosts join by themselves (--machine_source join).
+        self.machine_list = self.workdir / "machines.txt" if machines is not None else None
+        if machines is not None:
+            self.write_machines(machines)
+        source = ["--machine_list", str(self.machine_list)] if machines is not None else ["--machine_source", "join"]
         self.state_dir = Path(state_dir) if state_dir else self.workdir / "state"
         self.store = self.workdir / "store"
         self.dump = self.workdir / "dump"
         self.dump.mkdir(exist_ok=True)
         self.output_path = self.workdir / "manager.log"
         plan = (["--nstages", str(stages)] if stages else []) + (["--chunk_size", str(chunk)] if chunk else [])
-        self.argv = [*prefix, str(BIN / "run_varuna"), "--job", job, "--machine_list", str(self.machine_list),
+        self.argv = [*prefix, str(BIN / "run_varuna"), "--job", job, *source,
                      "--batch_size", str(batch), *plan,
                      "--global_store", str(self.store), "--state_dir", str(self.state_dir),
                      "--code_dir", str(code_dir or TRAIN_DIR),
@@ -131,6 +134,12 @@ class Manager:
 
     def tail(self, lines=40):
         return "\n".join(self.output().splitlines()[-lines:])
+
+    def address(self, timeout=30):
+        """host:port agents dial, once the manager said where it listens."""
+        started = wait_for("manager_started (manager output:\n%s)" % self.tail(),
+                           lambda: self.events("manager_started") or self._died(), timeout)
+        return started[0]["address"]
 
     def connection_file(self, host):
         return Path("/tmp/varuna") / self.job / host / "connection.json"
