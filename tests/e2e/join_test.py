@@ -12,6 +12,7 @@ import hmac
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -125,8 +126,14 @@ def test_hosts_join_grow_leave_on_sigterm_rejoin_and_the_losses_continue():
         assert tasks[1].wait(timeout=grace / 2) == 0, tasks[1].output()
         log("SIGTERM -> morph done, task gone: %.2f s (grace %d s)" % (time.monotonic() - sent, grace))
 
-        # Requeued: the task starts again under the same name and the job grows back.
-        tasks.append(Task(m, "127.0.0.2", extra=["--sigterm_notice_s", str(grace)]))
+        # Requeued: the task starts again under the same name and the job
+        # grows back. Its credential comes from `run_varuna join-token`, as a
+        # scheduler's secret store would hold it.
+        issued = m.workdir / "issued_join_token"
+        r = subprocess.run([str(BIN / "run_varuna"), "join-token", "--state_dir", str(m.state_dir), "--ttl_h", "1",
+                            "--out", str(issued)], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and issued.stat().st_mode & 0o077 == 0, r.stderr
+        tasks.append(Task(m, "127.0.0.2", token_file=issued, extra=["--sigterm_notice_s", str(grace)]))
         assert m.stop_once_trained_on(launches=4) == 0, m.tail()
         hosts = [e["plan"]["hosts"] for e in m.events("launch")]
         assert hosts == [["127.0.0.1"], ["127.0.0.1", "127.0.0.2"], ["127.0.0.1"], ["127.0.0.1", "127.0.0.2"]], hosts
@@ -146,5 +153,41 @@ def test_hosts_join_grow_leave_on_sigterm_rejoin_and_the_losses_continue():
     assert_losses_continue(got, ref.losses(), steps)
 
 
+def free_port():
+    """A port nothing listens on now: a restarted manager must come back where
+    its joined agents look for it, so this test cannot use --port 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_joined_hosts_rejoin_a_restarted_manager_and_the_job_carries_on():
+    """The manager's job is requeued (or the head node reboots): the joined
+    agents lose it, stop their workers after their grace, and join again as
+    soon as it listens again; it resumes from the last checkpoint."""
+    m = manager("restart", steps=100000, extra_args=["--port", str(free_port()), "--min_hosts", "2"],
+                train_args=["--checkpoint_every", "20"]).start()
+    tasks = [Task(m, host, extra=["--grace_s", "1"]) for host in ("127.0.0.1", "127.0.0.2")]
+    try:
+        m.wait_event("launch", count=1, timeout=60)
+        m.wait_step(45)
+        m.kill(signal.SIGKILL)
+        m.proc.wait()
+        m.start()  # the same state folder and port
+        m.wait_event("host_joined", count=4, timeout=90)
+        assert m.stop_once_trained_on(launches=2) == 0, m.tail()
+        launches = m.events("launch")
+        assert [e["plan"]["hosts"] for e in launches] == [["127.0.0.1", "127.0.0.2"]] * 2, launches
+        assert launches[1]["resume_step"] >= 40 and launches[1]["generation"] > launches[0]["generation"], launches
+        for t in tasks:
+            assert t.wait() == 0, t.output()
+            assert "joining again" in t.output(), t.output()
+    finally:
+        for t in tasks:
+            t.kill()
+    assert_nothing_left(m.job)
+
+
 if __name__ == "__main__":
-    run_tests([test_hosts_join_grow_leave_on_sigterm_rejoin_and_the_losses_continue])
+    run_tests([test_hosts_join_grow_leave_on_sigterm_rejoin_and_the_losses_continue,
+               test_joined_hosts_rejoin_a_restarted_manager_and_the_job_carries_on])

@@ -117,7 +117,10 @@ int joinFirst(MainOptions& options, const std::string& joinCredential, int verdi
   }
 }
 
-int run(MainOptions options, const std::string& joinCredential, int verdictFd) {
+// One agent's life: (join,) connect, serve until it exits; its exit code.
+// `served`: whether it got as far as serving the manager.
+int runOnce(MainOptions options, const std::string& joinCredential, int verdictFd, bool& served) {
+  served = false;
   boost::asio::io_context io;
   // Joined first: a refused join must leave an agent already running alone.
   if (!options.join.empty()) {
@@ -145,10 +148,25 @@ int run(MainOptions options, const std::string& joinCredential, int verdictFd) {
   writeConnectionFile(options.agent.runDir, options.manager, options.agent);
   Agent agent(io, options.agent, std::move(socket), options.manager);
   agent.start();
+  served = true;
   report(verdictFd, strCat("ok ", ::getpid(), "\n"));
   io.run();
   log::flush();
   return agent.exitCode();
+}
+
+// A joined host outlives its manager: when the manager is lost (exit 1: a
+// restart, a requeued manager job, a partition) the agent, its workers
+// killed, joins again (waiting up to --join_wait_s for the manager), as a
+// scheduler's task should rather than end. Released (0), refused (2),
+// stopped by a signal, or not let in again within the wait, it exits.
+int run(const MainOptions& options, const std::string& joinCredential, int verdictFd) {
+  for (int round = 0;; ++round) {
+    bool served = false;
+    const int code = runOnce(options, joinCredential, round == 0 ? verdictFd : -1, served);
+    if (options.join.empty() || !served || code != 1) return code;
+    log::warn("the manager was lost: joining again (for up to ", options.joinWaitS, " s)");
+  }
 }
 
 // run_varuna's env_file variables, on stdin's line after the token (never on

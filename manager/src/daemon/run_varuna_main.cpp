@@ -3,6 +3,7 @@
 // (once, or refreshed with --watch).
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <utility>  // before Asio: its headers miss it with this GCC
@@ -20,7 +21,10 @@
 #include <sstream>
 #include <thread>
 
+#include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
+#include "varuna/common/time_util.h"
+#include "varuna/manager/credentials.h"
 #include "daemon/job_setup.h"
 #include "loop/handler_guard.h"
 #include "varuna/manager/host_launcher.h"
@@ -207,6 +211,45 @@ int printStatus(int argc, char** argv) {
   return 0;
 }
 
+// `run_varuna join-token`: a join credential for hosts that join by themselves
+// (docs/deployment.md), for a scheduler's secret store (a Kubernetes Secret,
+// a Slurm job's private file) before or while the manager runs. It makes the
+// job's secret in the state folder when there is none yet, as the manager
+// would (the manager then uses the same one).
+int printJoinToken(int argc, char** argv) {
+  CLI::App app{"run_varuna join-token: a join credential for `varuna_agent --join`"};
+  std::string stateDir, out;
+  double ttlH = 720;
+  app.add_option("--state_dir", stateDir, "the job's state folder (run_varuna --state_dir)")->required();
+  app.add_option("--ttl_h", ttlH, "hours the credential stays valid (default 720)")->check(CLI::Range(0.001, 87600.0));
+  app.add_option("--out", out, "write it to this file (mode 0600) instead of stdout");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : kExitConfigError;
+  }
+  try {
+    std::error_code ec;
+    fs::create_directories(stateDir, ec);
+    if (ec) throw ConfigError(strCat("cannot create --state_dir ", stateDir, ": ", ec.message()));
+    const std::string credential =
+        credentials::join(loadOrCreateToken(stateDir), unixSecondsNow() + static_cast<int64_t>(ttlH * 3600));
+    if (out.empty()) {
+      std::cout << credential << std::endl;
+      return 0;
+    }
+    const auto old = ::umask(077);
+    ckpt::writeFileAtomic(fs::absolute(out).parent_path(), fs::path(out).filename().string(), credential + "\n");
+    ::umask(old);
+    ::chmod(out.c_str(), 0600);
+    std::cerr << "join credential written to " << out << " (valid " << ttlH << " h)" << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "run_varuna join-token: " << e.what() << std::endl;
+    return kExitConfigError;
+  }
+}
+
 // Every agent and worker holds a connection, and connections that have not
 // said hello yet hold one each until their deadline: the usual soft limit of
 // 1024 is low for a large job. The hard limit is what the administrator (or
@@ -237,6 +280,7 @@ void raiseOpenFileLimit() {
 
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "status") return printStatus(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "join-token") return printJoinToken(argc - 1, argv + 1);
   JobConfig config;
   try {
     int exitCode = 0;
