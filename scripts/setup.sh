@@ -36,6 +36,7 @@ PACKAGES=(
   prometheus            # the metrics e2e test scrapes run_varuna with a real Prometheus (its own instance)
   clang libclang-rt-14-dev   # libFuzzer targets (scripts/fuzz.sh)
   openssh-server openssh-client iproute2 procps
+  slurmctld slurmd slurm-client munge   # tests/e2e/slurm_test.py: a real Slurm cluster in network namespaces
   base-files            # /usr/share/common-licenses: the example's English text
 )
 missing=()

@@ -244,20 +244,22 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
     log::error("host ", host, " joined but its agent never said hello; it is forgotten");
     events_.write("join_abandoned", {{"host", host}});
     a->second.status = Status::kGone;
-    leaveJoined(host, "no hello after joining", /*expected=*/true);
+    leaveJoined(host, "no hello after joining", /*expected=*/true, /*preempted=*/false);
     observer_.hostsChanged();
   }));
   observer_.hostsChanged();
   return true;
 }
 
-void AgentPool::leaveJoined(const std::string& host, const std::string& reason, bool expected) {
+void AgentPool::leaveJoined(const std::string& host, const std::string& reason, bool expected, bool preempted) {
   joined_.erase(host);
   absences_.forget(host);
   agents_.erase(host);
-  if (expected) {
-    log::info("joined host ", host, " left the job (", reason, ")");
-    events_.write("host_left", {{"host", host}, {"reason", reason}});
+  if (expected || preempted) {
+    log::info("joined host ", host, " left the job (", reason, preempted && !expected ? ", after its preemption notice" : "",
+              ")");
+    events_.write("host_left", {{"host", host}, {"reason", reason}, {"preempted", preempted}});
+    if (!expected) observer_.preemptedHostLeft(host);
     return;
   }
   log::error("lost the agent of joined host ", host, " (", reason, "); the host is out until it joins again");
@@ -280,7 +282,7 @@ void AgentPool::onClosed(const std::string& host, const std::string& reason) {
   const bool expected = agent.released || shutDown_;
   agent.status = Status::kGone;
   agent.connection.reset();
-  if (agent.joined) return leaveJoined(host, reason, expected);
+  if (agent.joined) return leaveJoined(host, reason, expected, absences_.preempted(host));
   const auto now = clock_.now();
   if (expected) {
     // Released because it was preempted (it waits for the notice's deadline)

@@ -45,6 +45,10 @@ class AgentPool {
     virtual void hostBack(const std::string& host) = 0;
     // The agent of a host in use was lost unexpectedly (the pool has marked it out).
     virtual void agentLost(const std::string& host, const std::string& reason) = 0;
+    // The agent of a joined host left after a preemption notice for it (its
+    // scheduler's SIGTERM), before the manager released it: expected, not a
+    // failure; the job must still stop counting on the host.
+    virtual void preemptedHostLeft(const std::string& host) = 0;
     // An agent's start-up failed with a configuration error no host will fix.
     virtual void agentConfigError(const std::string& host, const std::string& reason) = 0;
     // What an agent reports about its workers: their exits (WorkerExited)
@@ -170,7 +174,7 @@ class AgentPool {
   void onClosed(const std::string& host, const std::string& reason);
   // A joined host's agent went: the host leaves the job (a lost one is
   // reported to the observer); it comes back only by joining again.
-  void leaveJoined(const std::string& host, const std::string& reason, bool expected);
+  void leaveJoined(const std::string& host, const std::string& reason, bool expected, bool preempted);
   std::string joinRefusal(const proto::Hello& hello) const;
   void onStartupDone(const std::string& host, const HostCommandResult& result);
   void startupFailed(const std::string& host, const std::string& message);

@@ -147,6 +147,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sin
   void hostsChanged() override;
   void hostBack(const std::string& host) override;
   void agentLost(const std::string& host, const std::string& reason) override;
+  void preemptedHostLeft(const std::string& host) override;
   void agentConfigError(const std::string& host, const std::string& reason) override;
   void agentMessage(const std::string& host, const proto::Message& message) override;
 

@@ -15,6 +15,17 @@ void ManagerDaemon::Impl::joinHello(const std::shared_ptr<FramedConnection>& con
   pool_->join(connection, hello);
 }
 
+void ManagerDaemon::Impl::preemptedHostLeft(const std::string& host) {
+  workers_.orderHostOut(host, controller_->plan(), controller_->generation(),
+                        strCat("host ", host, " left after its preemption notice"));
+  updateHostMetrics(clock_.now());
+  if (phase_ == DaemonPhase::kStartingAgents) return maybeStartJob();
+  if (finished()) return;
+  // Not a failure: the controller expects the host to go (a notice named it).
+  apply(controller_->hostLost(host, clock_.now()));
+  usableMachinesChanged();
+}
+
 void ManagerDaemon::Impl::renewJoinCredentialIfDue() {
   const int64_t now = unixSecondsNow();
   const auto ttl = static_cast<int64_t>(config_.joinTtlH * 3600);
