@@ -9,6 +9,9 @@ scontrol, scancel) run in the head namespace with SLURM_CONF pointing at this
 cluster's configuration. Needs root, Debian's slurmctld, slurmd,
 slurm-client and munge, and a cgroup file system (v1 or v2) for slurmd.
 
+Job credentials expire after 10 s (cred_expire; Slurm's default is 120): a
+requeued job waits that long before it may run again (its BeginTime).
+
 Partitions: `low` (the default; PriorityTier 1, PreemptMode=REQUEUE,
 GraceTime `grace_s`) and `high` (PriorityTier 10): a job on `high` preempts
 `low` jobs on its nodes, which get SIGTERM, `grace_s` seconds, then SIGKILL,
@@ -117,7 +120,7 @@ SlurmctldHost=head({self.net.head_addr})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=10
 StateSaveLocation={d}/ctld
 SlurmdSpoolDir={d}/slurmd-%n
 SlurmctldPidFile={d}/slurmctld.pid

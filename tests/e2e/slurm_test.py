@@ -2,11 +2,12 @@
 """run_varuna under a real Slurm (slurm_cluster.py: slurmctld, a slurmd per
 network-namespace host, munge): the elastic way of config/slurm, a manager
 with no machine list and a job array of single-node tasks whose agents join it,
-run with the very batch script of config/slurm/varuna-agents.sbatch.
-
-Slurm itself holds a requeued job back for two minutes (its BeginTime); the
-test moves that to "now" with scontrol once the preempting job is over, as an
-administrator could, so the test does not wait them out."""
+run with the very batch script of config/slurm/varuna-agents.sbatch, and one
+allocation with run_varuna inside (config/slurm/varuna-allocation.sbatch).
+The cluster's job credentials last 10 s (slurm_cluster.py), so a requeued
+job runs again about 10 s after its requeue rather than Slurm's default 2
+minutes."""
+import json
 import os
 import shutil
 import signal
@@ -18,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import SlurmCluster  # noqa: E402
-from varuna_e2e import BIN, Manager, assert_losses_continue, log, run_tests, wait_for  # noqa: E402
+from varuna_e2e import (  # noqa: E402
+    BIN, TINY_MODEL, TRAIN_DIR, Manager, assert_losses_continue, log, run_tests, wait_for)
 
 SOURCE = Path(__file__).resolve().parents[2]
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-slurm-")))
@@ -106,8 +108,6 @@ def test_a_job_array_joins_grows_is_preempted_and_requeued():
     # and the job grows back onto all four hosts.
     wait_for("the high-priority job done", lambda: slurm.job_states(high).get(str(high), {}).get("JobState")
              in ("COMPLETED", None), 60)
-    for i in (2, 3):
-        slurm.run(["scontrol", "update", "JobId=%d_%d" % (array, i), "StartTime=now"])
     wait_for("the job grown back onto %d hosts" % HOSTS,
              lambda: (len(m.events("launch")) > grown + 1 and len(running_hosts(m)) == HOSTS) or m._died(), 120)
     assert len(m.events("host_joined")) == HOSTS + 2, m.events("host_joined")
@@ -134,13 +134,89 @@ def test_a_job_array_joins_grows_is_preempted_and_requeued():
     assert_losses_continue(got, ref.losses(), steps)
 
 
+def job_state(slurm, job_id):
+    return slurm.job_states(job_id).get(str(job_id), {}).get("JobState")
+
+
+def test_one_allocation_trains_stops_on_scancel_and_a_requeue_resumes():
+    """config/slurm/varuna-allocation.sbatch: run_varuna inside the batch
+    script, one agent per node through srun. `scancel --batch --signal=TERM`
+    checkpoints and exits; `scontrol requeue` runs it again from that step."""
+    slurm = SLURM
+    name = "slurm-alloc-%d" % os.getpid()
+    state, store, dump = ROOT / "alloc" / "state", ROOT / "alloc" / "store", ROOT / "alloc" / "dump"
+    dump.mkdir(parents=True)
+    program = " ".join(["./train_gpt", "--steps", "100000", "--checkpoint_every", "25", *TINY_MODEL,
+                        "--dump_dir", str(dump)])
+    env = ("--export=ALL,VARUNA_STATE=%s,VARUNA_STORE=%s,VARUNA_CODE=%s,VARUNA_SLOTS=1,VARUNA_PORT=%d,"
+           "VARUNA_ARGS=--nstages 2 --chunk_size 4 --batch_size 16,VARUNA_PROGRAM=%s,PATH=%s:%s"
+           % (state, store, TRAIN_DIR, free_port(), program, BIN, os.environ["PATH"]))
+    job = slurm.sbatch((SOURCE / "config" / "slurm" / "varuna-allocation.sbatch").read_text(), env,
+                       "--job-name=" + name, "--partition=high", "--nodes=2", "--gres=none",
+                       "--output=%s/alloc-%%j.log" % ROOT)
+    events = lambda kind: [e for e in read_events(state) if e["event"] == kind]  # noqa: E731
+    try:
+        for run in range(2):
+            wait_for("launch %d of the allocation (job log:\n%s)" % (run + 1, tail(ROOT / ("alloc-%d.log" % job))),
+                     lambda: len(events("launch")) > run, 120)
+            launch = events("launch")[run]
+            assert sorted(launch["plan"]["hosts"]) == sorted(h.addr for h in slurm.net.hosts[:2]), launch
+            wait_for("steps after launch %d" % (run + 1), lambda: progress(state) >= launch.get("resume_step", 0) + 30,
+                     120)
+            slurm.run(["scancel", "--batch", "--signal=TERM", str(job)])
+            wait_for("the job completed after its SIGTERM", lambda: job_state(slurm, job) == "COMPLETED", 120)
+            log("run %d: stopped at step %d" % (run + 1, progress(state)))
+            if run == 0:
+                checkpointed = newest_checkpoint(store)
+                assert checkpointed > 0, list(store.iterdir())
+                slurm.run(["scontrol", "requeue", str(job)])
+                wait_for("requeued", lambda: job_state(slurm, job) == "PENDING", 60)
+                log("requeued:", {k: v for k, v in slurm.job_states(job).get(str(job), {}).items()
+                                  if k in ("JobState", "Reason", "StartTime", "Restarts")})
+        resumed = events("launch")[1]
+        assert resumed["resume_step"] == checkpointed, (resumed, checkpointed)
+    finally:
+        slurm.run(["scancel", str(job)], check=False)
+    wait_for("nothing of the job left on the nodes", lambda: not any(
+        slurm.processes_on(i, "varuna_agent") or slurm.processes_on(i, "run_varuna") or
+        slurm.processes_on(i, "train_gpt") for i in range(HOSTS)), 30)
+
+
+def read_events(state):
+    path = state / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def progress(state):
+    try:
+        return json.loads((state / "state.json").read_text()).get("progress", {}).get("step", -1)
+    except (OSError, ValueError):
+        return -1
+
+
+def newest_checkpoint(store):
+    steps = [int(p.name.split("_")[-1]) for p in store.glob("varuna_ckpt_*") if p.name.split("_")[-1].isdigit()
+             and (p / "manifest.json").exists()]
+    return max(steps, default=-1)
+
+
+def tail(path, lines=20):
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(none)"
+
+
 def main():
     if os.geteuid() != 0:
         print("slurm_test: needs root (network namespaces)")
         sys.exit(77)
     global SLURM
     with SlurmCluster(HOSTS, str(ROOT / "slurm"), grace_s=5) as SLURM:
-        run_tests([test_a_job_array_joins_grows_is_preempted_and_requeued])
+        run_tests([test_a_job_array_joins_grows_is_preempted_and_requeued,
+                   test_one_allocation_trains_stops_on_scancel_and_a_requeue_resumes])
 
 
 if __name__ == "__main__":
