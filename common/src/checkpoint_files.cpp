@@ -1,6 +1,7 @@
 #include "varuna/common/checkpoint_files.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -43,7 +44,7 @@ void writeAll(int fd, std::string_view bytes, const fs::path& path) {
 }
 
 // tmp file in the same directory, fsync, rename, fsync the directory.
-void publish(const fs::path& target, const std::function<void(int fd, const fs::path& tmp)>& fill) {
+void publish(const fs::path& target, const std::function<void(int fd, const fs::path& tmp)>& fill, mode_t mode = 0644) {
   std::error_code ec;
   fs::create_directories(target.parent_path(), ec);
   if (ec) {
@@ -54,8 +55,8 @@ void publish(const fs::path& target, const std::function<void(int fd, const fs::
   // a process that had this pid is removed first (unlink removes a link,
   // not what it points at).
   constexpr int kFlags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
-  int fd = ::open(tmp.c_str(), kFlags, 0644);
-  if (fd < 0 && errno == EEXIST && ::unlink(tmp.c_str()) == 0) fd = ::open(tmp.c_str(), kFlags, 0644);
+  int fd = ::open(tmp.c_str(), kFlags, mode);
+  if (fd < 0 && errno == EEXIST && ::unlink(tmp.c_str()) == 0) fd = ::open(tmp.c_str(), kFlags, mode);
   if (fd < 0) ioError("cannot create", tmp);
   try {
     fill(fd, tmp);
@@ -111,6 +112,16 @@ uint32_t crc32(std::string_view bytes, uint32_t previous) {
 
 FileEntry writeFileAtomic(const fs::path& dir, const std::string& name, std::string_view bytes) {
   publish(dir / name, [&](int fd, const fs::path& tmp) { writeAll(fd, bytes, tmp); });
+  return {name, bytes.size(), crc32(bytes)};
+}
+
+FileEntry writePrivateFileAtomic(const fs::path& dir, const std::string& name, std::string_view bytes) {
+  // 0600 from its creation (no umask change, which would reach every thread
+  // of the process): a secret is never readable by others, not even briefly.
+  publish(dir / name, [&](int fd, const fs::path& tmp) {
+    if (::fchmod(fd, 0600) != 0) ioError("cannot restrict", tmp);
+    writeAll(fd, bytes, tmp);
+  }, 0600);
   return {name, bytes.size(), crc32(bytes)};
 }
 

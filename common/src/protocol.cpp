@@ -61,7 +61,9 @@ VARUNA_WIRE(KillWorkers, "kill_workers", required("reason", &KillWorkers::reason
 VARUNA_WIRE(Shutdown, "shutdown", required("reason", &Shutdown::reason))
 VARUNA_WIRE(Ping, "ping", required("sequence", &Ping::sequence), required("sent_ns", &Ping::sentNs))
 VARUNA_WIRE(Pong, "pong", required("sequence", &Pong::sequence), required("sent_ns", &Pong::sentNs))
-VARUNA_WIRE(Joined, "joined", required("credential", &Joined::credential), required("env", &Joined::env))
+VARUNA_WIRE(Joined, "joined", required("credential", &Joined::credential), required("env", &Joined::env),
+            optional("grace_ms", &Joined::graceMs, int64_t{0}),
+            optional("lost_manager_ms", &Joined::lostManagerMs, int64_t{0}))
 VARUNA_WIRE(Ack, "ack", required("ok", &Ack::ok), required("error", &Ack::error))
 VARUNA_WIRE(Welcome, "welcome", required("generation", &Welcome::generation),
             required("lost_manager_grace_ms", &Welcome::lostManagerGraceMs),

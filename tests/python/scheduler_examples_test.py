@@ -95,8 +95,13 @@ def test_kubernetes_manifests(accepted):
             subprocess.run(["sh", "-n", "-c", command], check=True)
             programs |= {p for p, _ in check_options(container["name"], command, accepted)}
     assert programs == set(PROGRAMS), programs
-    secret = [v for v in hosts["spec"]["template"]["spec"]["volumes"] if "secret" in v][0]["secret"]
-    assert secret["defaultMode"] & 0o077 == 0, "the join credential must be readable by its user only"
+    agent = hosts["spec"]["template"]["spec"]["containers"][0]
+    # The join credential from the Secret into VARUNA_JOIN_TOKEN (the agent
+    # takes it out of its environment once read); the agents' pods mount the
+    # checkpoints only, never the manager's state folder with the job's secret.
+    token = [e for e in agent["env"] if e["name"] == "VARUNA_JOIN_TOKEN"]
+    assert token and token[0]["valueFrom"]["secretKeyRef"]["name"] == "varuna-join", agent["env"]
+    assert all(m.get("subPath") == "checkpoints" for m in agent["volumeMounts"]), agent["volumeMounts"]
 
 
 def main():

@@ -155,3 +155,32 @@ TEST_CASE("join: training waits for --min_hosts; a host that joins but never say
   REQUIRE(f.training(1, 4));  // both hosts from the first launch
   CHECK(f.daemon->handlerFailures() == 0);
 }
+
+TEST_CASE("join: a joined agent gone silent is closed and leaves; a stop with joined agents up ends cleanly",
+          "[join]") {
+  // Both go through loops over the pool's agents that close connections
+  // (silent agents; the shutdown): a joined host's entry must outlive them.
+  JoinDaemon f("join_silent_then_stop");
+  REQUIRE(f.joinAndStartAgent("node-a"));
+  REQUIRE(f.joinAndStartAgent("node-b"));
+  REQUIRE(f.runUntil([&] { return f.cluster->worldSize(f.cluster->generation()) == 4 &&
+                                  f.cluster->minStep(f.cluster->generation()) >= 1; }, 20s));
+  const int grown = f.cluster->generation();
+  f.cluster->freezeAgent("node-b");  // a frozen or cut-off agent: no heartbeat, no close
+  REQUIRE(f.training(grown + 1, 2));
+  REQUIRE(f.events("host_lost").size() == 1);
+  CHECK(f.events("host_lost")[0]["host"] == "node-b");
+  f.runFor(1s);  // the deferred forgetting has run
+  CHECK_FALSE(f.state()["hosts"].contains("node-b"));
+  // The name is free again: the host rejoins (a new agent) and the job grows.
+  f.cluster->thawAgent("node-b");
+  REQUIRE(f.joinAndStartAgent("node-b"));
+  REQUIRE(f.training(grown + 2, 4));
+
+  f.daemon->requestStop("the test is over");
+  REQUIRE(f.runUntil([&] { return f.daemon->phase() == DaemonPhase::kFinished; }, 20s));
+  f.runFor(1s);
+  CHECK(f.events("stop")[0]["exit_code"] == 0);
+  CHECK(f.cluster->count(sim::PeerKind::kAgent, "shutdown") >= 2);
+  CHECK(f.daemon->handlerFailures() == 0);
+}

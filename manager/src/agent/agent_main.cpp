@@ -32,11 +32,12 @@ struct MainOptions {
   int64_t lostManagerMs = 15000;
   bool daemonize = false;
   std::string logLevel = "info";
+  bool graceSet = false, lostManagerSet = false;  // given on the command line: a join does not override them
   // --join: the host came by itself (join.h); empty: run_varuna started it.
   std::string join;
   std::string joinTokenFile;
   int slots = 1;
-  double joinWaitS = 120;
+  double joinWaitS = 600;
 };
 
 // The agent's credential (its host's, credentials.h): from stdin's first line
@@ -103,6 +104,11 @@ int joinFirst(MainOptions& options, const std::string& joinCredential, int verdi
                         millis(options.joinWaitS)};
     const proto::Joined joined = joinManager(request);
     options.agent.credential = joined.credential;
+    // The job's timing, as run_varuna gives the agents it starts (unless set here).
+    if (joined.graceMs > 0 && !options.graceSet) options.agent.grace = std::chrono::milliseconds(joined.graceMs);
+    if (joined.lostManagerMs > 0 && !options.lostManagerSet) {
+      options.agent.lostManager = std::chrono::milliseconds(joined.lostManagerMs);
+    }
     for (const auto& [name, value] : joined.env) ::setenv(name.c_str(), value.c_str(), 1);
     log::info("joined the job at ", options.manager, " as host ", options.agent.host, " (", options.slots, " slots)");
     return 0;
@@ -114,6 +120,15 @@ int joinFirst(MainOptions& options, const std::string& joinCredential, int verdi
     log::error(e.what());
     report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": ", e.what(), "\n"));
     return 1;
+  }
+}
+
+std::string rereadJoinCredential(const MainOptions& options, const std::string& previous) {
+  try {
+    return readJoinCredential(options.joinTokenFile);
+  } catch (const std::exception& e) {
+    log::warn("cannot read --join_token_file again (", e.what(), "); trying the credential read before");
+    return previous;
   }
 }
 
@@ -163,7 +178,11 @@ int runOnce(MainOptions options, const std::string& joinCredential, int verdictF
 int run(const MainOptions& options, const std::string& joinCredential, int verdictFd) {
   for (int round = 0;; ++round) {
     bool served = false;
-    const int code = runOnce(options, joinCredential, round == 0 ? verdictFd : -1, served);
+    // The file again each round: run_varuna (or the scheduler's secret
+    // store) renews it, and the one read at start may have expired since.
+    const std::string credential =
+        round > 0 && !options.joinTokenFile.empty() ? rereadJoinCredential(options, joinCredential) : joinCredential;
+    const int code = runOnce(options, credential, round == 0 ? verdictFd : -1, served);
     if (options.join.empty() || !served || code != 1) return code;
     log::warn("the manager was lost: joining again (for up to ", options.joinWaitS, " s)");
   }
@@ -199,7 +218,8 @@ int main(int argc, char** argv) {
   app.add_option("--slots", options.slots, "with --join: the workers this host runs (its GPUs; default 1)")
       ->check(CLI::Range(1, 1024));
   app.add_option("--join_wait_s", options.joinWaitS,
-                 "with --join: keep trying this long while the manager cannot be reached yet (default 120)")
+                 "with --join: keep trying this long while the manager cannot be reached yet, and again each time it "
+                 "is lost (a requeued manager job waits out its scheduler's delay; default 600)")
       ->check(CLI::PositiveNumber);
   app.add_option("--host", options.agent.host,
                  "this host's name in the machine list; with --join, the name (an address the other hosts reach) "
@@ -249,6 +269,8 @@ int main(int argc, char** argv) {
     }
     if (envFromStdin) setEnvironmentFromStdin();
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
+    options.graceSet = app.count("--grace_s") > 0;
+    options.lostManagerSet = app.count("--lost_manager_ms") > 0;
     options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
     options.agent.sigtermNotice = millis(sigtermNoticeS);
     const bool defaultRunDir = options.agent.runDir.empty();

@@ -54,6 +54,15 @@ bool AgentPool::isListed(const std::string& host) const {
 }
 
 void AgentPool::setListed(std::vector<Machine> machines) {
+  // A name that joined by itself stays the joined host's while its agent is
+  // up: one machine must not count twice (the list entry counts once the
+  // list is written again after the joined host left).
+  std::erase_if(machines, [this](const Machine& m) {
+    if (!joined_.count(m.host)) return false;
+    log::error("the machine list names ", m.host, ", a host that joined by itself: the entry is ignored while that "
+               "host's agent is up");
+    return true;
+  });
   listed_ = std::move(machines);
   listedHosts_.clear();
   for (const auto& m : listed_) listedHosts_.insert(m.host);
@@ -211,8 +220,8 @@ std::string AgentPool::joinRefusal(const proto::Hello& hello) const {
 }
 
 bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
-  const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
   if (const std::string why = joinRefusal(hello); !why.empty()) {
+    const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
     // Bounded like the listener's refusals: a flood of joins must not fill the disk.
     uint64_t suppressed = 0;
     if (joinRefusals_.allow(clock_.now(), &suppressed)) {
@@ -225,6 +234,7 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
     connection->closeAfterSending("join refused");
     return false;
   }
+  const std::string host = hello.host;  // a valid host address: fit for logs as it is
   joined_[host] = Machine{host, hello.slots, 0};
   Agent& agent = agents_[host];
   const uint64_t attempt = agent.attempt + 1;
@@ -234,7 +244,8 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
   agent.joined = true;
   absences_.forget(host);
   observer_.hostBack(host);  // whatever the job held against an earlier host of that name is over
-  connection->send(proto::Joined{credentials::agent(settings_.token, host), settings_.agentEnvironment});
+  connection->send(proto::Joined{credentials::agent(settings_.token, host), settings_.agentEnvironment,
+                                 settings_.joinedAgentGrace.count(), settings_.joinedAgentLostManager.count()});
   connection->closeAfterSending("joined");
   log::info("host ", host, " joined (", hello.slots, " slots, from ", connection->peer(), "); waiting for its agent");
   events_.write("host_joined", {{"host", host}, {"slots", hello.slots}, {"peer", connection->peer()}});
@@ -253,8 +264,7 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
 
 void AgentPool::leaveJoined(const std::string& host, const std::string& reason, bool expected, bool preempted) {
   joined_.erase(host);
-  absences_.forget(host);
-  agents_.erase(host);
+  forgetJoinedLater(host);
   if (expected || preempted) {
     log::info("joined host ", host, " left the job (", reason, preempted && !expected ? ", after its preemption notice" : "",
               ")");
@@ -265,6 +275,21 @@ void AgentPool::leaveJoined(const std::string& host, const std::string& reason, 
   log::error("lost the agent of joined host ", host, " (", reason, "); the host is out until it joins again");
   events_.write("host_lost", {{"host", host}, {"reason", reason}, {"joined", true}});
   observer_.agentLost(host, reason);
+}
+
+void AgentPool::forgetJoinedLater(const std::string& host) {
+  // Not now: a connection closes (and so reaches here) from inside loops
+  // over agents_ (silent agents, heartbeats, shutdown), which must not see
+  // their entry erased under them. The entry is gone (status kGone) until
+  // then; a join of the name meanwhile makes a new attempt, which stays.
+  const uint64_t attempt = agents_.at(host).attempt;
+  asio::post(io_, guard_->wrap("forgetting a joined host", [this, host, attempt] {
+    auto it = agents_.find(host);
+    if (it == agents_.end() || it->second.status != Status::kGone || it->second.attempt != attempt) return;
+    if (joined_.count(host) || listedHosts_.count(host)) return;
+    absences_.forget(host);
+    agents_.erase(it);
+  }));
 }
 
 void AgentPool::onMessage(const std::string& host, const proto::Message& message) {
@@ -441,6 +466,7 @@ void AgentPool::markFailed(const std::string& host) {
 }
 
 void AgentPool::listedAdded(const std::string& host) {
+  if (joined_.count(host) || !listedHosts_.count(host)) return;  // a joined host's name (setListed)
   auto it = agents_.find(host);
   if (it == agents_.end() || it->second.status != Status::kUp) startAgent(host);
 }

@@ -66,6 +66,9 @@ class AgentPool {
     std::vector<std::pair<std::string, std::string>> agentEnvironment;
     std::chrono::milliseconds heartbeatTimeout{10000};  // an agent silent this long is closed
     std::chrono::milliseconds helloWait{10000};  // after a reported start-up, the wait for its hello
+    // What a joined agent is told (Joined), as run_varuna's command line
+    // tells the agents it starts: --grace_s and --lost_manager_ms.
+    std::chrono::milliseconds joinedAgentGrace{5000}, joinedAgentLostManager{15000};
     RetryPolicy retry;
   };
 
@@ -104,6 +107,7 @@ class AgentPool {
   // and the env_file's variables. A joined host leaves with its agent.
   bool join(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
   size_t joinedCount() const { return joined_.size(); }
+  bool isJoined(const std::string& host) const { return joined_.count(host) > 0; }
 
   // Closes agents silent for the heartbeat timeout (each one's loss goes to
   // the observer). First in the daemon's tick.
@@ -175,6 +179,7 @@ class AgentPool {
   // A joined host's agent went: the host leaves the job (a lost one is
   // reported to the observer); it comes back only by joining again.
   void leaveJoined(const std::string& host, const std::string& reason, bool expected, bool preempted);
+  void forgetJoinedLater(const std::string& host);
   std::string joinRefusal(const proto::Hello& hello) const;
   void onStartupDone(const std::string& host, const HostCommandResult& result);
   void startupFailed(const std::string& host, const std::string& message);

@@ -29,18 +29,12 @@ std::string loadOrCreateToken(const fs::path& stateDir) {
   std::string token;
   const char* hex = "0123456789abcdef";
   for (int i = 0; i < 48; ++i) token += hex[random() % 16];
-  const auto old = ::umask(077);
-  ckpt::writeFileAtomic(stateDir, "token", token + "\n");
-  ::umask(old);
-  ::chmod(path.c_str(), 0600);
+  ckpt::writePrivateFileAtomic(stateDir, "token", token + "\n");
   return token;
 }
 
 void writeJoinCredential(const fs::path& stateDir, const std::string& jobSecret, int64_t expiresUnixS) {
-  const auto old = ::umask(077);
-  ckpt::writeFileAtomic(stateDir, "join_token", credentials::join(jobSecret, expiresUnixS) + "\n");
-  ::umask(old);
-  ::chmod((stateDir / "join_token").c_str(), 0600);
+  ckpt::writePrivateFileAtomic(stateDir, "join_token", credentials::join(jobSecret, expiresUnixS) + "\n");
 }
 
 json readJsonFile(const fs::path& path) {

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "varuna/common/checkpoint_files.h"
@@ -65,6 +66,9 @@ AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string addre
   settings.agentEnvironment = env;
   settings.heartbeatTimeout = millis(std::max(config.heartbeatTimeoutS, 3.0));
   settings.helloWait = kHelloDeadline;
+  // A joined agent's timing, as agentCommand's --grace_s and --lost_manager_ms.
+  settings.joinedAgentGrace = millis(config.agentGraceS);
+  settings.joinedAgentLostManager = millis(std::max(config.heartbeatTimeoutS, 3.0) + config.agentGraceS);
   settings.retry = {config.hostRetryS > 0 ? millis(config.hostRetryS) : std::chrono::milliseconds(0),
                     millis(config.hostRetryMaxS)};
   return settings;
@@ -126,6 +130,10 @@ void ManagerDaemon::Impl::start() {
   log::info("job '", config_.job, "': manager ",
             tcpListening_ ? "listening on " + advertisedAddress_ : std::string("on an in-process network only"),
             "; state in ", config_.stateDir);
+  if (joinOnly() && config_.managerIp.empty()) {
+    log::warn("no --manager_ip: joining agents are told ", advertisedAddress_,
+              ", which only this machine reaches; give the address the hosts reach this one by");
+  }
   if (joinOnly()) {
     log::info("no machine list: hosts join with `varuna_agent --join ", advertisedAddress_, " --join_token_file ",
               (fs::path(config_.stateDir) / "join_token").string(), " --job ", config_.job,
@@ -478,9 +486,11 @@ void ManagerDaemon::Impl::maybeStartJob() {
   phase_ = DaemonPhase::kRunning;
   const auto usable = pool_->usable();
   const size_t listed = pool_->listed().size();
+  const size_t usableListed = static_cast<size_t>(
+      std::count_if(usable.begin(), usable.end(), [this](const Machine& m) { return !pool_->isJoined(m.host); }));
   log::info(usable.size(), " host(s) ready (", listed, " listed, ", pool_->joinedCount(), " joined)");
-  if (usable.size() < listed && !pool_->anyStarting()) {
-    log::error(listed - usable.size(), " host(s) could not start an agent (see the errors above); they are ",
+  if (usableListed < listed && !pool_->anyStarting()) {
+    log::error(listed - usableListed, " host(s) could not start an agent (see the errors above); they are ",
                config_.hostRetryS > 0 ? "retried with backoff and " : "", "retried when the machine list is written");
   }
   const auto now = clock_.now();

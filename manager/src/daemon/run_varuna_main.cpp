@@ -3,7 +3,6 @@
 // (once, or refreshed with --watch).
 #include <signal.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <utility>  // before Asio: its headers miss it with this GCC
@@ -238,10 +237,7 @@ int printJoinToken(int argc, char** argv) {
       std::cout << credential << std::endl;
       return 0;
     }
-    const auto old = ::umask(077);
-    ckpt::writeFileAtomic(fs::absolute(out).parent_path(), fs::path(out).filename().string(), credential + "\n");
-    ::umask(old);
-    ::chmod(out.c_str(), 0600);
+    ckpt::writePrivateFileAtomic(fs::absolute(out).parent_path(), fs::path(out).filename().string(), credential + "\n");
     std::cerr << "join credential written to " << out << " (valid " << ttlH << " h)" << std::endl;
     return 0;
   } catch (const std::exception& e) {

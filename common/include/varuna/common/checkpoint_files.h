@@ -96,6 +96,8 @@ using Sink = std::function<void(const void* data, size_t size)>;
 
 // Writes `bytes` to dir/name durably and atomically; returns its entry.
 FileEntry writeFileAtomic(const fs::path& dir, const std::string& name, std::string_view bytes);
+// The same for a secret: mode 0600 from its creation (whatever the umask).
+FileEntry writePrivateFileAtomic(const fs::path& dir, const std::string& name, std::string_view bytes);
 // The same for bytes produced piecewise by `produce(sink)`: they go straight
 // to the file (no in-memory copy) and are checksummed on the way.
 FileEntry writeFileStreaming(const fs::path& dir, const std::string& name, const std::function<void(const Sink&)>& produce);
