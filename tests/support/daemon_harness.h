@@ -72,6 +72,18 @@ inline JobConfig daemonTestConfig(const std::filesystem::path& dir, const std::s
   return config;
 }
 
+// The timings of the fault-sequence tests on a fake clock (sequences,
+// metrics, joins): agents silent 3 s are lost, workers 2 s; start-ups and
+// checkpoints get 10 s; relaunches back off 0.2 s; five failures are allowed.
+inline void fastFaultTimings(JobConfig& config) {
+  config.heartbeatTimeoutS = 2;  // agents: max(this, 3) s
+  config.startupTimeoutS = 10;
+  config.checkpointTimeoutS = 10;
+  config.agentGraceS = 1;
+  config.restartBackoffS = 0.2;
+  config.maxFailures = 5;
+}
+
 // The host-return tests' job (unit and integration alike): two hosts of one
 // slot each, one replica per host, lost hosts retried after 0.3 s, doubling
 // up to 5 s; `tweak` changes it further.

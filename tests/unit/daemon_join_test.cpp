@@ -25,12 +25,7 @@ struct JoinDaemon : test::SimDaemonHarness {
     config.machineList.clear();
     config.machineSource = "join";
     config.minHosts = minHosts;
-    config.heartbeatTimeoutS = 2;
-    config.startupTimeoutS = 10;
-    config.checkpointTimeoutS = 10;
-    config.agentGraceS = 1;
-    config.restartBackoffS = 0.2;
-    config.maxFailures = 5;
+    test::fastFaultTimings(config);
     auto sim = sim::fastSimOptions();
     sim.globalStore = config.globalStore;
     useFakeClock();

@@ -21,12 +21,7 @@ struct MetricsDaemon : test::SimDaemonHarness {
   explicit MetricsDaemon(const std::string& name) : SimDaemonHarness(name, 15s) {
     test::writeMachineList(dir / "machines.txt", {"node-a", "node-b"}, 2);
     JobConfig config = test::daemonTestConfig(dir, "metrics", /*batchSize=*/4, /*nstages=*/2);
-    config.heartbeatTimeoutS = 2;
-    config.startupTimeoutS = 10;
-    config.checkpointTimeoutS = 10;
-    config.agentGraceS = 1;
-    config.restartBackoffS = 0.2;
-    config.maxFailures = 5;
+    test::fastFaultTimings(config);
     auto options = sim::fastSimOptions(50ms, 200ms);
     options.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
     useFakeClock();  // and in-memory streams to the daemon: no socket

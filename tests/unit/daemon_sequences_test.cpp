@@ -40,12 +40,7 @@ struct SimDaemon : test::SimDaemonHarness {
     test::writeMachineList(dir / "machines.txt", job.hosts, job.slots);
     // agentPath never runs: SimHostLauncher starts a simulated agent.
     JobConfig config = test::daemonTestConfig(dir, "sequences", job.batch, job.stages);
-    config.heartbeatTimeoutS = 2;  // agents: max(this, 3) s
-    config.startupTimeoutS = 10;
-    config.checkpointTimeoutS = 10;
-    config.agentGraceS = 1;
-    config.restartBackoffS = 0.2;
-    config.maxFailures = 5;
+    test::fastFaultTimings(config);
     if (tweak) tweak(config);
     simOptions.globalStore = config.globalStore;  // checkpoint orders write real (tiny) checkpoints
     useFakeClock();  // and in-memory streams to the daemon: no socket

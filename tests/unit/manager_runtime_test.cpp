@@ -13,6 +13,7 @@
 #include "test_env.h"
 #include "varuna/common/control_client.h"
 #include "agent/agent.h"
+#include "agent/scheduler_grace.h"
 #include "daemon/async_planner.h"
 #include "loop/background_worker.h"
 #include "loop/event_log.h"
@@ -651,4 +652,25 @@ TEST_CASE("async planner: AutoConfig off the loop, the controller waits and is t
     io.restart();
   }
   CHECK_THROWS_WITH(failing.plan(PlanRequest{}), Catch::Contains("no plan fits in 0 B"));
+}
+
+TEST_CASE("scheduler grace: Slurm's durations and a partition's GraceTime", "[runtime]") {
+  CHECK(parseSlurmSeconds("30") == 30);
+  CHECK(parseSlurmSeconds("0") == 0);
+  CHECK(parseSlurmSeconds("02:05") == 125);
+  CHECK(parseSlurmSeconds("00:00:30") == 30);
+  CHECK(parseSlurmSeconds("01:00:00") == 3600);
+  CHECK(parseSlurmSeconds("1-00:00:10") == 86410);
+  for (const std::string& bad : std::vector<std::string>{"", "UNLIMITED", "1-30", "-5", "1:2:3:4", "30s", "1.5"}) {
+    INFO(bad);
+    CHECK_FALSE(parseSlurmSeconds(bad));
+  }
+  // As `scontrol show partition` prints it (22.05).
+  const std::string low =
+      "PartitionName=low\n   AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL\n   AllocNodes=ALL Default=YES QoS=N/A\n"
+      "   DefaultTime=NONE DisableRootJobs=NO ExclusiveUser=NO GraceTime=15 Hidden=NO\n";
+  CHECK(graceTimeFromPartition(low) == 15);
+  CHECK(graceTimeFromPartition("   GraceTime=00:01:30 Hidden=NO") == 90);
+  CHECK_FALSE(graceTimeFromPartition("PartitionName=low Hidden=NO"));
+  CHECK_FALSE(graceTimeFromPartition("NoGraceTime=15"));
 }

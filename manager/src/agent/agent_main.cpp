@@ -16,6 +16,7 @@
 #include "varuna/common/time_util.h"
 #include "agent/agent.h"
 #include "agent/join.h"
+#include "agent/scheduler_grace.h"
 #include "agent/run_dir.h"
 
 namespace {
@@ -59,6 +60,21 @@ std::string readJobToken(bool fromStdin) {
   }
   ::unsetenv("VARUNA_JOB_TOKEN");
   return token;
+}
+
+// --sigterm_notice_s: seconds, or "auto" (the Slurm partition's GraceTime).
+std::chrono::milliseconds parseSigtermNotice(const std::string& value) {
+  if (value == "auto") {
+    const auto grace = slurmGraceTime();
+    if (grace.count() == 0) log::warn("the partition's GraceTime is 0: a SIGTERM stops the agent at once");
+    return grace;
+  }
+  char* end = nullptr;
+  const double seconds = std::strtod(value.c_str(), &end);
+  if (value.empty() || *end != '\0' || !(seconds >= 0) || seconds > 86400 * 7) {
+    throw ConfigError(strCat("--sigterm_notice_s must be seconds (0 to a week) or auto, got '", value, "'"));
+  }
+  return millis(seconds);
 }
 
 std::string thisHostName() {
@@ -233,13 +249,12 @@ int main(int argc, char** argv) {
                  "kill the workers and exit when no frame at all (the manager heartbeats every second) came "
                  "from the manager this long, even if the connection is up (a silent partition; default 15000)")
       ->check(CLI::PositiveNumber);
-  double sigtermNoticeS = 0;
-  app.add_option("--sigterm_notice_s", sigtermNoticeS,
+  std::string sigtermNotice = "0";
+  app.add_option("--sigterm_notice_s", sigtermNotice,
                  "take a SIGTERM as the scheduler's preemption notice (Slurm's GraceTime, Kubernetes' "
                  "terminationGracePeriodSeconds): tell the manager this host goes that many seconds later, and exit "
-                 "once the manager has stopped the workers or just before then; 0 (default): a SIGTERM stops the "
-                 "agent and its workers at once")
-      ->check(CLI::NonNegativeNumber);
+                 "once the manager has stopped the workers or just before then; auto: the Slurm partition's "
+                 "GraceTime (scontrol); 0 (default): a SIGTERM stops the agent and its workers at once");
   app.add_flag("--daemonize", options.daemonize, "detach, and return once connected to the manager");
   app.add_option("--log_level", options.logLevel, "debug, info, warn or error");
   bool tokenFromStdin = false, envFromStdin = false;
@@ -272,7 +287,7 @@ int main(int argc, char** argv) {
     options.graceSet = app.count("--grace_s") > 0;
     options.lostManagerSet = app.count("--lost_manager_ms") > 0;
     options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
-    options.agent.sigtermNotice = millis(sigtermNoticeS);
+    options.agent.sigtermNotice = parseSigtermNotice(sigtermNotice);
     const bool defaultRunDir = options.agent.runDir.empty();
     if (defaultRunDir) options.agent.runDir = defaultAgentRunDir(options.agent.job, options.agent.host);
     log::configure({"agent", options.agent.job, options.agent.host}, log::parseLevel(options.logLevel));

@@ -89,10 +89,7 @@ void AgentPool::startAgent(const std::string& host) {
   // One start-up per host at a time: a retry or a list write while one is
   // under way leaves it to that one.
   if (!fresh && (agent.status == Status::kStarting || agent.launching)) return;
-  const uint64_t attempt = agent.attempt + 1;
-  agent = Agent{};
-  agent.status = Status::kStarting;
-  agent.attempt = attempt;
+  startAttempt(agent);
   agent.launching = true;
   absences_.noteAttempt(host);
   const std::string command = agentCommand_(host);
@@ -118,6 +115,14 @@ void AgentPool::startAgent(const std::string& host) {
       onStartupDone(host, result);
     }));
   }));
+}
+
+uint64_t AgentPool::startAttempt(Agent& agent) {
+  const uint64_t attempt = agent.attempt + 1;
+  agent = Agent{};
+  agent.status = Status::kStarting;
+  agent.attempt = attempt;
+  return attempt;
 }
 
 void AgentPool::reapLaunchThread(uint64_t id) {
@@ -237,10 +242,7 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
   const std::string host = hello.host;  // a valid host address: fit for logs as it is
   joined_[host] = Machine{host, hello.slots, 0};
   Agent& agent = agents_[host];
-  const uint64_t attempt = agent.attempt + 1;
-  agent = Agent{};
-  agent.status = Status::kStarting;
-  agent.attempt = attempt;
+  const uint64_t attempt = startAttempt(agent);
   agent.joined = true;
   absences_.forget(host);
   observer_.hostBack(host);  // whatever the job held against an earlier host of that name is over

@@ -174,6 +174,8 @@ class AgentPool {
   };
 
   void forgetUnlisted();
+  // Resets `agent` to a new start-up (status kStarting, the next attempt number); returns that number.
+  static uint64_t startAttempt(Agent& agent);
   void onMessage(const std::string& host, const proto::Message& message);
   void onClosed(const std::string& host, const std::string& reason);
   // A joined host's agent went: the host leaves the job (a lost one is
