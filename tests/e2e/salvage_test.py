@@ -197,8 +197,10 @@ def test_a_replica_that_missed_the_buffer_broadcast_relays_the_exchange():
 
 def test_a_whole_stage_killed_falls_back_to_the_periodic_checkpoint():
     """kill -9 of stage 0's two workers (ranks 0 and 2, one per host): no
-    survivor holds stage 0, so the job resumes from the periodic checkpoint of
-    step 100 and the event log says how many steps were lost."""
+    survivor holds stage 0, so the job resumes from its newest periodic
+    checkpoint (step 100, or 200 when a loaded machine was slow to find the
+    victims and the job had passed it) and the event log says how many steps
+    were lost."""
     steps = 260
     m = manager("stage", steps=steps, train_args=["--checkpoint_every", "100"]).start()
     m.wait_step(110)
@@ -210,8 +212,8 @@ def test_a_whole_stage_killed_falls_back_to_the_periodic_checkpoint():
     abandoned = m.events("salvage_abandoned")
     assert len(abandoned) == 1 and "stage 0" in abandoned[0]["reason"], abandoned
     launch = m.events("launch")[1]
-    assert launch["recovery"] == "checkpoint" and launch["resume_step"] == 100, launch
-    assert launch["steps_lost"] >= 10, launch
+    assert launch["recovery"] == "checkpoint" and launch["resume_step"] in (100, 200), launch
+    assert launch["steps_lost"] >= 1, launch  # at least the steps past the checkpoint
     assert (launch["plan"]["stages"], launch["plan"]["replicas"]) == (2, 2), launch
     assert not m.events("salvage_writing")
     assert_nothing_left(m.job)
