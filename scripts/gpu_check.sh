@@ -145,7 +145,7 @@ run() {
     -DCMAKE_PREFIX_PATH="$PREFIX/usr;$torch_prefix" -DCMAKE_INCLUDE_PATH="$PREFIX/usr/include" \
     -DCMAKE_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu" -DTORCH_CUDA_ARCH_LIST="9.0" \
     > "$out/configure.log" 2>&1 || { tail -30 "$out/configure.log" >&2; die "configure failed ($out/configure.log)"; }
-  local targets=(train_gpt plain_gpt_loop bench_checkpoint gpu_training_test worker_unit_test)
+  local targets=(train_gpt profile_gpt plain_gpt_loop bench_checkpoint gpu_training_test worker_unit_test)
   [[ $with_python == ON ]] && targets+=(varuna_python)
   say "building ${targets[*]} with ${JOBS:-$(nproc)} jobs"
   cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" --target "${targets[@]}" > "$out/build.log" 2>&1 ||

@@ -17,6 +17,14 @@
   start           worker start to the end of its first step, minus that
                   step (CUDA context, process group, model build):
                   worker_start_to_first_step_s
+  split           the zero-bubble schedules' backward split (issue P14):
+                  profile_gpt times one block and the head at micro-batch
+                  sizes 2 and the bench's, whole backward against its input
+                  half B and weight half W run on their own;
+                  split_over_backward = (B + W) / backward over those pieces
+                  (1.0: the split costs nothing; on the 2-core CPU VM it is
+                  1.14-1.16, docs/benchmarks.md), split_kept_mib: what B keeps
+                  for W per micro-batch
 
     bench_gpu.py --build BUILD [--python PY] [--out_dir DIR] [--steps N] [--smoke]
 
@@ -106,6 +114,33 @@ def _step_times(log_path):
         return [(int(m.group(1)), float(m.group(2))) for m in map(STEP_LINE.match, f) if m]
 
 
+def run_split_profile(build, size, device, out_dir, micro_sizes):
+    """profile_gpt on one block and the head (the pieces zb-h1 and zbv split;
+    the first piece runs its whole backward in W): per piece and micro-batch
+    size, the backward and its B and W halves in ms, and their ratio."""
+    folder = os.path.join(out_dir, "split_profile")
+    argv = [os.path.join(build, "examples", "gpt", "profile_gpt"), "--profile_dir", folder, "--device", device,
+            "--precision", size["precision"], "--untied", "--no_comm", "--pieces", "block0,head",
+            "--micro_batch_sizes", ",".join(str(m) for m in micro_sizes), "--warmup", "3",
+            "--repetitions", "10"] + model_args(size)
+    with open(os.path.join(out_dir, "split_profile.log"), "w") as logf:
+        subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT, check=True)
+    with open(os.path.join(folder, "profile.json")) as f:
+        profile = json.load(f)
+    rows, whole, split = [], 0.0, 0.0
+    for piece in profile["pieces"]:
+        for micro, at in sorted(piece.get("micro_batch", {}).items(), key=lambda kv: int(kv[0])):
+            if "backward_input" not in at:
+                continue
+            b, bi, bw = (at[k]["median_s"] * 1e3 for k in ("backward", "backward_input", "backward_weight"))
+            rows.append({"piece": piece["name"], "micro": int(micro), "backward_ms": b, "b_ms": bi, "w_ms": bw,
+                         "split_over_backward": (bi + bw) / b, "kept_mib": at.get("split_kept_bytes", 0) / 2**20})
+            whole, split = whole + b, split + bi + bw
+    if not rows:
+        raise RuntimeError("profile_gpt measured no split backward: see %s" % folder)
+    return {"rows": rows, "split_over_backward": split / whole}
+
+
 def flops_per_token(params, size):
     return 6 * params + 12 * size["layers"] * size["d_model"] * size["seq_len"]
 
@@ -149,6 +184,14 @@ def main():
     peak = next((v for k, v in BF16_PEAKS.items() if k in info["name"]), None)
     result["bf16_peak_flops"] = peak
     result["mfu"] = (flops_per_token(plain["params"], size) * cpp["tokens_per_s"] / peak) if peak else None
+    try:
+        split = run_split_profile(build, size, device, out_dir, sorted({2, size["batch"]}))
+        log("split backward (B + W over the whole):", split)
+        result["split_over_backward"] = split["split_over_backward"]
+        result["split_rows"] = split["rows"]
+    except (RuntimeError, subprocess.CalledProcessError, OSError, KeyError) as error:  # the other rows still count
+        log("split profile failed:", error)
+        result["split_error"] = str(error)
     result["python_step_over_cpp"] = None
     if os.path.isdir(os.path.join(build, "python", "varuna")):
         try:

@@ -240,12 +240,14 @@ def main():
                         dump = os.path.join(tmp, schedule if front_end == "cpp" else f"python_{schedule}")
                         t = times[front_end] = run_ours(args.build, size, P, schedule, dump, front_end)
                         table = ours if front_end == "cpp" else python
+                        busy_now = busy_fraction(dump, P, cfg["warmup"]) if front_end == "cpp" else None
                         if front_end == "cpp" and t < table.get(schedule, float("inf")):
-                            busy[schedule] = busy_fraction(dump, P, cfg["warmup"])
+                            busy[schedule] = busy_now
                             memory[schedule] = step_memory(dump, P, cfg["warmup"])
                         table[schedule] = min(table.get(schedule, t), t)
                         label = "ours" if front_end == "cpp" else "ours Python"
-                        print(f"[{size} round {rnd}] {label:11s} {schedule:7s} P={P}: {t*1e3:8.1f} ms/step", flush=True)
+                        print(f"[{size} round {rnd}] {label:11s} {schedule:7s} P={P}: {t*1e3:8.1f} ms/step"
+                              + (f", busy {busy_now:.3f}" if busy_now is not None else ""), flush=True)
                     if "python" in times:
                         paired[schedule].append(times["python"] / times["cpp"])
                         if rnd == 0:

@@ -4,7 +4,10 @@
 // SGD steps with clipping and tied weights, within fp32 rounding. Layouts
 // cover a rank holding both ends of the model (zbv, where the tied embedding
 // and head meet on stage 0), the turn of the V on one rank, one rank holding
-// every chunk (P = 1), data parallelism, and 3 or 4 stages.
+// every chunk (P = 1), data parallelism, and 3 or 4 stages. Gloo matches
+// messages by order here, as NCCL does (VARUNA_P2P_MATCH_BY_ORDER, comm.h):
+// with several cuts between one pair of ranks, only the agreed order of
+// step_messages.h pairs each message with its own receive.
 
 #include <cmath>
 #include <memory>
@@ -89,6 +92,7 @@ TEST_CASE("interleaved and zbv training equal single-process training", "[integr
       spec.replicas = c.replicas;
       spec.perReplicaBatch = c.globalBatch / c.replicas;
       spec.chunkSize = 2;
+      spec.env["VARUNA_P2P_MATCH_BY_ORDER"] = "1";
       spec.trainArgs = trainArgs(c, rc);
       WorkerJob job(spec, scratchDir("chunked-" + c.schedule + "-" + std::to_string(c.stages) + "x" +
                                      std::to_string(c.replicas) + (c.tieHeadFirst ? "-head-first" : "")));

@@ -1,7 +1,10 @@
 // Pipeline x data-parallel training must equal single-process training:
 // same losses and same parameters after several SGD steps with gradient
 // clipping, for every schedule (zero-bubble included) and several (P, D), within fp32 rounding
-// (relative 1e-5, absolute 1e-6 for values near zero).
+// (relative 1e-5, absolute 1e-6 for values near zero). Gloo matches the
+// messages by order here, as NCCL does (VARUNA_P2P_MATCH_BY_ORDER, comm.h):
+// the order each rank issues them in (step_messages.h) must pair every
+// message with its own receive, or the losses differ.
 
 #include <cmath>
 #include <memory>
@@ -66,6 +69,7 @@ TEST_CASE("pipeline and data-parallel training equal single-process training", "
         spec.replicas = layout.replicas;
         spec.perReplicaBatch = rc.globalBatch / layout.replicas;
         spec.chunkSize = 2;
+        spec.env["VARUNA_P2P_MATCH_BY_ORDER"] = "1";
         spec.trainArgs = trainArgs(schedule, rc);
         if (!layout.pieceCosts.empty()) spec.trainArgs.insert(spec.trainArgs.end(), {"--piece_costs", layout.pieceCosts});
         WorkerJob job(spec, scratchDir(schedule + "-" + std::to_string(layout.stages) + "x" +

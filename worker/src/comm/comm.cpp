@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "comm/blocked_on_peers.h"
 #include "varuna/common/log.h"
@@ -171,6 +172,8 @@ Communicator::Communicator(const CommOptions& options, const StageToRankMap& map
                                            [this](int r) { return describeRank(r); });
   world_ = makeBackend("world", options.rank, options.worldSize);
   if (options_.backend == CommBackend::kNccl && options_.worldSize > 1) refuseSharedGpus();
+  const char* byOrder = std::getenv("VARUNA_P2P_MATCH_BY_ORDER");
+  matchByOrder_ = byOrder != nullptr && std::string(byOrder) == "1";
 }
 
 // NCCL fails two ranks on one GPU only at their first collective, with a
@@ -304,7 +307,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::send(torch::Tensor& tensor, int dst
   // before Gloo reads it); Gloo's send work holds the buffer until done.
   std::vector<at::Tensor> tensors{staged(tensor) ? hostBufferFor(tensor).copy_(tensor) : tensor};
   try {
-    return world_->send(tensors, dstRank, tag);
+    return world_->send(tensors, dstRank, matchByOrder_ ? 0 : tag);
   } catch (const std::exception& e) {
     throw lostPeer(strCat("sending to rank ", dstRank), e.what());
   }
@@ -314,7 +317,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::recv(torch::Tensor& tensor, int src
   const bool viaHost = staged(tensor);
   std::vector<at::Tensor> tensors{viaHost ? hostBufferFor(tensor) : tensor};
   try {
-    auto work = world_->recv(tensors, srcRank, tag);
+    auto work = world_->recv(tensors, srcRank, matchByOrder_ ? 0 : tag);
     if (viaHost) stagedReceives_[work.get()] = StagedReceive{work, tensors[0], tensor};
     return work;
   } catch (const std::exception& e) {

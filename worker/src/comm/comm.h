@@ -9,6 +9,13 @@
 // lands in such a buffer and is copied to the device when its wait completes
 // (waitFor): every point-to-point transfer must be waited on through waitFor.
 //
+// Matching: NCCL pairs point-to-point messages by their order between two
+// ranks and ignores tags; Gloo pairs them by tag. The pipeline issues its
+// messages in an order both ends agree on (varuna/common/step_messages.h),
+// so either works. VARUNA_P2P_MATCH_BY_ORDER=1 makes Gloo match by order as
+// NCCL does (every tag 0): the CPU tests run the pipeline so, to prove on
+// CPUs that the order a multi-GPU job issues pairs the right messages.
+//
 // Failure handling: every wait goes through waitFor(), which turns a c10d error
 // or timeout into PeerLostError naming the lost rank. interrupt() (from any
 // thread: the manager link, on the manager's salvage order) ends the wait
@@ -195,6 +202,7 @@ class Communicator {
   std::unique_ptr<PeerMonitor> monitor_;
   bool finishedCleanly_ = false;
   bool abandoned_ = false;
+  bool matchByOrder_ = false;  // VARUNA_P2P_MATCH_BY_ORDER: every point-to-point tag 0
 };
 
 }  // namespace varuna

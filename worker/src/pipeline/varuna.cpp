@@ -196,13 +196,6 @@ void Varuna::Impl::resolveSchedule() {
                              " pieces (stages x chunks) but the model has ", pieces,
                              ": add CutPoints, use fewer stages or chunks, or a schedule without chunks"));
   }
-  // NCCL matches point-to-point messages by their order between two ranks,
-  // not by tag, and a chunked schedule interleaves several cuts' messages on
-  // one pair of ranks in an order each side posts differently.
-  if (layout_.chunks > 1 && P_ > 1 && resolveCommBackend(opt_.commBackend, opt_.device) == CommBackend::kNccl) {
-    throw ConfigError(strCat("schedule ", name, " needs the Gloo backend between stages for now (NCCL matches "
-                             "messages by order, not tag): use --comm_backend gloo, or a schedule without chunks"));
-  }
   // A micro-batch count the schedule cannot take fails now, before the rendezvous.
   scheduleFor(static_cast<int>((localBatch() + opt_.chunkSize - 1) / opt_.chunkSize));
 }

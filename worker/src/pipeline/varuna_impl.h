@@ -36,6 +36,7 @@
 #include "comm/grad_buckets.h"
 #include "link/manager_link.h"
 #include "pipeline/stage_model.h"
+#include "pipeline/step_traffic.h"
 #include "pipeline/step_exchange.h"
 #include "salvage/salvage_state.h"
 #include "varuna/common/checkpoint_files.h"
@@ -46,19 +47,6 @@ namespace varuna {
 
 // The SIGUSR1 request is carried by a step (varuna.cpp keeps the flag).
 void clearCheckpointSignal();
-
-// The shape of what crosses a cut, without the micro-batch dimension.
-struct CutShape {
-  std::vector<int64_t> trailing;
-  at::ScalarType dtype = at::kFloat;
-  bool known = false;
-
-  std::vector<int64_t> withBatch(int64_t b) const {
-    std::vector<int64_t> sizes{b};
-    sizes.insert(sizes.end(), trailing.begin(), trailing.end());
-    return sizes;
-  }
-};
 
 class Varuna::Impl {
  public:
@@ -140,6 +128,10 @@ class Varuna::Impl {
   LossScaler scaler_;
   std::vector<CutShape> inShape_, outShape_;  // per chunk
   std::map<int, Schedule> schedules_;
+  // By number of micro-batches: this stage's message plans (step_messages.h)
+  // of the schedule and of evaluate()'s order, and that order.
+  std::map<int, StageMessagePlan> stepPlans_, evalPlans_;
+  std::map<int, StageSchedule> evalOrders_;
   std::unique_ptr<CheckpointWriter> writer_;
   std::string runTag_;  // names this run's partial checkpoint folders (ckpt::runTag)
   int64_t stepsDone_ = 0;
@@ -173,6 +165,10 @@ class Varuna::Impl {
   void learnCutShapes();
   std::vector<Batch> splitMicrobatches(const Batch& inputs, int64_t expected, const char* what) const;
   const StageSchedule& scheduleFor(int microbatches);
+  const StageMessagePlan& stepPlanFor(int microbatches);
+  // evaluate()'s order on this stage, and its plan.
+  std::pair<const StageSchedule&, const StageMessagePlan&> evalPlanFor(int microbatches);
+  StepTraffic::Setup trafficSetup(const std::vector<Batch>& micro, TagKind activationTag);
   torch::Tensor runForward(MicrobatchState& state, const torch::Tensor& input, const Batch& batch, bool keep);
   void checkOutgoing(const torch::Tensor& out, int64_t b, int chunk) const;
   std::string checkAgainstProfile() const;

@@ -22,14 +22,6 @@ namespace varuna {
 
 namespace {
 
-// Message tags: kind, the cut the message crosses (virtual stage c to c+1:
-// cut c), and the micro-batch. Each pair of ranks sees each tag once a step.
-enum TagKind : int { kActivationTag = 1, kGradientTag = 2, kEvalTag = 3, kShapeTag = 4 };
-constexpr int kCutBits = 12, kMicrobatchBits = 16;
-int tagFor(TagKind kind, int cut, int microbatch) {
-  return (kind << (kCutBits + kMicrobatchBits)) | (cut << kMicrobatchBits) | microbatch;
-}
-
 constexpr int kHeaderLength = 10;  // dtype, ndim, up to 8 dims
 
 torch::Tensor encodeShape(const torch::Tensor& t) {
@@ -156,6 +148,42 @@ const StageSchedule& Varuna::Impl::scheduleFor(int microbatches) {
   return it->second[stage_];
 }
 
+const StageMessagePlan& Varuna::Impl::stepPlanFor(int microbatches) {
+  auto it = stepPlans_.find(microbatches);
+  if (it == stepPlans_.end()) {
+    scheduleFor(microbatches);
+    auto plans = planStepMessages(schedules_.at(microbatches), layout_);
+    it = stepPlans_.emplace(microbatches, std::move(plans[stage_])).first;
+  }
+  return it->second;
+}
+
+std::pair<const StageSchedule&, const StageMessagePlan&> Varuna::Impl::evalPlanFor(int microbatches) {
+  auto it = evalPlans_.find(microbatches);
+  if (it == evalPlans_.end()) {
+    checkMessageLimits(microbatches);
+    const Schedule order = evaluationOrder(layout_, microbatches);
+    auto plans = planStepMessages(order, layout_);
+    evalOrders_[microbatches] = order[stage_];
+    it = evalPlans_.emplace(microbatches, std::move(plans[stage_])).first;
+  }
+  return {evalOrders_.at(microbatches), it->second};
+}
+
+StepTraffic::Setup Varuna::Impl::trafficSetup(const std::vector<Batch>& micro, TagKind activationTag) {
+  StepTraffic::Setup setup;
+  setup.comm = comm_.get();
+  setup.layout = layout_;
+  setup.stage = stage_;
+  setup.rankOf = [this](int stage) { return map_.rankOf(stage, replica_); };
+  setup.inShape = &inShape_;
+  setup.outShape = &outShape_;
+  setup.device = opt_.device;
+  for (const auto& batch : micro) setup.microbatchSizes.push_back(batch.begin()->second.size(0));
+  setup.activationTag = activationTag;
+  return setup;
+}
+
 void Varuna::Impl::checkOutgoing(const torch::Tensor& out, int64_t b, int chunk) const {
   const CutShape& shape = outShape_[chunk];
   const auto expected = shape.withBatch(b);
@@ -178,27 +206,16 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   buckets_.zero();
 
   const int chunks = numChunks();
-  auto perChunk = [&](auto value) { return std::vector(chunks, std::vector<decltype(value)>(m)); };
   std::vector<std::vector<MicrobatchState>> states(chunks);
   for (int c = 0; c < chunks; ++c) {
     states[c].resize(m);
     for (auto& state : states[c]) state.chunk = c;
   }
-  auto activationIn = perChunk(torch::Tensor()), gradientIn = perChunk(torch::Tensor());
-  auto activationRecv = perChunk(c10::intrusive_ptr<c10d::Work>()), gradientRecv = activationRecv;
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends;
   auto bsize = [&](int i) { return micro[i].begin()->second.size(0); };
-  auto receivesActivations = [&](int c) { return !first(c) && !inFromChunkBefore(c); };
-  auto receivesGradients = [&](int c) { return !last(c) && !outToChunkAfter(c); };
-  for (int c = 0; c < chunks; ++c) {
-    if (!receivesActivations(c)) continue;
-    // Post every activation receive now: transfers overlap with compute.
-    for (int i = 0; i < m; ++i) {
-      activationIn[c][i] = torch::empty(inShape_[c].withBatch(bsize(i)),
-                                        torch::TensorOptions().dtype(inShape_[c].dtype).device(opt_.device));
-      activationRecv[c][i] = comm_->recv(activationIn[c][i], prevRank(c), tagFor(kActivationTag, virtualStage(c) - 1, i));
-    }
-  }
+  // Receives are posted and sends started where the plan says: the same
+  // order on both ends of every pair of ranks (NCCL's matching).
+  const StageMessagePlan& plan = stepPlanFor(m);
+  StepTraffic traffic(trafficSetup(micro, kActivationTag));
   // Per chunk, the task that finalises its gradients: the buckets hear of it.
   std::vector<int> finalBackward(chunks, -1);
   for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
@@ -216,17 +233,19 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
     const Task& task = tasks[k];
     const int i = task.microbatch, c = task.chunk;
     MicrobatchState& state = states[c][i];
+    traffic.issue(plan.beforeTask[k]);
     // Waits for inputs are outside the timed region: only compute counts.
-    if (task.type == TaskType::kForward && receivesActivations(c)) {
-      comm_->waitFor(activationRecv[c][i], "receiving an activation");
-    }
+    torch::Tensor input;
+    if (task.type == TaskType::kForward && !first(c)) input = traffic.takeActivation(c, i);
     const bool inputGradient = task.type == TaskType::kBackward || task.type == TaskType::kBackwardInput;
-    if (inputGradient && receivesGradients(c)) comm_->waitFor(gradientRecv[c][i], "receiving a gradient");
+    torch::Tensor grad;
+    if (inputGradient && !last(c)) grad = traffic.takeGradient(c, i);
     const auto& pieceDone = k == finalBackward[c] ? onPieceDone : noCallback;
     const auto taskStart = Clock::now();
+    torch::Tensor produced;  // what goes to another rank, if the plan sends it
     switch (task.type) {
       case TaskType::kForward: {
-        torch::Tensor out = runForward(state, activationIn[c][i], micro[i], task.keepActivations);
+        torch::Tensor out = runForward(state, input, micro[i], task.keepActivations);
         if (last(c)) {
           lossSum += out.detach().to(torch::kDouble) * static_cast<double>(bsize(i));
           break;
@@ -234,12 +253,10 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
         checkOutgoing(out, bsize(i), c);
         auto payload = out.detach().contiguous();
         if (outToChunkAfter(c)) {
-          activationIn[c + 1][i] = payload;
-          break;
+          traffic.handActivation(c + 1, i, payload);
+        } else {
+          produced = payload;
         }
-        sends.emplace_back(comm_->send(payload, nextRank(c), tagFor(kActivationTag, virtualStage(c), i)), payload);
-        gradientIn[c][i] = torch::empty_like(payload);
-        gradientRecv[c][i] = comm_->recv(gradientIn[c][i], nextRank(c), tagFor(kGradientTag, virtualStage(c), i));
         break;
       }
       case TaskType::kRecompute: {
@@ -249,22 +266,17 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
       }
       case TaskType::kBackward:
       case TaskType::kBackwardInput: {
-        torch::Tensor grad;
         if (last(c)) {
           // d(global mean loss)/d(micro-batch mean loss) = b_i / B, times the fp16 scale.
           const double weight = scale * static_cast<double>(bsize(i)) / static_cast<double>(opt_.batchSize);
           grad = torch::full_like(state.outputs.back(), weight);
-        } else {
-          grad = gradientIn[c][i];
-          gradientIn[c][i] = torch::Tensor();
         }
         const bool whole = task.type == TaskType::kBackward;
         torch::Tensor gradInput = whole ? model_->backward(state, grad, pieceDone) : model_->backwardInput(state, grad);
         if (inFromChunkBefore(c)) {
-          gradientIn[c - 1][i] = gradInput;
+          traffic.handGradient(c - 1, i, gradInput);
         } else if (!first(c)) {
-          auto payload = gradInput.contiguous();
-          sends.emplace_back(comm_->send(payload, prevRank(c), tagFor(kGradientTag, virtualStage(c) - 1, i)), payload);
+          produced = gradInput.contiguous();
         }
         if (whole) state = MicrobatchState{.chunk = c};
         break;
@@ -275,8 +287,9 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
         break;
     }
     computeTime += Clock::now() - taskStart;
+    traffic.issue(plan.afterTask[k], produced);
   }
-  for (auto& [work, tensor] : sends) comm_->waitFor(work, "sending to a neighbour stage");
+  traffic.finishSends();
   buckets_.finish(*comm_);
 
   if (opt_.faults.poisonGradients &&
@@ -316,38 +329,34 @@ double Varuna::Impl::evaluate(const Batch& inputs) {
     ~TrainModeOnExit() { model.train(); }
   } restore{*model_};
   double lossSum = 0.0;
-  // Micro-batch by micro-batch, each through this rank's chunks in the
-  // model's order: every message's sender is earlier in that order.
-  for (int i = 0; i < static_cast<int>(micro.size()); ++i) {
+  // Chunk by chunk, every micro-batch (evaluationOrder), the messages where
+  // the plan puts them: the stages overlap as in a step.
+  const int m = static_cast<int>(micro.size());
+  const auto [order, plan] = evalPlanFor(m);
+  StepTraffic traffic(trafficSetup(micro, kEvalTag));
+  for (int k = 0; k < static_cast<int>(order.size()); ++k) {
+    const int i = order[k].microbatch, c = order[k].chunk;
     const int64_t b = micro[i].begin()->second.size(0);
-    torch::Tensor carried;
-    for (int c = 0; c < numChunks(); ++c) {
-      torch::Tensor input;
-      if (inFromChunkBefore(c)) {
-        input = carried;
-      } else if (!first(c)) {
-        input = torch::empty(inShape_[c].withBatch(b),
-                             torch::TensorOptions().dtype(inShape_[c].dtype).device(opt_.device));
-        comm_->waitFor(comm_->recv(input, prevRank(c), tagFor(kEvalTag, virtualStage(c) - 1, i)),
-                       "receiving an evaluation activation");
-      }
-      MicrobatchState state;
-      state.chunk = c;
-      torch::Tensor out = runForward(state, input, micro[i], /*keep=*/true);
-      if (last(c)) {
-        lossSum += out.item<double>() * static_cast<double>(b);
-        continue;
-      }
+    traffic.issue(plan.beforeTask[k]);
+    torch::Tensor input;
+    if (!first(c)) input = traffic.takeActivation(c, i);
+    MicrobatchState state;
+    state.chunk = c;
+    torch::Tensor out = runForward(state, input, micro[i], /*keep=*/true);
+    torch::Tensor produced;
+    if (last(c)) {
+      lossSum += out.item<double>() * static_cast<double>(b);
+    } else {
       checkOutgoing(out, b, c);
-      auto payload = out.contiguous();
       if (outToChunkAfter(c)) {
-        carried = payload;
-        continue;
+        traffic.handActivation(c + 1, i, out.contiguous());
+      } else {
+        produced = out.contiguous();
       }
-      comm_->waitFor(comm_->send(payload, nextRank(c), tagFor(kEvalTag, virtualStage(c), i)),
-                     "sending an evaluation activation");
     }
+    traffic.issue(plan.afterTask[k], produced);
   }
+  traffic.finishSends();
   const bool lossHere = holdsLoss();
   auto stats = torch::tensor({lossHere ? lossSum : 0.0, lossHere ? static_cast<double>(samples) : 0.0},
                              torch::TensorOptions().dtype(torch::kDouble));
