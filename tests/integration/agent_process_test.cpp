@@ -51,6 +51,14 @@ uint64_t signalSet(pid_t pid, const std::string& field) {
 
 uint64_t bit(int signal) { return uint64_t{1} << (signal - 1); }
 
+// The program a process runs ("" once it is gone).
+std::string commOf(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/comm");
+  std::string name;
+  std::getline(in, name);
+  return name;
+}
+
 // Gone, or a zombie no one reaped yet (it runs nothing).
 bool gone(pid_t pid) {
   const auto stat = processStat(pid);
@@ -293,7 +301,12 @@ TEST_CASE("agent: workers start with SIGUSR1 blocked, so an early checkpoint req
           "[agent]") {
   AgentUnderTest t("agent-sigusr1", "30");
   const auto workers = t.launchSleepers();
-  for (const pid_t pid : workers) CHECK((signalSet(pid, "SigBlk") & bit(SIGUSR1)) != 0);
+  for (const pid_t pid : workers) {
+    // The agent sees its child from the fork on; the mask is the program's
+    // once it runs (`sh` has exec'd `sleep`).
+    REQUIRE(test::waitUntil([&] { return commOf(pid) == "sleep"; }, 10s));
+    CHECK((signalSet(pid, "SigBlk") & bit(SIGUSR1)) != 0);
+  }
   REQUIRE(t.link->send(proto::CheckpointAndExit{}));
   // A program that never installs the runtime's handler (here `sleep`) keeps
   // the request pending; before, SIGUSR1's default action killed it.
