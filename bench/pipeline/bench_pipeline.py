@@ -18,12 +18,16 @@ then as its last line one JSON object:
 
 efficiency = single-process step time / (P x pipelined step time), for the best
 of our schedules; bubble_bound = m / (m + P - 1), 1F1B's; busy_bound, per
-schedule, its busy fraction with equal task costs. busy_fraction (per
-schedule of ours): each stage's compute time inside a step (forward,
-recompute, backward or its B and W halves, as the runtime measures them; no waits, no
-optimizer) over its step time, averaged over stages: the schedule's own
-bubble, however well the machine runs P processes at once (which
-efficiency also measures). step_peak_memory_mib (ours, per schedule) and
+schedule, its busy fraction with equal task costs and no optimizer.
+busy_fraction (per schedule of ours): each stage's compute time inside a step
+(its tasks: forward, recompute, backward or its B and W halves; and its
+optimizer step; as the runtime measures them) over its step time, averaged
+over stages: one minus the schedule's own bubble and the runtime's own time,
+however well the machine runs P processes at once (which efficiency also
+measures). step_parts splits each step into tasks, optimizer, wait (blocked
+on a neighbour's message: bubble and transfers; the runtime's wait_s) and
+other (posting messages, the step's exchange, bookkeeping); "tasks" alone is
+the fraction earlier runs reported as busy_fraction. step_peak_memory_mib (ours, per schedule) and
 peer_step_peak_memory_mib: the worst stage's peak resident memory during a
 step over its size at the step's start (Linux VmHWM reset at the start, after
 glibc's malloc_trim handed the heap's free memory back), i.e. activations and
@@ -137,17 +141,36 @@ def step_memory(dump, stages, warmup):
     return worst
 
 
-def busy_fraction(dump, stages, warmup):
-    """Each stage's compute time over its step time (median over the timed
-    steps), averaged over stages; None without the runtime's compute times."""
-    per_stage = []
+def step_parts(dump, stages, warmup):
+    """Where each stage's step time goes, as fractions of it (median over the
+    timed steps, averaged over stages): "tasks" (forward, recompute,
+    backward or B and W), "optimizer", "wait" (blocked on a neighbour's
+    message: the bubble and transfers) and "other" (the rest: posting
+    messages, the step's exchange, bookkeeping). None without the runtime's
+    timings."""
+    sums = {"tasks": 0.0, "optimizer": 0.0, "wait": 0.0, "other": 0.0}
     for rank in range(stages):
         with open(os.path.join(dump, f"rank{rank}_steps.jsonl")) as f:
             rows = [json.loads(line) for line in f][warmup:]
-        if not rows or "compute_s_per_microbatch" not in rows[0]:
+        if not rows or "wait_s" not in rows[0]:
             return None
-        per_stage.append(statistics.median(r["compute_s_per_microbatch"] * M / r["time_s"] for r in rows))
-    return sum(per_stage) / len(per_stage)
+        parts = {"tasks": [r["compute_s_per_microbatch"] * M / r["time_s"] for r in rows],
+                 "optimizer": [r["optimizer_s"] / r["time_s"] for r in rows],
+                 "wait": [r["wait_s"] / r["time_s"] for r in rows]}
+        medians = {k: statistics.median(v) for k, v in parts.items()}
+        medians["other"] = max(0.0, 1.0 - sum(medians.values()))
+        for k, v in medians.items():
+            sums[k] += v / stages
+    return sums
+
+
+def busy_fraction(dump, stages, warmup):
+    """The share of a stage's step time spent computing (its tasks and its
+    optimizer step), averaged over stages; None without the runtime's
+    timings. What stays is waiting on neighbours (the bubble) and the
+    runtime's own time."""
+    parts = step_parts(dump, stages, warmup)
+    return None if parts is None else parts["tasks"] + parts["optimizer"]
 
 
 def run_peer(size, schedule, weights):
@@ -229,6 +252,7 @@ def main():
         tokens = cfg["chunk"] * M * cfg["seq_len"]
         ours, python, peer, single = {}, {}, {}, float("inf")
         busy = {}  # ours (C++), per schedule: busy_fraction of its best round
+        parts = {}  # ours (C++), per schedule: step_parts of its best round
         memory, peer_memory = {}, {}  # per schedule: a step's peak host memory (bytes) of its best round
         paired = {s: [] for s in SCHEDULES}  # per round: Python step time / C++ step time
         for rnd in range(args.rounds):
@@ -243,6 +267,7 @@ def main():
                         busy_now = busy_fraction(dump, P, cfg["warmup"]) if front_end == "cpp" else None
                         if front_end == "cpp" and t < table.get(schedule, float("inf")):
                             busy[schedule] = busy_now
+                            parts[schedule] = step_parts(dump, P, cfg["warmup"])
                             memory[schedule] = step_memory(dump, P, cfg["warmup"])
                         table[schedule] = min(table.get(schedule, t), t)
                         label = "ours" if front_end == "cpp" else "ours Python"
@@ -284,6 +309,7 @@ def main():
             "efficiency": single / (P * ours[best]),
             "busy_fraction": busy,
             "busy_bound": {s: busy_bound(s) for s in busy},
+            "step_parts": parts,
             # The worst stage's median step peak of resident memory over the step's start:
             # activations and every other temporary of a step (weights, gradients and
             # optimizer state are there before it starts), ours and the peer's.
@@ -298,6 +324,9 @@ def main():
               f"{r['efficiency']:.3f} (bubble bound {r['bubble_bound']:.3f}); busy fraction (analytic bound) "
               + ", ".join(f"{k} {v:.3f} ({r['busy_bound'][k] or float('nan'):.3f})" for k, v in busy.items()
                           if v is not None), flush=True)
+        print(f"[{size}] step parts (tasks / optimizer / wait / other): "
+              + ", ".join(f"{k} " + " / ".join(f"{v[p]:.3f}" for p in ("tasks", "optimizer", "wait", "other"))
+                          for k, v in parts.items() if v is not None), flush=True)
         print(f"[{size}] step peak memory (MiB, worst stage): ours "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["step_peak_memory_mib"].items()) + "; peer "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["peer_step_peak_memory_mib"].items()), flush=True)

@@ -363,7 +363,7 @@ int run(int argc, char** argv) {
       nlohmann::json row{{"step", step},        {"loss", result.loss},       {"overflow", result.overflow},
                          {"grad_norm", result.gradNorm}, {"loss_scale", result.lossScale}, {"time_s", seconds},
                          {"compute_s_per_microbatch", result.computeSecondsPerMicrobatch},
-                         {"optimizer_s", result.optimizerSeconds}};
+                         {"optimizer_s", result.optimizerSeconds}, {"wait_s", result.waitSeconds}};
       if (probeMemory) row["step_peak_rss_over_start_bytes"] = memory.peakOverStart();
       stepLog << row.dump() << "\n";
       stepLog.flush();

@@ -154,6 +154,7 @@ void bindRuntime(py::module_& m) {
       .def_readonly("checkpoint_requested", &StepResult::checkpointRequested)
       .def_readonly("compute_seconds_per_microbatch", &StepResult::computeSecondsPerMicrobatch)
       .def_readonly("optimizer_seconds", &StepResult::optimizerSeconds)
+      .def_readonly("wait_seconds", &StepResult::waitSeconds)
       .def("__repr__", [](const StepResult& r) {
         return strCat("StepResult(loss=", r.loss, ", overflow=", r.overflow ? "True" : "False",
                       ", grad_norm=", r.gradNorm, ", loss_scale=", r.lossScale, ")");

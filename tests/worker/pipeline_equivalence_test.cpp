@@ -7,7 +7,9 @@
 // message with its own receive, or the losses differ.
 
 #include <cmath>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "char_dataset.h"
 #include "gpt_model.h"
@@ -241,5 +243,33 @@ TEST_CASE("a non-finite gradient on one rank: skip skips that step everywhere; s
       CHECK_THAT(job.worker(r).stderrText(), Catch::Contains("non-finite gradients at step 2 in fp32 training") &&
                                                  Catch::Contains("Resume from the latest checkpoint"));
     }
+  }
+}
+
+TEST_CASE("a step's time splits into compute, waits on neighbours and the optimizer", "[integration]") {
+  ReferenceConfig rc;
+  WorkerJobSpec spec;
+  spec.stages = 2;
+  spec.replicas = 1;
+  spec.perReplicaBatch = rc.globalBatch;
+  spec.chunkSize = 2;
+  spec.trainArgs = trainArgs("zbv", rc);
+  WorkerJob job(spec, scratchDir("step-time-parts"));
+  requireAllSucceeded(job);
+  const int m = static_cast<int>(rc.globalBatch / spec.chunkSize);
+  for (int r = 0; r < job.worldSize(); ++r) {
+    std::ifstream in(job.dir() / ("rank" + std::to_string(r) + "_steps.jsonl"));
+    int rows = 0;
+    for (std::string line; std::getline(in, line); ++rows) {
+      const auto row = nlohmann::json::parse(line);
+      INFO("rank " << r << ": " << line);
+      const double parts = row.at("compute_s_per_microbatch").get<double>() * m + row.at("wait_s").get<double>() +
+                           row.at("optimizer_s").get<double>();
+      CHECK(row.at("wait_s").get<double>() >= 0);
+      CHECK(parts <= row.at("time_s").get<double>());
+      // Rank 1 waits at least for the first activation of every step.
+      if (r == 1) CHECK(row.at("wait_s").get<double>() > 0);
+    }
+    CHECK(rows == rc.steps);
   }
 }

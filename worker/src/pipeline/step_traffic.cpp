@@ -1,5 +1,7 @@
 #include "pipeline/step_traffic.h"
 
+#include <chrono>
+
 #include "varuna/common/errors.h"
 
 namespace varuna {
@@ -43,7 +45,9 @@ void StepTraffic::start(const P2pOp& op, const torch::Tensor& produced) {
 
 torch::Tensor StepTraffic::take(Slot& slot, const char* during) {
   if (slot.work) {
+    const auto start = std::chrono::steady_clock::now();
     s_.comm->waitFor(slot.work, during);
+    waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     slot.work.reset();
   }
   VARUNA_CHECK(slot.tensor.defined(), "a task's input was neither received nor handed over (", during, ")");
@@ -67,8 +71,10 @@ void StepTraffic::handGradient(int toChunk, int microbatch, torch::Tensor t) {
 }
 
 void StepTraffic::finishSends() {
+  const auto start = std::chrono::steady_clock::now();
   for (auto& [work, tensor] : sends_) s_.comm->waitFor(work, "sending to a neighbour stage");
   sends_.clear();
+  waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace varuna

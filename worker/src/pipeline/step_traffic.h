@@ -70,6 +70,8 @@ class StepTraffic {
 
   // Waits for every send started (their tensors stay alive until then).
   void finishSends();
+  // Seconds spent blocked in takeActivation, takeGradient and finishSends.
+  double waitedSeconds() const { return waited_; }
 
  private:
   struct Slot {
@@ -83,6 +85,7 @@ class StepTraffic {
   Setup s_;
   std::vector<std::vector<Slot>> activations_, gradients_;  // [chunk][microbatch]
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, torch::Tensor>> sends_;
+  double waited_ = 0;
 };
 
 }  // namespace varuna

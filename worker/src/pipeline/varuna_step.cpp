@@ -298,7 +298,8 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   }
   // The one job-wide exchange of a step: loss, and the squared gradient norm
   // that yields clipping and the fp16 overflow verdict identically everywhere.
-  const PendingUpdate pending{scale, clip, m, std::chrono::duration<double>(computeTime).count()};
+  const PendingUpdate pending{scale, clip, m, std::chrono::duration<double>(computeTime).count(),
+                              traffic.waitedSeconds()};
   salvageState_->exchangeStarted(pending);
   auto summed = StepExchange::share(lossSum, buckets_.sumOfSquaresOnDevice(), checkpointSignalled());
   if (map_.worldSize() > 1) {

@@ -22,6 +22,7 @@ StepResult Varuna::Impl::recordStep(const StepExchange& exchange, const PendingU
   salvageState_->exchangeFinished(stepsDone_, exchange);
   result.microbatches = pending.microbatches;
   result.computeSecondsPerMicrobatch = pending.computeSeconds / pending.microbatches;
+  result.waitSeconds = pending.waitSeconds;
   result.loss = exchange.lossSum / static_cast<double>(opt_.batchSize);
   result.lossScale = pending.scale;
   result.overflow = !std::isfinite(sumOfSquares);

@@ -23,6 +23,7 @@ struct PendingUpdate {
   std::optional<double> clip;
   int microbatches = 0;
   double computeSeconds = 0.0;
+  double waitSeconds = 0.0;  // blocked on neighbour stages (StepResult::waitSeconds)
 };
 
 class SalvageState {

@@ -201,6 +201,10 @@ struct StepResult {
   // and the optimizer step.
   double computeSecondsPerMicrobatch = 0.0;
   double optimizerSeconds = 0.0;
+  // Time blocked on neighbour stages inside the pipeline: waiting for an
+  // input to arrive, and for the step's sends to complete (bubble plus
+  // transfer time).
+  double waitSeconds = 0.0;
   int microbatches = 0;
   // Some rank received SIGUSR1 (see installCheckpointSignalHandler) before this
   // step's job-wide exchange: every rank sees the same value in the same step,
