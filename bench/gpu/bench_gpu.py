@@ -189,7 +189,8 @@ def main():
         log("split backward (B + W over the whole):", split)
         result["split_over_backward"] = split["split_over_backward"]
         result["split_rows"] = split["rows"]
-    except (RuntimeError, subprocess.CalledProcessError, OSError, KeyError) as error:  # the other rows still count
+    except (RuntimeError, subprocess.CalledProcessError, OSError, KeyError, ValueError,
+            ZeroDivisionError) as error:  # the other rows still count
         log("split profile failed:", error)
         result["split_error"] = str(error)
     result["python_step_over_cpp"] = None

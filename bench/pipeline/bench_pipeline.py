@@ -282,7 +282,7 @@ def main():
                         for peer_schedule in PEER_SCHEDULES:
                             try:
                                 t, peak = run_peer(size, peer_schedule, os.path.join(tmp, "1f1b"))
-                            except RuntimeError as error:  # a torch whose schedule breaks: the others still count
+                            except (RuntimeError, IndexError, ValueError) as error:  # a torch whose schedule breaks
                                 print(f"[{size} round {rnd}] peer {peer_schedule:6s} P={P}: failed ({error})", flush=True)
                                 continue
                             if t < peer.get(peer_schedule, float("inf")):
@@ -292,6 +292,8 @@ def main():
                 t = run_ours(args.build, size, 1, "1f1b", os.path.join(tmp, "single"))
                 single = min(single, t)
                 print(f"[{size} round {rnd}] ours single process: {t*1e3:8.1f} ms/step", flush=True)
+        if not peer:
+            sys.exit(f"bench_pipeline: every peer schedule failed at the {size} size (their errors are above)")
         best = min(ours, key=ours.get)
         best_peer = min(peer, key=peer.get)
         result[size] = {

@@ -91,9 +91,10 @@ void Varuna::Impl::learnCutShapes() {
         input = carried;
       } else if (!first(c)) {
         const int cut = virtualStage(c) - 1;
-        auto header = torch::zeros({kHeaderLength}, torch::kLong);
+        // On the device: NCCL carries device tensors only (Gloo stages them).
+        auto header = torch::zeros({kHeaderLength}, torch::TensorOptions().dtype(torch::kLong).device(opt_.device));
         comm_->waitFor(comm_->recv(header, prevRank(c), tagFor(kShapeTag, cut, 0)), "learning activation shapes");
-        inShape_[c] = decodeShape(header);
+        inShape_[c] = decodeShape(header.cpu());
         input = torch::empty(inShape_[c].withBatch(opt_.chunkSize),
                              torch::TensorOptions().dtype(inShape_[c].dtype).device(opt_.device));
         comm_->waitFor(comm_->recv(input, prevRank(c), tagFor(kShapeTag, cut, 1)), "learning activation shapes");
@@ -110,6 +111,7 @@ void Varuna::Impl::learnCutShapes() {
         continue;
       }
       const int cut = virtualStage(c);
+      header = header.to(opt_.device);
       comm_->waitFor(comm_->send(header, nextRank(c), tagFor(kShapeTag, cut, 0)), "learning activation shapes");
       comm_->waitFor(comm_->send(out, nextRank(c), tagFor(kShapeTag, cut, 1)), "learning activation shapes");
     }
