@@ -13,9 +13,10 @@
 // The agreed order: the messages sorted by the time their sender finishes
 // producing them in a replay of the schedule (equal costs), ties broken by
 // sender and message. A stage issues a receive as early as the order allows
-// (at the start of the step, or right after the send before it): receives
-// overlap with compute as they did when all were posted up front, and each of
-// its own sends as soon as the task producing it ends. The same plan runs on
+// (at the start of the step, or right after the send before it), so that in
+// the replay every receive is posted no later than its send (whether Gloo's
+// steps are as fast as with every receive posted up front is not measured
+// apart), and each of its own sends as soon as the task producing it ends. The same plan runs on
 // Gloo (where tags make any order work), so CI's CPU tests execute the very
 // order a multi-GPU job issues.
 //
