@@ -153,6 +153,50 @@ def test_hosts_join_grow_leave_on_sigterm_rejoin_and_the_losses_continue():
     assert_losses_continue(got, ref.losses(), steps)
 
 
+def test_a_host_joins_beside_the_machine_list_with_the_jobs_timing_and_leaves():
+    """Joins next to a machine list (the default --machine_source list): the
+    listed host trains from the start, a joined host grows the job and leaves
+    it on its scheduler's SIGTERM, and the listed host's name cannot be
+    joined. A joined agent takes the job's timing (--agent_grace_s, and the
+    lost-manager time run_varuna gives the agents it starts: heartbeat timeout
+    plus grace) unless its own flags set it."""
+    m = manager("beside-list", machines=["127.0.0.1 slots=2"], steps=100000, extra_args=["--agent_grace_s", "4"],
+                train_args=["--checkpoint_every", "1000"]).start()
+    tasks = []
+    try:
+        m.wait_event("launch", count=1, timeout=60)
+        assert m.events("launch")[0]["plan"]["hosts"] == ["127.0.0.1"], m.events("launch")
+        m.wait_step(10)
+        wait_for("the join credential", lambda: (m.state_dir / "join_token").exists(), 30)
+
+        # The listed host's name is run_varuna's to start: a join under it is refused for good.
+        listed = Task(m, "127.0.0.1", run_dir=m.workdir / "listed-run")
+        assert listed.wait() == 2 and "the host is in the machine list" in listed.output(), listed.output()
+
+        tasks.append(Task(m, "127.0.0.2", extra=["--sigterm_notice_s", "60"]))
+        m.wait_event("launch", count=2, timeout=60)
+        grown = m.events("launch")[1]
+        assert grown["plan"]["hosts"] == ["127.0.0.1", "127.0.0.2"] and grown["recovery"] == "checkpoint", grown
+        hosts = m.state().get("hosts", {})
+        assert hosts.get("127.0.0.2", {}).get("joined") is True and "joined" not in hosts.get("127.0.0.1", {}), hosts
+        # heartbeat_timeout_s 10 (the default) + agent_grace_s 4.
+        assert "grace 4000 ms (the job's), manager lost after 14000 ms without a word (the job's)" in \
+            tasks[0].output(), tasks[0].output()
+        m.wait_step(grown["resume_step"] + 10)
+
+        tasks[0].proc.send_signal(signal.SIGTERM)
+        m.wait_event("launch", count=3, timeout=60)
+        shrunk = m.events("launch")[2]
+        assert shrunk["plan"]["hosts"] == ["127.0.0.1"], shrunk
+        assert shrunk["recovery"] == "checkpoint" and shrunk.get("steps_lost", 0) == 0, shrunk
+        assert tasks[0].wait(timeout=30) == 0, tasks[0].output()
+        assert m.stop_once_trained_on(launches=3) == 0, m.tail()
+    finally:
+        for t in tasks:
+            t.kill()
+    assert_nothing_left(m.job)
+
+
 def free_port():
     """A port nothing listens on now: a restarted manager must come back where
     its joined agents look for it, so this test cannot use --port 0."""
@@ -170,6 +214,9 @@ def test_joined_hosts_rejoin_a_restarted_manager_and_the_job_carries_on():
     tasks = [Task(m, host, extra=["--grace_s", "1"]) for host in ("127.0.0.1", "127.0.0.2")]
     try:
         m.wait_event("launch", count=1, timeout=60)
+        for t in tasks:  # its own grace, the job's lost-manager time (10 s + the default grace of 5 s)
+            assert "grace 1000 ms (set here), manager lost after 15000 ms without a word (the job's)" in t.output(), \
+                t.output()
         m.wait_step(45)
         m.kill(signal.SIGKILL)
         m.proc.wait()
@@ -190,4 +237,5 @@ def test_joined_hosts_rejoin_a_restarted_manager_and_the_job_carries_on():
 
 if __name__ == "__main__":
     run_tests([test_hosts_join_grow_leave_on_sigterm_rejoin_and_the_losses_continue,
+               test_a_host_joins_beside_the_machine_list_with_the_jobs_timing_and_leaves,
                test_joined_hosts_rejoin_a_restarted_manager_and_the_job_carries_on])

@@ -121,12 +121,21 @@ int joinFirst(MainOptions& options, const std::string& joinCredential, int verdi
     const proto::Joined joined = joinManager(request);
     options.agent.credential = joined.credential;
     // The job's timing, as run_varuna gives the agents it starts (unless set here).
-    if (joined.graceMs > 0 && !options.graceSet) options.agent.grace = std::chrono::milliseconds(joined.graceMs);
+    const char* graceFrom = options.graceSet ? "set here" : "the default";
+    const char* lostFrom = options.lostManagerSet ? "set here" : "the default";
+    if (joined.graceMs > 0 && !options.graceSet) {
+      options.agent.grace = std::chrono::milliseconds(joined.graceMs);
+      graceFrom = "the job's";
+    }
     if (joined.lostManagerMs > 0 && !options.lostManagerSet) {
       options.agent.lostManager = std::chrono::milliseconds(joined.lostManagerMs);
+      lostFrom = "the job's";
     }
     for (const auto& [name, value] : joined.env) ::setenv(name.c_str(), value.c_str(), 1);
-    log::info("joined the job at ", options.manager, " as host ", options.agent.host, " (", options.slots, " slots)");
+    // The timing in force and whose it is (tests/e2e/join_test.py reads this line).
+    log::info("joined the job at ", options.manager, " as host ", options.agent.host, " (", options.slots,
+              " slots); grace ", options.agent.grace.count(), " ms (", graceFrom, "), manager lost after ",
+              options.agent.lostManager.count(), " ms without a word (", lostFrom, ")");
     return 0;
   } catch (const ConfigError& e) {
     log::error("join refused: ", e.what());
