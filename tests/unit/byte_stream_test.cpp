@@ -371,8 +371,26 @@ TEST_CASE("credentials: HMAC-SHA256 as specified (known answers), one per host, 
   CHECK(credentials::agent("secret", "host-b") != a);
   CHECK(credentials::worker(a, 3, 8) != credentials::worker(a, 3, 7));
   CHECK(credentials::worker(a, 4, 7) != credentials::worker(a, 3, 7));
-  CHECK(credentials::expected("secret", "worker", "host-a", 3, 7) == credentials::worker(a, 3, 7));
-  CHECK(credentials::expected("secret", "spy", "host-a", 3, 7).empty());
+  CHECK(credentials::expected(a, "agent", -1, -1) == a);
+  CHECK(credentials::expected(a, "notifier", -1, -1) == credentials::notifier(a));
+  CHECK(credentials::expected(a, "worker", 3, 7) == credentials::worker(a, 3, 7));
+  CHECK(credentials::expected(a, "spy", 3, 7).empty());
+}
+
+TEST_CASE("credentials: a joined host's agent credential is bound to its join's nonce", "[byte_stream]") {
+  // Computed with Python's hmac module from credentials.h's definition.
+  const std::string nonce = "00112233445566778899aabbccddeeff";
+  const std::string joined = credentials::joinedAgent("secret", "host-a", nonce);
+  CHECK(joined == "86f68293ecd74da2866845a491981b955b4ba0b04ad9dccf17f1e7b1d549a6aa");
+  CHECK(joined != credentials::agent("secret", "host-a"));  // not what a listed host-a's agent holds
+  CHECK(credentials::joinedAgent("secret", "host-b", nonce) != joined);
+  CHECK_THROWS(credentials::joinedAgent("secret", "host-a", ""));
+  // Fresh each time, 128 bits in hex.
+  const std::string n1 = credentials::newJoinNonce(), n2 = credentials::newJoinNonce();
+  CHECK(n1.size() == 32);
+  CHECK(n1.find_first_not_of("0123456789abcdef") == std::string::npos);
+  CHECK(n1 != n2);
+  CHECK(credentials::joinedAgent("secret", "host-a", n1) != credentials::joinedAgent("secret", "host-a", n2));
 }
 
 TEST_CASE("credentials: a join credential carries its expiry under the job's MAC", "[byte_stream]") {
@@ -394,7 +412,7 @@ TEST_CASE("credentials: a join credential carries its expiry under the job's MAC
   }
   // An agent credential is not a join credential, and the reverse.
   CHECK(credentials::checkJoin("secret", credentials::agent("secret", "h"), 0) == JoinCheck::kMalformed);
-  CHECK(credentials::expected("secret", "join", "h", -1, -1).empty());
+  CHECK(credentials::expected(credentials::agent("secret", "h"), "join", -1, -1).empty());
 }
 
 TEST_CASE("control listener: a credential speaks only for its own role, host, rank and generation", "[byte_stream]") {

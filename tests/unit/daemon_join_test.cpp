@@ -54,10 +54,29 @@ struct JoinDaemon : test::SimDaemonHarness {
     const auto answer = join(host, slots, joinCredential());
     const auto* joined = answer ? std::get_if<proto::Joined>(&*answer) : nullptr;
     if (!joined) return false;
-    CHECK(joined->credential == credentials::agent(token(), host));
+    // Bound to this join: not the name-only A(H) a listed host's agent holds.
+    CHECK(joined->credential != credentials::agent(token(), host));
+    CHECK(joined->credential.size() == 64);
+    credentialOf[host] = joined->credential;
     cluster->startAgent(host, "in-process", joined->credential);
     return true;
   }
+  // A hello over the daemon's in-process network: the refusal's text, or
+  // "(not refused)" when nothing refused it before the connection was kept.
+  std::string hello(const std::string& credential, const std::string& role, const std::string& host, int rank = -1,
+                    int generation = -1) {
+    auto connection = std::make_shared<FramedConnection>(localNetwork->dial(role + " " + host));
+    std::optional<proto::Message> answer;
+    bool closed = false;
+    connection->start([&](const proto::Message& m) { answer = m; }, [&](const std::string&) { closed = true; });
+    connection->send(proto::Hello{proto::kVersion, credential, role, host, rank, generation});
+    runUntil([&] { return closed; }, 2s);
+    const std::string why = refusal(answer);
+    connection->close("test over");
+    runFor(100ms);
+    return why;
+  }
+  std::map<std::string, std::string> credentialOf;  // the agent credential each host's last join got
   std::string refusal(const std::optional<proto::Message>& answer) const {
     const auto* ack = answer ? std::get_if<proto::Ack>(&*answer) : nullptr;
     return ack && !ack->ok ? ack->error : "(not refused)";
@@ -102,6 +121,37 @@ TEST_CASE("join: hosts that join start the job, grow it, leave with their agent 
   REQUIRE(f.joinAndStartAgent("node-b"));
   REQUIRE(f.training(4, 4));
   CHECK(f.state()["hosts"]["node-b"]["joined"] == true);
+  CHECK(f.daemon->handlerFailures() == 0);
+}
+
+TEST_CASE("join: a joined host's credentials are its join's: the name-only one and an earlier join's are refused",
+          "[join]") {
+  JoinDaemon f("join_bound_credentials");
+  REQUIRE(f.joinAndStartAgent("node-a"));
+  REQUIRE(f.training(1, 2));
+  const std::string first = f.credentialOf.at("node-a");
+  // What anyone who knows H, or a listed H's agent, holds: A(H) by the name.
+  const std::string byName = credentials::agent(f.token(), "node-a");
+  CHECK_THAT(f.hello(byName, "agent", "node-a"), Catch::Contains("wrong job token"));
+  CHECK_THAT(f.hello(credentials::notifier(byName), "notifier", "node-a"), Catch::Contains("wrong job token"));
+  CHECK_THAT(f.hello(credentials::worker(byName, 0, 1), "worker", "node-a", 0, 1), Catch::Contains("wrong job token"));
+  // The join's own credential passes the check (and then meets the agent already up).
+  CHECK_THAT(f.hello(first, "agent", "node-a"), Catch::Contains("already has an agent"));
+
+  // node-a's task ends and is requeued: the new join gets a credential of its
+  // own, and everything the first join's credential derives is refused.
+  f.cluster->dropAgent("node-a", /*withWorkers=*/true);
+  REQUIRE(f.runUntil([&] { return !f.state()["hosts"].contains("node-a"); }, 10s));
+  REQUIRE(f.joinAndStartAgent("node-a"));
+  REQUIRE(f.runUntil([&] { return f.cluster->launches() == 2; }, 20s));
+  const int generation = f.cluster->generation();
+  REQUIRE(f.training(generation, 2));
+  CHECK(f.credentialOf.at("node-a") != first);
+  CHECK_THAT(f.hello(first, "agent", "node-a"), Catch::Contains("wrong job token"));
+  CHECK_THAT(f.hello(credentials::notifier(first), "notifier", "node-a"), Catch::Contains("wrong job token"));
+  CHECK_THAT(f.hello(credentials::worker(first, 0, generation), "worker", "node-a", 0, generation),
+             Catch::Contains("wrong job token"));
+  CHECK(f.cluster->launches() == 2);  // none of it touched the job
   CHECK(f.daemon->handlerFailures() == 0);
 }
 

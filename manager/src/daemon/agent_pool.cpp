@@ -241,12 +241,13 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
   }
   const std::string host = hello.host;  // a valid host address: fit for logs as it is
   joined_[host] = Machine{host, hello.slots, 0};
+  joinNonces_[host] = credentials::newJoinNonce();  // whatever an earlier join of this name held is void
   Agent& agent = agents_[host];
   const uint64_t attempt = startAttempt(agent);
   agent.joined = true;
   absences_.forget(host);
   observer_.hostBack(host);  // whatever the job held against an earlier host of that name is over
-  connection->send(proto::Joined{credentials::agent(settings_.token, host), settings_.agentEnvironment,
+  connection->send(proto::Joined{agentCredential(host), settings_.agentEnvironment,
                                  settings_.joinedAgentGrace.count(), settings_.joinedAgentLostManager.count()});
   connection->closeAfterSending("joined");
   log::info("host ", host, " joined (", hello.slots, " slots, from ", connection->peer(), "); waiting for its agent");
@@ -264,8 +265,15 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
   return true;
 }
 
+std::string AgentPool::agentCredential(const std::string& host) const {
+  auto it = joinNonces_.find(host);
+  return it == joinNonces_.end() ? credentials::agent(settings_.token, host)
+                                 : credentials::joinedAgent(settings_.token, host, it->second);
+}
+
 void AgentPool::leaveJoined(const std::string& host, const std::string& reason, bool expected, bool preempted) {
   joined_.erase(host);
+  joinNonces_.erase(host);  // its agent's, notifier's and workers' credentials are void from here
   forgetJoinedLater(host);
   if (expected || preempted) {
     log::info("joined host ", host, " left the job (", reason, preempted && !expected ? ", after its preemption notice" : "",

@@ -108,6 +108,9 @@ class AgentPool {
   bool join(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
   size_t joinedCount() const { return joined_.size(); }
   bool isJoined(const std::string& host) const { return joined_.count(host) > 0; }
+  // The credential host's agent holds (credentials.h): A(H), or for a host in
+  // the job by a join, A(H, N) of that join.
+  std::string agentCredential(const std::string& host) const;
 
   // Closes agents silent for the heartbeat timeout (each one's loss goes to
   // the observer). First in the daemon's tick.
@@ -202,6 +205,7 @@ class AgentPool {
   std::vector<Machine> listed_;
   std::set<std::string> listedHosts_;
   std::map<std::string, Machine> joined_;  // hosts that joined by themselves, until their agent goes
+  std::map<std::string, std::string> joinNonces_;  // of joined_'s hosts: what binds their credentials to the join
   RateLimiter joinRefusals_{std::chrono::seconds(60), 3};  // written in full, per minute
   std::map<std::string, Agent> agents_;
   HostAbsences absences_;

@@ -179,7 +179,9 @@ const proto::Hello& ControlListener::checkCredential(const proto::Message& messa
   } else if (hello->role == "notifier" && constantTimeEquals(hello->token, token_)) {
     expected = token_;  // the operator's notifier (--token_file): any host
   } else {
-    expected = credentials::expected(token_, hello->role, hello->host, hello->rank, hello->generation);
+    const std::string agentCredential =
+        agentCredentialOf_ ? agentCredentialOf_(hello->host) : credentials::agent(token_, hello->host);
+    expected = credentials::expected(agentCredential, hello->role, hello->rank, hello->generation);
   }
   if (expected.empty()) {
     throw proto::ProtocolError(strCat("unknown role '", proto::boundedText(hello->role, 64), "'"));

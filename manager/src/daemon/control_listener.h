@@ -41,6 +41,10 @@ class ControlListener {
   // How many peers the manager waits for (agents starting, launched workers
   // without a hello): a burst of connections from them may exceed the cap.
   using ExpectedHellos = std::function<size_t()>;
+  // The agent credential of a host (what its agent's, notifier's and workers'
+  // credentials derive from): by default A(H) from the job's secret; the
+  // daemon's answers a joined host's own (credentials.h).
+  using AgentCredentialOf = std::function<std::string(const std::string& host)>;
 
   // Accept errors that mean "out of descriptors or memory" back off from
   // this, doubling, to kAcceptBackoffMax.
@@ -61,6 +65,8 @@ class ControlListener {
   void listenLocal(LocalNetwork& network) { local_ = &network; }
   // Starts accepting (TCP once listen() worked, the local network if any). `token` is the job's; `events` gets refusals and drop counts.
   void start(std::string token, EventLog& events, OnHello onHello, ExpectedHellos expected);
+  // Before start(): where hellos' credentials come from (see AgentCredentialOf).
+  void setAgentCredentials(AgentCredentialOf agentCredentialOf) { agentCredentialOf_ = std::move(agentCredentialOf); }
   // The tick: expires connections past their hello deadline, reports drops.
   void tick(TimePoint now);
   // The job stopped: no more accepts (connections already in go on).
@@ -103,6 +109,7 @@ class ControlListener {
   LocalNetwork* local_ = nullptr;
   uint64_t tcpAccepted_ = 0, localAccepted_ = 0;
   std::string token_;  // the job's secret, from which every role's credential is derived
+  AgentCredentialOf agentCredentialOf_;
   EventLog* events_ = nullptr;
   OnHello onHello_;
   ExpectedHellos expected_;

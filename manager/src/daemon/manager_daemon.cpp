@@ -145,6 +145,7 @@ void ManagerDaemon::Impl::start() {
                                       {"hosts", listed.size()}, {"config", toJson(config_)},
                                       {"metrics", metricsServer_ ? json(metricsServer_->url()) : json()}});
   createRouter();
+  listener_.setAgentCredentials([this](const std::string& host) { return pool_->agentCredential(host); });
   listener_.start(
       token_, *events_,
       [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {

@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/rand.h>
 
 #include <cstdio>
 
@@ -11,6 +12,12 @@
 namespace varuna::credentials {
 namespace {
 
+std::string toHex(const unsigned char* bytes, size_t size) {
+  std::string hex(2 * size, '0');
+  for (size_t i = 0; i < size; ++i) std::snprintf(&hex[2 * i], 3, "%02x", bytes[i]);
+  return hex;
+}
+
 std::string hmacHex(const std::string& key, const std::string& message) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
@@ -18,14 +25,23 @@ std::string hmacHex(const std::string& key, const std::string& message) {
            message.size(), digest, &length) == nullptr) {
     throw Error("HMAC-SHA256 failed (OpenSSL)", 1);
   }
-  std::string hex(2 * length, '0');
-  for (unsigned int i = 0; i < length; ++i) std::snprintf(&hex[2 * i], 3, "%02x", digest[i]);
-  return hex;
+  return toHex(digest, length);
 }
 
 }  // namespace
 
 std::string agent(const std::string& jobSecret, const std::string& host) { return hmacHex(jobSecret, "agent\n" + host); }
+
+std::string joinedAgent(const std::string& jobSecret, const std::string& host, const std::string& joinNonce) {
+  if (joinNonce.empty()) throw Error("a joined host's agent credential needs its join's nonce", 1);
+  return hmacHex(jobSecret, strCat("agent\n", host, "\n", joinNonce));
+}
+
+std::string newJoinNonce() {
+  unsigned char bytes[16];
+  if (RAND_bytes(bytes, sizeof bytes) != 1) throw Error("RAND_bytes failed (OpenSSL): no join nonce", 1);
+  return toHex(bytes, sizeof bytes);
+}
 
 std::string notifier(const std::string& agentCredential) { return hmacHex(agentCredential, "notifier"); }
 
@@ -73,11 +89,10 @@ const char* toString(JoinCheck check) {
   return "unknown";
 }
 
-std::string expected(const std::string& jobSecret, const std::string& role, const std::string& host, int rank,
-                     int generation) {
-  if (role == "agent") return agent(jobSecret, host);
-  if (role == "notifier") return notifier(agent(jobSecret, host));
-  if (role == "worker") return worker(agent(jobSecret, host), rank, generation);
+std::string expected(const std::string& agentCredential, const std::string& role, int rank, int generation) {
+  if (role == "agent") return agentCredential;
+  if (role == "notifier") return notifier(agentCredential);
+  if (role == "worker") return worker(agentCredential, rank, generation);
   return "";
 }
 

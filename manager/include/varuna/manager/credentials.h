@@ -23,8 +23,16 @@
 //
 // where E is the Unix time (s) after which it is refused; run_varuna writes
 // a fresh one to <state_dir>/join_token (0600) and renews it at half its
-// life. A join admitted, the manager answers with A(H) for the host named:
-// the credential bootstraps the agent's own, as `kubeadm join` does.
+// life. A join admitted, the manager answers with the host's agent
+// credential, bound to that join by a random nonce N the manager keeps while
+// the host is in the job:
+//
+//   joined agent of host H   A(H, N)   = HMAC-SHA256(secret, "agent\n" H "\n" N)
+//
+// (its notifier's and workers' credentials derive from it as above). So the
+// credential bootstraps the agent's own, as `kubeadm join` does, and whoever
+// once joined as H holds nothing once that join is over: not what a later
+// join of H gets, nor A(H) of a listed H.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +41,9 @@
 namespace varuna::credentials {
 
 std::string agent(const std::string& jobSecret, const std::string& host);
+std::string joinedAgent(const std::string& jobSecret, const std::string& host, const std::string& joinNonce);
+// A join's nonce: 32 hex digits from OpenSSL's RAND_bytes.
+std::string newJoinNonce();
 std::string notifier(const std::string& agentCredential);
 std::string worker(const std::string& agentCredential, int rank, int generation);
 
@@ -44,9 +55,9 @@ JoinCheck checkJoin(const std::string& jobSecret, const std::string& credential,
 int64_t joinExpiry(const std::string& credential);
 const char* toString(JoinCheck check);
 
-// What a hello of `role` from `host` (rank and generation for a worker) must
-// carry; empty for a role that has none.
-std::string expected(const std::string& jobSecret, const std::string& role, const std::string& host, int rank,
-                     int generation);
+// What a hello of `role` (rank and generation for a worker) must carry, from
+// the agent credential of the host it claims (agent() for a listed host,
+// joinedAgent() for one in the job by a join); empty for a role that has none.
+std::string expected(const std::string& agentCredential, const std::string& role, int rank, int generation);
 
 }  // namespace varuna::credentials
