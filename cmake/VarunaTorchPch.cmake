@@ -14,14 +14,18 @@
 # never correctness. -DVARUNA_TORCH_PCH=OFF turns it off.
 #
 # The manager never includes libtorch: only targets that link the worker or
-# libtorch directly get the header (varuna_reuse_torch_pch below).
+# libtorch directly get the header (varuna_reuse_torch_pch below). A target
+# with precompiled headers of its own keeps them: the Python module, built with
+# hidden visibility, which a header precompiled without it would not match
+# (gcc would not say so; clang refuses). Sanitizer builds (VARUNA_SANITIZE)
+# compile without it: their flags would not match it either.
 option(VARUNA_TORCH_PCH "Precompile libtorch's headers once for every target that compiles against them" ON)
 
 set(VARUNA_TORCH_PCH_USERS varuna::torch varuna_torch varuna::worker varuna_worker varuna_example_gpt
-    varuna_worker_test_support varuna_torch_python)
+    varuna_worker_test_support)
 
 function(varuna_add_torch_pch)
-  if(NOT VARUNA_TORCH_PCH)
+  if(NOT VARUNA_TORCH_PCH OR VARUNA_SANITIZE)
     return()
   endif()
   add_library(varuna_torch_pch OBJECT ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/torch_pch.cpp)
@@ -41,6 +45,10 @@ function(varuna_reuse_torch_pch dir)
   foreach(target IN LISTS targets)
     get_target_property(type ${target} TYPE)
     if(type STREQUAL "INTERFACE_LIBRARY" OR type STREQUAL "UTILITY" OR target STREQUAL "varuna_torch_pch")
+      continue()
+    endif()
+    get_target_property(own ${target} PRECOMPILE_HEADERS)
+    if(own)
       continue()
     endif()
     get_target_property(links ${target} LINK_LIBRARIES)

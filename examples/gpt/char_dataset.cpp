@@ -27,10 +27,10 @@ std::string readFile(const std::filesystem::path& path) {
 
 }  // namespace
 
-// GCC 12 at -O2 reports a false -Warray-bounds and -Wstringop-overflow in std::string's move
-// constructor below (it assumes the short-string buffer after the size check;
-// GCC bug 105329), once libtorch's precompiled headers come first.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+// GCC 12 at -O2 reports a false -Warray-bounds and -Wstringop-overflow in
+// std::string's move constructor below (it assumes the short-string buffer
+// after the size check) once libtorch's precompiled headers come first.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Warray-bounds"
 #pragma GCC diagnostic ignored "-Wstringop-overflow"
@@ -55,7 +55,7 @@ CharDataset CharDataset::fromPath(const std::string& path) {
   }
   return CharDataset(std::move(text));
 }
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #pragma GCC diagnostic pop
 #endif
 

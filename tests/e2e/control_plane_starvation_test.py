@@ -58,7 +58,7 @@ shutil.rmtree(ROOT, ignore_errors=True)
 ROOT.mkdir(parents=True)
 THREE_HOSTS = ["127.0.0.1 slots=1", "127.0.0.2 slots=1", "127.0.0.3 slots=1"]
 SPARE = "127.0.0.3"
-_port = [25000 + (os.getpid() % 200) * 40]
+_port = [20000 + (os.getpid() % 150) * 40]  # master ports, below the ephemeral range (32768-)
 
 FILE_LIMIT = 256
 IDLE, SLOW, BAD_HELLOS, GARBAGE = 400, 50, 100, 20

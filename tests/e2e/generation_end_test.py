@@ -32,7 +32,7 @@ ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna
 shutil.rmtree(ROOT, ignore_errors=True)
 ROOT.mkdir(parents=True)
 TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
-_port = [27000 + (os.getpid() % 200) * 40]
+_port = [26000 + (os.getpid() % 150) * 40]  # master ports, below the ephemeral range (32768-)
 
 # How long a worker ordered out over its connection may take to be gone
 # (docs/run_varuna.md says: at once, within its link's 0.1 s read interval);

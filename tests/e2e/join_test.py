@@ -26,7 +26,7 @@ from varuna_e2e import (  # noqa: E402
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-join-")))
 shutil.rmtree(ROOT, ignore_errors=True)
 ROOT.mkdir(parents=True)
-_port = [25000 + (os.getpid() % 200) * 40]
+_port = [20000 + (os.getpid() % 150) * 40]  # master ports, below the ephemeral range (32768-)
 
 
 def manager(name, machines=None, **kw):
@@ -177,8 +177,9 @@ def test_a_host_joins_beside_the_machine_list_with_the_jobs_timing_and_leaves():
         m.wait_event("launch", count=2, timeout=60)
         grown = m.events("launch")[1]
         assert grown["plan"]["hosts"] == ["127.0.0.1", "127.0.0.2"] and grown["recovery"] == "checkpoint", grown
-        hosts = m.state().get("hosts", {})
-        assert hosts.get("127.0.0.2", {}).get("joined") is True and "joined" not in hosts.get("127.0.0.1", {}), hosts
+        wait_for("state.json marks 127.0.0.2 joined, 127.0.0.1 not (%s)" % m.state().get("hosts"),
+                 lambda: m.state().get("hosts", {}).get("127.0.0.2", {}).get("joined") is True
+                 and "joined" not in m.state().get("hosts", {}).get("127.0.0.1", {}), 30)
         # heartbeat_timeout_s 10 (the default) + agent_grace_s 4.
         assert "grace 4000 ms (the job's), manager lost after 14000 ms without a word (the job's)" in \
             tasks[0].output(), tasks[0].output()

@@ -63,7 +63,7 @@ def test_a_job_array_joins_grows_is_preempted_and_requeued():
     m = Manager(ROOT / "array", None, stages=2, batch=16, chunk=4, steps=100000, job=job,
                 prefix=["ip", "netns", "exec", net.head_ns],
                 extra_args=["--min_hosts", "2", "--manager_ip", net.head_addr, "--port", str(port),
-                            "--master_port", str(21000 + os.getpid() % 1000 * 20)],
+                            "--master_port", str(21000 + os.getpid() % 250 * 20)],
                 train_args=["--checkpoint_every", "1000"]).start()
     (m.state_dir).mkdir(parents=True, exist_ok=True)
     (m.state_dir / "manager_address").write_text("%s:%d\n" % (net.head_addr, port))
@@ -128,7 +128,7 @@ def test_a_job_array_joins_grows_is_preempted_and_requeued():
     got = m.losses()
     steps = max(got) + 1
     ref = Manager(ROOT / "array-reference", ["127.0.0.1 slots=2"], stages=2, batch=16, chunk=4, steps=steps,
-                  job=job + "-ref", extra_args=["--port", "0", "--master_port", str(22000 + os.getpid() % 1000 * 20)])
+                  job=job + "-ref", extra_args=["--port", "0", "--master_port", str(26000 + os.getpid() % 250 * 20)])
     ref.start()
     assert ref.wait_exit() == 0, ref.tail()
     assert_losses_continue(got, ref.losses(), steps)

@@ -135,8 +135,9 @@ TEST_CASE("join: a joined host's credentials are its join's: the name-only one a
   CHECK_THAT(f.hello(byName, "agent", "node-a"), Catch::Contains("wrong job token"));
   CHECK_THAT(f.hello(credentials::notifier(byName), "notifier", "node-a"), Catch::Contains("wrong job token"));
   CHECK_THAT(f.hello(credentials::worker(byName, 0, 1), "worker", "node-a", 0, 1), Catch::Contains("wrong job token"));
-  // The join's own credential passes the check (and then meets the agent already up).
+  // The join's own credentials pass the check (the agent's then meets the agent already up).
   CHECK_THAT(f.hello(first, "agent", "node-a"), Catch::Contains("already has an agent"));
+  CHECK(f.hello(credentials::notifier(first), "notifier", "node-a") == "(not refused)");
 
   // node-a's task ends and is requeued: the new join gets a credential of its
   // own, and everything the first join's credential derives is refused.

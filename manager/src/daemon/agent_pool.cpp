@@ -240,8 +240,9 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
     return false;
   }
   const std::string host = hello.host;  // a valid host address: fit for logs as it is
+  std::string nonce = credentials::newJoinNonce();  // first: it may throw, and then nothing has changed
   joined_[host] = Machine{host, hello.slots, 0};
-  joinNonces_[host] = credentials::newJoinNonce();  // whatever an earlier join of this name held is void
+  joinNonces_[host] = std::move(nonce);  // whatever an earlier join of this name held is void
   Agent& agent = agents_[host];
   const uint64_t attempt = startAttempt(agent);
   agent.joined = true;
