@@ -78,7 +78,8 @@ def test_equivalence():
     # Every schedule with Python pieces on 2 stages, and every layout once. The
     # engine's own tests (pipeline_ and chunked_equivalence_test) run every
     # schedule under every layout; each case here is a job of up to four Python
-    # processes (6 s each to import torch and build an optimizer), so this
+    # processes (about 6 s of CPU each to import torch and to take a first
+    # torch.optim step, which imports torch._dynamo), so this
     # covers what is the front end's own: its pieces, batches and optimizer
     # under each schedule, data parallelism, an odd number of stages.
     # The model has 4 pieces: the chunked schedules (two chunks per stage) run on up to 2 stages.
