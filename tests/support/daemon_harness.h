@@ -200,6 +200,7 @@ struct DaemonHarness {
 
   std::vector<nlohmann::json> events(const std::string& type) const { return readEvents(dir / "state", type); }
   nlohmann::json state() const {
+    while (daemon && daemon->stateWriting()) std::this_thread::yield();  // the tick's rewrite, off the loop
     std::ifstream in(dir / "state" / "state.json");
     return nlohmann::json::parse(in);
   }

@@ -8,8 +8,10 @@
 // clock: tests/integration/manager_daemon_hosts_test.cpp.)
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -193,6 +195,39 @@ TEST_CASE("daemon: the manager heartbeats its agents and hands them the lost-man
   const auto commands = f.launcher->commands();
   REQUIRE(commands.size() == 2);
   for (const auto& command : commands) CHECK_THAT(command, Catch::Contains(" --lost_manager_ms 6500 "));
+}
+
+TEST_CASE("daemon: with many agents each hears a heartbeat a second, not all of them in the same tick",
+          "[daemon][hosts]") {
+  // 25 hosts: a 100 ms tick sends to a tenth of them (3), so no tick holds
+  // the loop for all; over time each still gets one a second.
+  std::vector<std::string> hosts;
+  for (int i = 1; i <= 25; ++i) hosts.push_back("127.0.1." + std::to_string(i));
+  struct ManyHosts : test::SimDaemonHarness {
+    explicit ManyHosts(const std::vector<std::string>& hosts) : SimDaemonHarness("daemon_heartbeat_spread", 10000ms) {
+      test::writeMachineList(dir / "machines.txt", hosts, 1);
+      JobConfig config = test::hostReturnTestConfig(dir, {});
+      useFakeClock();
+      simulate(sim::fastSimOptions());
+      startSimulated(config);
+    }
+  } f(hosts);
+  auto beats = [&](const std::string& host) { return f.cluster->count(PeerKind::kAgent, "heartbeat", host); };
+  REQUIRE(f.runUntil([&] { return std::all_of(hosts.begin(), hosts.end(), [&](auto& h) { return beats(h) >= 1; }); }));
+  std::map<std::string, size_t> before;
+  for (const auto& h : hosts) before[h] = beats(h);
+  const auto start = f.now();
+  f.runUntil([&] { return f.now() >= start + 300ms; });
+  size_t heard = 0;
+  for (const auto& h : hosts) heard += beats(h) > before[h] ? 1 : 0;
+  CHECK(heard >= 3);   // three ticks' worth: about 8
+  CHECK(heard <= 15);  // not all at once
+  f.runUntil([&] { return f.now() >= start + 5s; });
+  for (const auto& h : hosts) {
+    INFO(h);
+    CHECK(beats(h) - before[h] >= 4);  // about 5 in 5 s, none starved ...
+    CHECK(beats(h) - before[h] <= 6);  // ... none sent twice per round
+  }
 }
 
 TEST_CASE("daemon: an agent's credential and the env_file's values go on its stdin, never its command line",

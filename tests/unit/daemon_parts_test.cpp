@@ -114,6 +114,51 @@ TEST_CASE("a silent rank and one that never connected are named; others are not"
   CHECK_THAT(silent[1].why, Catch::Contains("never connected within 60"));
 }
 
+TEST_CASE("the registry counts ranks without a hello through connects, repeats, forgets and orders out") {
+  const Plan plan = twoRankPlan();
+  WorkerRegistry workers;
+  workers.expect(plan);
+  CHECK(workers.unconnected() == 2);
+  CHECK_FALSE(workers.connect(0, nullptr, t0));
+  CHECK_FALSE(workers.connect(0, nullptr, t0 + 1s));  // a second hello counts once
+  CHECK(workers.unconnected() == 1);
+  CHECK(workers.connect(1, nullptr, t0));
+  CHECK(workers.unconnected() == 0);
+  workers.forget(1);
+  workers.forget(1);
+  CHECK(workers.unconnected() == 0);  // a connected rank forgotten: still none waited for
+  workers.expect(plan);
+  CHECK(workers.unconnected() == 2);
+  workers.orderRankOut(0, 1, "test");  // never connected
+  CHECK(workers.unconnected() == 1);
+  workers.connect(1, nullptr, t0);
+  workers.orderHostOut(plan.placement[1].host, plan, 1, "test");
+  CHECK(workers.size() == 0);
+  CHECK(workers.unconnected() == 0);
+  workers.expect(plan);
+  workers.connect(0, nullptr, t0);
+  workers.orderAllOut(1, "test");
+  CHECK(workers.unconnected() == 0);
+  CHECK(workers.size() == 0);
+}
+
+TEST_CASE("the hang check walks the running ranks only once the job has stalled, and names those not waiting") {
+  LivenessWatchdog watchdog({/*heartbeat*/ 10, /*startup*/ 60, /*hang*/ 30});
+  const Plan plan = twoRankPlan();
+  WorkerRegistry workers;
+  workers.expect(plan);
+  watchdog.launched(t0);
+  CHECK_FALSE(watchdog.findHang({0, 1}, workers, plan, t0 + 61s));  // rank 1 never connected: the silence check's case
+  workers.connect(0, nullptr, t0);
+  workers.connect(1, nullptr, t0);
+  workers.find(1)->waiting = true;
+  CHECK_FALSE(watchdog.findHang({0, 1}, workers, plan, t0 + 59s));
+  const auto hang = watchdog.findHang({0, 1}, workers, plan, t0 + 61s);
+  REQUIRE(hang);
+  CHECK(hang->ranks == std::vector<int>{0});
+  CHECK_FALSE(watchdog.findHang({0, 1, 7}, workers, plan, t0 + 61s));  // a running rank the registry lost
+}
+
 TEST_CASE("a silent rank whose agent fell silent with it is the agent's case, however late the manager looks") {
   using Silent = LivenessWatchdog::SilentRank;
   const Silent rank{3, "no heartbeat for 2 s", t0};

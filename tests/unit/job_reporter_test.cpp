@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "fake_clock.h"
@@ -206,4 +207,39 @@ TEST_CASE("reporter: a state.json that cannot be written is retried at the tick"
   f.reporter->tick(f.clock.now());
   CHECK_FALSE(f.reporter->stateWriteFailing());
   CHECK(std::filesystem::exists(f.dir / "state" / "state.json"));
+}
+
+TEST_CASE("reporter: the tick's state.json is written off the loop, the plan with it") {
+  ReporterFixture f("reporter_state_background");
+  f.step(0);
+  f.clock.advance(std::chrono::seconds(2));
+  f.reporter->tick(f.clock.now());  // due: queued for the writer thread
+  while (f.reporter->stateWriting()) std::this_thread::yield();
+  std::ifstream in(f.dir / "state" / "state.json");
+  const json state = json::parse(in);
+  CHECK(state["plan"] == planJson(f.plan));  // shared with the writer, set there
+  CHECK(state["progress"]["step"] == 0);
+  CHECK(state["hosts"].size() == 3);
+}
+
+TEST_CASE("state file: writes land in order; a queued background state gives way to a newer one") {
+  const auto dir = test::scratchDir("state_file_order");
+  StateFile file(dir.string());
+  const auto now = std::chrono::steady_clock::now();
+  auto snapshot = [](int n) {
+    return [n] {
+      return StateFile::Snapshot{json{{"n", n}}, {{"big", std::make_shared<const json>(json::array({n, n}))}}};
+    };
+  };
+  auto read = [&] { return json::parse(std::ifstream(dir / "state.json")); };
+  for (int n = 1; n <= 50; ++n) file.writeInBackground(snapshot(n), now);
+  file.write(snapshot(51), now);  // waits for its own file: nothing older lands after it
+  CHECK_FALSE(file.writing());
+  CHECK(read() == json{{"n", 51}, {"big", {51, 51}}});
+  CHECK_FALSE(file.due(now));
+  CHECK(file.due(now + std::chrono::seconds(1)));
+  file.writeInBackground(snapshot(52), now);
+  while (file.writing()) std::this_thread::yield();
+  CHECK(read()["n"] == 52);
+  CHECK_FALSE(file.failing());
 }

@@ -1,6 +1,7 @@
 #include "daemon/agent_pool.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <nlohmann/json.hpp>
 
@@ -42,6 +43,7 @@ AgentPool::AgentPool(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, 
       absences_(settings_.retry) {}
 
 AgentPool::~AgentPool() {
+  alive_.reset();  // heartbeats posted to the loop are not sent
   // Start-ups still under way (the loop stopped first): their results are
   // never read, but the threads use this pool's launcher.
   for (auto& [id, t] : launchThreads_) {
@@ -399,14 +401,42 @@ void AgentPool::closeSilentAgents(TimePoint now) {
 
 void AgentPool::sendHeartbeats(TimePoint now) {
   // An agent that hears nothing from the manager for heartbeat_timeout_s +
-  // agent_grace_s takes it as gone (--lost_manager_ms).
-  if (now - lastHeartbeat_ < kHeartbeatInterval) return;
+  // agent_grace_s takes it as gone (--lost_manager_ms). Each agent gets one
+  // a second, but not all at once: with a thousand agents that would hold
+  // the loop for tens of milliseconds once a second, and everything queued
+  // behind it would wait. Each tick sends to the share of the agents the
+  // time since the last tick is of the interval, in host order from where
+  // the last one stopped, a few at a time with the loop's other work in
+  // between; the frame is encoded once.
+  if (agents_.empty()) return;
+  if (lastHeartbeat_ == TimePoint{}) lastHeartbeat_ = now - kHeartbeatInterval;
+  const double share = std::chrono::duration<double>(now - lastHeartbeat_) / kHeartbeatInterval;
+  if (share <= 0) return;
   lastHeartbeat_ = now;
-  for (auto& [host, agent] : agents_) {
+  heartbeatsDue_ = std::min(agents_.size(), static_cast<size_t>(std::ceil(share * static_cast<double>(agents_.size()))));
+  if (!heartbeatsPosted_) sendSomeHeartbeats();
+}
+
+void AgentPool::sendSomeHeartbeats() {
+  // One send is a system call (20 us on loopback): this many stall the loop
+  // for well under a millisecond.
+  constexpr size_t kHeartbeatsAtOnce = 16;
+  static const std::string frame = proto::encode(proto::Heartbeat{-1, 0});
+  auto it = agents_.upper_bound(heartbeatCursor_);
+  for (size_t sent = 0; heartbeatsDue_ > 0 && sent < kHeartbeatsAtOnce && !agents_.empty(); --heartbeatsDue_, ++sent) {
+    if (it == agents_.end()) it = agents_.begin();
+    Agent& agent = it->second;
     if (agent.status == Status::kUp && agent.connection && agent.connection->open()) {
-      agent.connection->send(proto::Heartbeat{-1, 0});
+      agent.connection->sendEncoded(frame);
     }
+    heartbeatCursor_ = it->first;
+    ++it;
   }
+  heartbeatsPosted_ = heartbeatsDue_ > 0 && !agents_.empty();
+  if (!heartbeatsPosted_) return;
+  asio::post(io_, guard_->wrap("sending heartbeats", [this, alive = std::weak_ptr<bool>(alive_)] {
+    if (alive.lock()) sendSomeHeartbeats();
+  }));
 }
 
 void AgentPool::retryAbsentHosts(TimePoint now) {

@@ -190,6 +190,7 @@ class AgentPool {
   void startupFailed(const std::string& host, const std::string& message);
   void reapLaunchThread(uint64_t id);
   void sendHeartbeats(TimePoint now);
+  void sendSomeHeartbeats();
   void retryAbsentHosts(TimePoint now);
   void back(const std::string& host, const std::string& how);
   bool usableAgent(const std::string& host) const;
@@ -211,7 +212,11 @@ class AgentPool {
   HostAbsences absences_;
   std::map<uint64_t, std::thread> launchThreads_;
   uint64_t nextLaunchThread_ = 0;
-  TimePoint lastHeartbeat_{};
+  TimePoint lastHeartbeat_{};    // the last tick that sent heartbeats
+  std::string heartbeatCursor_;  // the host that got the last one: the next goes on after it
+  size_t heartbeatsDue_ = 0;     // of this tick's, those not sent yet
+  bool heartbeatsPosted_ = false;  // the next few are posted to the loop
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // reset when this goes
   bool shutDown_ = false;
 };
 

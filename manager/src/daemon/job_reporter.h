@@ -115,15 +115,16 @@ class JobReporter {
   // state.json now; on failure logged (rate-limited) and retried at every tick.
   void writeState();
   bool stateWriteFailing() const { return stateFile_.failing(); }
+  bool stateWriting() const { return stateFile_.writing(); }
   // The last line run_varuna logs.
   void printSummary();
 
  private:
   void onSlowVerdict(const std::vector<SlowMachine>& slow);
   std::string checkpointText(TimePoint now) const;
-  nlohmann::json stateJson();
+  StateFile::Snapshot stateSnapshot();
   // 1000 ranks make a large object: built once per generation.
-  const nlohmann::json& cachedPlanJson(const DaemonStatus& status);
+  std::shared_ptr<const nlohmann::json> cachedPlanJson(const DaemonStatus& status);
 
   Options options_;
   EventLog& events_;
@@ -139,7 +140,7 @@ class JobReporter {
   std::vector<std::string> slowHosts_;    // the last verdict acted on
   int checkpointFailures_ = 0;            // CheckpointFailed reports of every generation
   nlohmann::json lastCheckpointFailure_;  // the newest one, for state.json
-  nlohmann::json planJson_;
+  std::shared_ptr<const nlohmann::json> planJson_;  // shared with state.json's writer
   int planJsonGeneration_ = -1;
 };
 

@@ -27,6 +27,7 @@ uint64_t ManagerDaemon::tcpConnectionsAccepted() const { return impl_->tcpConnec
 uint64_t ManagerDaemon::localConnectionsAccepted() const { return impl_->localConnectionsAccepted(); }
 uint64_t ManagerDaemon::handlerFailures() const { return impl_->handlerFailures(); }
 bool ManagerDaemon::stateWriteFailing() const { return impl_->stateWriteFailing(); }
+bool ManagerDaemon::stateWriting() const { return impl_->stateWriting(); }
 size_t ManagerDaemon::backgroundJobs() const { return impl_->backgroundJobs(); }
 
 }  // namespace varuna

@@ -98,6 +98,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sin
   uint64_t localConnectionsAccepted() const { return listener_.localAccepted(); }
   uint64_t handlerFailures() const { return guard_->failures(); }
   bool stateWriteFailing() const { return reporter_ && reporter_->stateWriteFailing(); }
+  bool stateWriting() const { return reporter_ && reporter_->stateWriting(); }
   // Work on other threads whose result the loop has not had yet: agent
   // start-ups and store or planning jobs (a test on a fake clock holds its
   // time still while there is any, as the real clock would barely move).

@@ -5,7 +5,7 @@
 namespace varuna {
 
 void WorkerRegistry::expect(const Plan& plan) {
-  workers_.clear();
+  clear();
   for (const auto& p : plan.placement) workers_[p.rank] = WorkerState{};
 }
 
@@ -30,14 +30,18 @@ bool WorkerRegistry::connect(int rank, const std::shared_ptr<FramedConnection>& 
   }
   worker.connection = connection;
   worker.lastSeen = now;
+  if (!worker.connected) ++connected_;
   worker.connected = true;
   return unconnected() == 0;
 }
 
-size_t WorkerRegistry::unconnected() const {
-  size_t count = 0;
-  for (const auto& [rank, worker] : workers_) count += worker.connected ? 0 : 1;
-  return count;
+void WorkerRegistry::erase(std::map<int, WorkerState>::iterator it) {
+  if (it->second.connected) --connected_;
+  workers_.erase(it);
+}
+
+void WorkerRegistry::forget(int rank) {
+  if (auto it = workers_.find(rank); it != workers_.end()) erase(it);
 }
 
 void WorkerRegistry::orderOut(const std::shared_ptr<FramedConnection>& connection, int generation,
@@ -56,7 +60,7 @@ void WorkerRegistry::orderRankOut(int rank, int generation, const std::string& r
   auto it = workers_.find(rank);
   if (it == workers_.end()) return;
   orderOut(it->second.connection, generation, reason);
-  workers_.erase(it);
+  erase(it);
 }
 
 void WorkerRegistry::orderHostOut(const std::string& host, const Plan& plan, int generation,
@@ -68,7 +72,7 @@ void WorkerRegistry::orderHostOut(const std::string& host, const Plan& plan, int
       continue;
     }
     orderOut(it->second.connection, generation, reason);
-    it = workers_.erase(it);
+    erase(it++);
   }
 }
 
@@ -79,7 +83,7 @@ size_t WorkerRegistry::orderAllOut(int generation, const std::string& reason) {
     orderOut(worker.connection, generation, reason);
     ++ordered;
   }
-  workers_.clear();
+  clear();
   return ordered;
 }
 

@@ -32,7 +32,10 @@ class WorkerRegistry {
   // A launch: every rank of `plan` expected, none connected yet.
   void expect(const Plan& plan);
   // No worker counts any more (a launch being prepared, a generation over).
-  void clear() { workers_.clear(); }
+  void clear() {
+    workers_.clear();
+    connected_ = 0;
+  }
 
   bool expects(int rank) const { return workers_.count(rank) > 0; }
   WorkerState* find(int rank);
@@ -40,9 +43,10 @@ class WorkerRegistry {
   // Its hello: true once every expected rank has connected.
   bool connect(int rank, const std::shared_ptr<FramedConnection>& connection, TimePoint now);
   // A rank that is gone (exited, written off): nothing it sends counts.
-  void forget(int rank) { workers_.erase(rank); }
+  void forget(int rank);
   size_t size() const { return workers_.size(); }
-  size_t unconnected() const;
+  // Expected ranks without a hello yet; O(1) (asked at every hello).
+  size_t unconnected() const { return workers_.size() - connected_; }
   const std::map<int, WorkerState>& all() const { return workers_; }
 
   // ExitNow over the worker's own connection; after it nothing the worker
@@ -61,7 +65,10 @@ class WorkerRegistry {
   void closeAll(const std::string& reason);
 
  private:
+  void erase(std::map<int, WorkerState>::iterator it);
+
   std::map<int, WorkerState> workers_;
+  size_t connected_ = 0;  // of workers_, those with connected set
   std::set<std::shared_ptr<FramedConnection>> exitOrdered_;
 };
 

@@ -88,7 +88,11 @@ void FramedConnection::deliver(const proto::Message& message) {
 
 void FramedConnection::send(const proto::Message& message) {
   if (!open_ || closeWhenDrained_) return;
-  std::string frame = proto::encode(message);
+  sendEncoded(proto::encode(message));
+}
+
+void FramedConnection::sendEncoded(std::string frame) {
+  if (!open_ || closeWhenDrained_) return;
   if (queuedBytes_ + frame.size() > maxQueuedBytes_) {
     close(strCat("the peer does not read: ", queuedBytes_, " bytes wait to be sent (at most ", maxQueuedBytes_, ")"));
     return;

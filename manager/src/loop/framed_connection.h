@@ -51,6 +51,8 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void start(OnMessage onMessage, OnClose onClose);
   // Queues a frame; frames go out in order.
   void send(const proto::Message& message);
+  // The same for a frame proto::encode made, e.g. once for many peers.
+  void sendEncoded(std::string frame);
   // Closes now (queued frames are dropped) and calls onClose(reason) once.
   void close(const std::string& reason);
   // Sends what is queued, then closes. Stops reading at once.

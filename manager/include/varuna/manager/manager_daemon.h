@@ -85,6 +85,8 @@ class ManagerDaemon {
   uint64_t localConnectionsAccepted() const;
   uint64_t handlerFailures() const;
   bool stateWriteFailing() const;
+  // state.json is being written (the tick's rewrite goes on off the loop).
+  bool stateWriting() const;
   // Work on other threads whose result the loop has not had yet: agent
   // start-ups and store or planning jobs (a test on a fake clock holds its
   // time still while there is any, as the real clock would barely move).
