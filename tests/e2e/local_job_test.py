@@ -300,6 +300,39 @@ def test_sigterm_checkpoints_and_stops():
     assert_nothing_left(m.job)
 
 
+def test_head_node_agents_and_workers_run_as_the_jobs_user():
+    """run_varuna as root with ssh_user naming an unprivileged account: the
+    agents it starts on this machine's own addresses (no SSH) and their
+    workers run as that account, as an SSH login would, never as root; the
+    job trains and checkpoints into a store that account owns."""
+    assert os.geteuid() == 0, "this test starts run_varuna as root"
+    nobody = 65534
+    workdir = ROOT / "as-user"
+    (workdir / "store").mkdir(parents=True, exist_ok=True)
+    (workdir / "dump").mkdir(parents=True, exist_ok=True)
+    for path in (workdir, workdir / "store", workdir / "dump"):
+        os.chown(path, nobody, nobody)
+    m = manager("as-user", steps=100000, extra_args=["--ssh_user", "nobody"]).start()
+    m.wait_step(10)
+    procs = processes_of_job(m.job)
+    agents = [pid for pid, cmd in procs if "varuna_agent" in cmd]
+    workers = [pid for pid, cmd in procs if "varuna_agent" not in cmd]
+    assert len(agents) == 2 and len(workers) == 4, procs
+    for pid, cmd in procs:
+        status = Path("/proc/%d/status" % pid).read_text()
+        uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
+        assert uids == [str(nobody)] * 4, (cmd, uids)  # real, effective, saved, filesystem
+    m.kill(signal.SIGTERM)
+    assert m.wait_exit() == 0, m.tail()
+    state = m.state()
+    assert state["phase"] == "finished" and state["last_checkpoint_step"] >= 10, state
+    # The workers wrote the checkpoint (varuna_job.json is run_varuna's own record).
+    written = [p for p in m.store.rglob("*") if p.name != "varuna_job.json"]
+    assert written and {p.stat().st_uid for p in written} == {nobody}, [(str(p), p.stat().st_uid) for p in written]
+    assert "run as root" not in m.output()
+    assert_nothing_left(m.job)
+
+
 def make_profile(name):
     """Profiles the tiny model with 2 processes (profile_gpt under varuna_launch.py)."""
     out = ROOT / name
@@ -697,6 +730,7 @@ if __name__ == "__main__":
         test_an_agents_sigterm_is_a_preemption_notice_each_time_the_host_comes_back,
         test_manager_killed_and_restarted_carries_on,
         test_sigterm_checkpoints_and_stops,
+        test_head_node_agents_and_workers_run_as_the_jobs_user,
         test_no_morphing_stops_on_the_first_failure,
         test_autoconfig_plans_from_a_profile_and_replans_after_a_morph,
         test_python_profiler_then_autoconfig_trains_the_cutpoint_example,

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "test_env.h"
@@ -191,6 +192,37 @@ TEST_CASE("local commands: the input arrives on stdin, then EOF", "[runtime]") {
   auto tooLong = runLocalCommand("cat", std::chrono::seconds(10), std::string(32 * 1024 + 1, 'x'));
   CHECK_FALSE(tooLong.ok);
   CHECK_THAT(tooLong.message, Catch::Contains("at most 32768"));
+}
+
+TEST_CASE("local agents start as the job's user: root switches to ssh_user, others go over SSH", "[runtime][security]") {
+  REQUIRE(::geteuid() == 0);  // the tests run as root, as run_varuna may
+  CHECK_FALSE(localStartFor("").overSsh);
+  CHECK_FALSE(localStartFor("").account);
+  CHECK_FALSE(localStartFor("root").account);  // run_varuna's own user: nothing to switch
+  const LocalStart nobody = localStartFor("nobody");
+  REQUIRE(nobody.account);
+  CHECK_FALSE(nobody.overSsh);
+  CHECK(nobody.account->uid == 65534);
+  CHECK_THROWS_WITH(localStartFor("no-such-user-varuna"),
+                    Catch::Contains("ssh_user 'no-such-user-varuna' has no account on this machine"));
+
+  // Started as it: its uid, gid and groups, its HOME and name; no way back to root.
+  const auto ran = runLocalCommand("id -u; id -g; id -G; echo \"$HOME $USER $LOGNAME\"; su -c true root </dev/null 2>/dev/null "
+                                   "|| echo no-root",
+                                   std::chrono::seconds(10), "", &*nobody.account);
+  REQUIRE(ran.ok);
+  CHECK(ran.output == "65534\n65534\n65534\n" + nobody.account->home + " nobody nobody\nno-root\n");
+
+  // run_varuna as another user, which cannot switch: over SSH, as any host.
+  const pid_t child = ::fork();
+  if (child == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    ::_exit(localStartFor("root").overSsh && !localStartFor("").overSsh && !localStartFor("nobody").overSsh ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 TEST_CASE("shell quoting survives the shell; local hosts are recognised", "[runtime]") {

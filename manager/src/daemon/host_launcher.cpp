@@ -3,15 +3,19 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
+#include <grp.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pwd.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstring>
 
 #include "varuna/common/errors.h"
+#include "varuna/common/log.h"
 
 namespace varuna {
 namespace {
@@ -25,7 +29,53 @@ std::string lastLines(const std::string& text, int n) {
   return pos == std::string::npos || pos == 0 ? text : text.substr(pos + 1);
 }
 
+// The environment of a command started as `account`: run_varuna's own, with
+// the account's HOME, USER and LOGNAME. Made before the fork: the child may
+// not allocate (another thread may hold the allocator's lock).
+std::vector<std::string> environmentFor(const LocalAccount& account) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view entry(*e);
+    if (entry.starts_with("HOME=") || entry.starts_with("USER=") || entry.starts_with("LOGNAME=")) continue;
+    env.emplace_back(entry);
+  }
+  env.push_back("HOME=" + account.home);
+  env.push_back("USER=" + account.name);
+  env.push_back("LOGNAME=" + account.name);
+  return env;
+}
+
+std::optional<LocalAccount> lookUpAccount(const std::string& name) {
+  std::vector<char> buffer(16384);
+  passwd entry{};
+  passwd* found = nullptr;
+  if (::getpwnam_r(name.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || !found) return std::nullopt;
+  LocalAccount account{found->pw_name, found->pw_uid, found->pw_gid, {}, found->pw_dir ? found->pw_dir : "/"};
+  int count = 64;
+  account.groups.resize(static_cast<size_t>(count));
+  if (::getgrouplist(found->pw_name, found->pw_gid, account.groups.data(), &count) < 0) {
+    account.groups.resize(static_cast<size_t>(count));  // count now says how many there are
+    ::getgrouplist(found->pw_name, found->pw_gid, account.groups.data(), &count);
+  }
+  account.groups.resize(static_cast<size_t>(std::max(count, 0)));
+  return account;
+}
+
 }  // namespace
+
+LocalStart localStartFor(const std::string& sshUser) {
+  const uid_t self = ::geteuid();
+  if (sshUser.empty()) return {};
+  const auto account = lookUpAccount(sshUser);
+  if (account && account->uid == self) return {};
+  if (self != 0) return {.overSsh = true};
+  if (!account) {
+    throw ConfigError(strCat("ssh_user '", sshUser, "' has no account on this machine, so the agents of its own ",
+                             "addresses cannot run as it: create the account here, or leave this machine out of the ",
+                             "machine list"));
+  }
+  return {.account = account};
+}
 
 std::string shellQuote(const std::string& text) {
   std::string out = "'";
@@ -59,8 +109,12 @@ bool isLocalHost(const std::string& host) {
 }
 
 HostCommandResult runLocalCommand(const std::string& command, std::chrono::milliseconds timeout,
-                                  const std::string& input) {
+                                  const std::string& input, const LocalAccount* account) {
   HostCommandResult result;
+  std::vector<std::string> env = account ? environmentFor(*account) : std::vector<std::string>();
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
   int pipeFds[2];
   int inputFds[2];
   if (::pipe2(pipeFds, O_CLOEXEC) != 0) {
@@ -90,7 +144,19 @@ HostCommandResult runLocalCommand(const std::string& command, std::chrono::milli
     ::dup2(pipeFds[1], 2);
     ::dup2(inputFds[0], 0);
     ::close_range(3, ~0U, 0);  // nothing of the manager's (its listening socket!) leaks into agents
-    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    const char* argv[] = {"sh", "-c", command.c_str(), nullptr};
+    if (!account) {
+      ::execv("/bin/sh", const_cast<char* const*>(argv));
+      ::_exit(127);
+    }
+    // Groups first, the uid last: after it nothing else may be changed.
+    if (::setgroups(account->groups.size(), account->groups.data()) != 0 || ::setgid(account->gid) != 0 ||
+        ::setuid(account->uid) != 0 || ::setuid(0) == 0) {
+      static const char kFailed[] = "run_varuna: cannot switch to the job's user (ssh_user) for this machine's agent\n";
+      [[maybe_unused]] const auto n = ::write(2, kFailed, sizeof(kFailed) - 1);
+      ::_exit(126);
+    }
+    ::execve("/bin/sh", const_cast<char* const*>(argv), envp.data());
     ::_exit(127);
   }
   ::close(pipeFds[1]);
@@ -133,7 +199,25 @@ HostCommandResult runLocalCommand(const std::string& command, std::chrono::milli
 
 HostCommandResult ShellHostLauncher::run(const std::string& host, const std::string& command,
                                          const std::string& input) {
-  if (isLocalHost(host)) return runLocalCommand(command, ssh_.commandTimeout, input);
+  if (isLocalHost(host)) {
+    LocalStart start;
+    try {
+      start = localStartFor(ssh_.user);
+    } catch (const ConfigError& e) {
+      HostCommandResult refused;
+      refused.message = e.what();
+      return refused;
+    }
+    if (!start.overSsh) {
+      if (!start.account && ::geteuid() == 0) {
+        std::call_once(rootWarning_, [] {
+          log::warn("the agents and workers on this machine run as root (run_varuna's user): set ssh_user to the ",
+                       "job's user and run_varuna starts them as it");
+        });
+      }
+      return runLocalCommand(command, ssh_.commandTimeout, input, start.account ? &*start.account : nullptr);
+    }
+  }
   const SshResult ssh = runOverSsh(host, command, ssh_, input);
   HostCommandResult result;
   result.exitStatus = ssh.exitStatus;

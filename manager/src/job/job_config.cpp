@@ -92,7 +92,7 @@ const std::vector<Field>& fields() {
       {"exclude_slow", &JobConfig::excludeSlow, "leave machines in slow_machines.out out of the next plan"},
       {"slow_threshold", &JobConfig::slowThreshold, "slower than the stage median by this fraction flags a machine (default 0.15)"},
       {"slow_window", &JobConfig::slowWindow, "steps per slow-machine verdict (default 20)"},
-      {"ssh_user", &JobConfig::sshUser, "SSH user (default: the current user)"},
+      {"ssh_user", &JobConfig::sshUser, "SSH user, and whom run_varuna as root starts this machine's own agents as (default: the current user)"},
       {"ssh_port", &JobConfig::sshPort, "SSH port (default 22)"},
       {"ssh_identity", &JobConfig::sshIdentity, "SSH private key (default: libssh's)"},
       {"ssh_known_hosts", &JobConfig::sshKnownHosts, "known_hosts file (default ~/.ssh/known_hosts)"},
