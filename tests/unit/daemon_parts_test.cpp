@@ -114,6 +114,33 @@ TEST_CASE("a silent rank and one that never connected are named; others are not"
   CHECK_THAT(silent[1].why, Catch::Contains("never connected within 60"));
 }
 
+TEST_CASE("the silence check skips its walk only while no rank can be silent, and finds one on time after") {
+  LivenessWatchdog watchdog({/*heartbeat*/ 10, /*startup*/ 60, /*hang*/ 600});
+  const Plan plan = twoRankPlan();
+  WorkerRegistry workers;
+  workers.expect(plan);
+  watchdog.launched(t0);
+  workers.connect(0, nullptr, t0);
+  workers.connect(1, nullptr, t0 + 5s);
+  CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 6s).empty());  // a walk: the oldest was heard at t0
+  workers.find(1)->lastSeen = t0 + 9s;
+  CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 9500ms).empty());
+  const auto silent = watchdog.silentRanks({0, 1}, workers, t0 + 10500ms);  // rank 0: 10.5 s without a word
+  REQUIRE(silent.size() == 1);
+  CHECK(silent[0].rank == 0);
+  workers.find(0)->lastSeen = t0 + 11s;
+  CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 12s).empty());
+  CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 19500ms).size() == 1);  // rank 1, heard last at 9 s
+  // A launch starts over: its ranks not connected yet are looked at every time.
+  workers.expect(plan);
+  watchdog.launched(t0 + 20s);
+  workers.connect(0, nullptr, t0 + 20s);
+  CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 21s).empty());
+  const auto never = watchdog.silentRanks({0, 1}, workers, t0 + 81s);
+  REQUIRE(never.size() == 2);
+  CHECK_THAT(never[1].why, Catch::Contains("never connected"));
+}
+
 TEST_CASE("the registry counts ranks without a hello through connects, repeats, forgets and orders out") {
   const Plan plan = twoRankPlan();
   WorkerRegistry workers;

@@ -29,6 +29,7 @@ void forEachRunning(const std::set<int>& running, const WorkerRegistry& workers,
 void LivenessWatchdog::launched(TimePoint now) {
   launchedAt_ = now;
   progressAt_.reset();
+  allHeardSince_.reset();
 }
 
 void LivenessWatchdog::noteStep(WorkerState& worker, int64_t step, bool report, TimePoint now) {
@@ -40,12 +41,17 @@ void LivenessWatchdog::noteStep(WorkerState& worker, int64_t step, bool report, 
 
 std::vector<LivenessWatchdog::SilentRank> LivenessWatchdog::silentRanks(const std::set<int>& running,
                                                                         const WorkerRegistry& workers,
-                                                                        TimePoint now) const {
+                                                                        TimePoint now) {
   std::vector<SilentRank> silent;
   const auto heartbeatTimeout = millis(limits_.heartbeatTimeoutS);
+  if (allHeardSince_ && now - *allHeardSince_ <= heartbeatTimeout) return silent;
   const bool startupOver = now - launchedAt_ > millis(limits_.startupTimeoutS);
+  bool allConnected = true;
+  TimePoint oldest = now;
   forEachRunning(running, workers, [&](int rank, const WorkerState* w) {
     if (!w) return true;
+    allConnected &= w->connected;
+    if (w->connected) oldest = std::min(oldest, w->lastSeen);
     if (w->connected && now - w->lastSeen > heartbeatTimeout) {
       silent.push_back({rank, strCat("no heartbeat for ", limits_.heartbeatTimeoutS, " s"), w->lastSeen});
     } else if (!w->connected && startupOver) {
@@ -53,6 +59,11 @@ std::vector<LivenessWatchdog::SilentRank> LivenessWatchdog::silentRanks(const st
     }
     return true;
   });
+  if (allConnected) {
+    allHeardSince_ = oldest;
+  } else {
+    allHeardSince_.reset();
+  }
   return silent;
 }
 

@@ -55,7 +55,12 @@ class LivenessWatchdog {
   // advances afterwards is progress.
   void noteStep(WorkerState& worker, int64_t step, bool report, TimePoint now);
 
-  std::vector<SilentRank> silentRanks(const std::set<int>& running, const WorkerRegistry& workers, TimePoint now) const;
+  // Walks the ranks only when one may be silent: a walk that finds every
+  // running rank connected remembers the oldest last-heard time, and until
+  // that is heartbeat_timeout_s old no rank can be (a rank's last-heard time
+  // only moves forward). On a big job that is one walk per timeout instead
+  // of one per tick (10 000 ranks: 1.2 ms of the loop every 100 ms).
+  std::vector<SilentRank> silentRanks(const std::set<int>& running, const WorkerRegistry& workers, TimePoint now);
   // Whether a silent rank's silence is its agent's: a worker's beats come
   // through its agent, so while the agent, still connected, sent nothing
   // since about the rank's last beat (or nothing for a while) the agent is
@@ -72,6 +77,9 @@ class LivenessWatchdog {
 
  private:
   LivenessLimits limits_;
+  // Set by a walk that found every running rank connected: each was heard
+  // at or after this. Reset by a launch.
+  std::optional<TimePoint> allHeardSince_;
   TimePoint launchedAt_{};
   std::optional<TimePoint> progressAt_;  // the last step advance; unset before the generation's first step
 };
