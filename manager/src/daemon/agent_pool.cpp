@@ -243,8 +243,7 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
   }
   const std::string host = hello.host;  // a valid host address: fit for logs as it is
   std::string nonce = credentials::newJoinNonce();  // first: it may throw, and then nothing has changed
-  joined_[host] = Machine{host, hello.slots, 0};
-  joinNonces_[host] = std::move(nonce);  // whatever an earlier join of this name held is void
+  joined_[host] = JoinedHost{Machine{host, hello.slots, 0}, std::move(nonce)};  // an earlier join's nonce is void
   Agent& agent = agents_[host];
   const uint64_t attempt = startAttempt(agent);
   agent.joined = true;
@@ -269,14 +268,13 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
 }
 
 std::string AgentPool::agentCredential(const std::string& host) const {
-  auto it = joinNonces_.find(host);
-  return it == joinNonces_.end() ? credentials::agent(settings_.token, host)
-                                 : credentials::joinedAgent(settings_.token, host, it->second);
+  auto it = joined_.find(host);
+  return it == joined_.end() ? credentials::agent(settings_.token, host)
+                             : credentials::joinedAgent(settings_.token, host, it->second.nonce);
 }
 
 void AgentPool::leaveJoined(const std::string& host, const std::string& reason, bool expected, bool preempted) {
-  joined_.erase(host);
-  joinNonces_.erase(host);  // its agent's, notifier's and workers' credentials are void from here
+  joined_.erase(host);  // with its nonce: its agent's, notifier's and workers' credentials are void from here
   forgetJoinedLater(host);
   if (expected || preempted) {
     log::info("joined host ", host, " left the job (", reason, preempted && !expected ? ", after its preemption notice" : "",
@@ -525,8 +523,8 @@ std::vector<Machine> AgentPool::usable() const {
   for (const auto& m : listed_) {
     if (usableAgent(m.host)) usable.push_back(m);
   }
-  for (const auto& [host, m] : joined_) {
-    if (usableAgent(host)) usable.push_back(m);
+  for (const auto& [host, joined] : joined_) {
+    if (usableAgent(host)) usable.push_back(joined.machine);
   }
   return usable;
 }
@@ -555,7 +553,7 @@ nlohmann::json AgentPool::describe(TimePoint now) const {
     hosts.emplace(m.host, std::move(entry));
   };
   for (const auto& m : listed_) add(m, false);
-  for (const auto& [host, m] : joined_) add(m, true);
+  for (const auto& [host, joined] : joined_) add(joined.machine, true);
   return hosts;
 }
 

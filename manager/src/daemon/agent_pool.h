@@ -205,8 +205,12 @@ class AgentPool {
   std::function<std::string(const std::string&)> agentCommand_;
   std::vector<Machine> listed_;
   std::set<std::string> listedHosts_;
-  std::map<std::string, Machine> joined_;  // hosts that joined by themselves, until their agent goes
-  std::map<std::string, std::string> joinNonces_;  // of joined_'s hosts: what binds their credentials to the join
+  // A host that joined by itself, until its agent goes.
+  struct JoinedHost {
+    Machine machine;
+    std::string nonce;  // what binds its agent's (and so its notifier's and workers') credentials to this join
+  };
+  std::map<std::string, JoinedHost> joined_;
   RateLimiter joinRefusals_{std::chrono::seconds(60), 3};  // written in full, per minute
   std::map<std::string, Agent> agents_;
   HostAbsences absences_;
