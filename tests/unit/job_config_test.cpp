@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "test_env.h"
@@ -200,4 +201,32 @@ TEST_CASE("--keep_checkpoints: default 3, CLI and JSON, >= 0, handed to every wo
   CHECK(env[0].first == "OMP_NUM_THREADS");
   CHECK(env[2] == std::pair<std::string, std::string>{"VARUNA_GLOBAL_STORE", "/mnt/store"});
   CHECK(env[3] == std::pair<std::string, std::string>{"VARUNA_KEEP_CHECKPOINTS", "7"});
+}
+
+TEST_CASE("--master_port: 0 (the default) is a random port below the ephemeral range, others 1024..65000",
+          "[config][security]") {
+  CHECK(JobConfig{}.masterPort == 0);
+  std::set<int> seen;
+  for (int i = 0; i < 200; ++i) {
+    const int port = randomRendezvousPort();
+    CHECK(port >= 20000);
+    CHECK(port + 99 < 32768);  // with the generation offset, still no ephemeral port
+    seen.insert(port);
+  }
+  CHECK(seen.size() > 150);  // not one predictable value
+  const auto dir = varuna::test::scratchDir("job_config_master_port");
+  std::ofstream(dir / "machines.txt") << "127.0.0.1 slots=2\n";
+  JobConfig c;
+  c.machineList = (dir / "machines.txt").string();
+  c.nstages = 2;
+  c.batchSize = 16;
+  c.chunkSize = 4;
+  c.globalStore = (dir / "store").string();
+  c.stateDir = (dir / "state").string();
+  c.program = {"./train_gpt"};
+  CHECK_NOTHROW(validateJobConfig(c, "/x/run_varuna"));
+  c.masterPort = 29500;
+  CHECK_NOTHROW(validateJobConfig(c, "/x/run_varuna"));
+  c.masterPort = 80;
+  CHECK_THROWS_WITH(validateJobConfig(c, "/x/run_varuna"), Catch::Contains("--master_port must be 1024..65000"));
 }

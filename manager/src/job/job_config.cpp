@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <fstream>
 #include <map>
+#include <random>
 #include <variant>
 
 #include "varuna/common/errors.h"
@@ -57,7 +58,7 @@ const std::vector<Field>& fields() {
       {"no_morphing", &JobConfig::noMorphing, "run once: any failure stops the job"},
       {"manager_ip", &JobConfig::managerIp, "this head node's address agents and workers dial"},
       {"port", &JobConfig::port, "control port (default 0: any free port)"},
-      {"master_port", &JobConfig::masterPort, "workers' rendezvous port on rank 0's host, + generation offset (default 29500)"},
+      {"master_port", &JobConfig::masterPort, "workers' rendezvous port on rank 0's host, + generation offset (default 0: a random one)"},
       {"metrics_port", &JobConfig::metricsPort,
        "serve Prometheus metrics at http://<manager_ip>:PORT/metrics (0: any free port, named in state.json; "
        "default -1: off)"},
@@ -247,8 +248,8 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
     throw ConfigError(strCat("--metrics_port must be 0..65535 (0: any free port; leave it out for no metrics), got ",
                              config.metricsPort));
   }
-  if (config.masterPort < 1024 || config.masterPort > 65000) {
-    throw ConfigError(strCat("--master_port must be 1024..65000, got ", config.masterPort));
+  if (config.masterPort != 0 && (config.masterPort < 1024 || config.masterPort > 65000)) {
+    throw ConfigError(strCat("--master_port must be 1024..65000 (or 0: a random one), got ", config.masterPort));
   }
   if (config.sshPort < 1 || config.sshPort > 65535) {
     throw ConfigError(strCat("--ssh_port must be 1..65535, got ", config.sshPort));
@@ -430,6 +431,14 @@ std::vector<std::pair<std::string, std::string>> parseEnvFile(std::string_view t
     out.emplace_back(key, unquote(trim(line.substr(eq + 1))));
   }
   return out;
+}
+
+int randomRendezvousPort() {
+  // Below Linux's ephemeral ports (32768 and up), so no connection's local
+  // port takes it, with room for the generation offset (+99).
+  constexpr int kFirst = 20000, kLast = 32768 - 100;
+  std::random_device entropy;
+  return std::uniform_int_distribution<int>(kFirst, kLast)(entropy);
 }
 
 }  // namespace varuna

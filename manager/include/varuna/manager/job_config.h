@@ -38,7 +38,7 @@ struct JobConfig {
   bool noMorphing = false;
   std::string managerIp;            // address agents and workers dial (default: guessed)
   int port = 0;                     // manager's control port (0: any free port)
-  int masterPort = 29500;           // workers' rendezvous port on rank 0's host (+ generation offset)
+  int masterPort = 0;               // workers' rendezvous port on rank 0's host (+ generation offset); 0: random
   int metricsPort = -1;             // Prometheus metrics at http://manager_ip:PORT/metrics (-1: off, 0: any free port)
   std::string globalStore;          // checkpoint root shared by the workers
   int keepCheckpoints = 3;          // complete checkpoints the workers keep (0: all); VARUNA_KEEP_CHECKPOINTS
@@ -84,6 +84,11 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable);
 
 // The job as JSON (for state.json and `run_varuna status`).
 nlohmann::json toJson(const JobConfig& config);
+
+// A rendezvous port for a job that set none (--master_port 0): random, so
+// nobody on rank 0's host can count on taking it first; in 20000..32668,
+// below the kernel's ephemeral ports, with room for the generation offset.
+int randomRendezvousPort();
 
 // run_varuna's command line: `--config FILE` (JSON) first, then every option
 // given on the command line on top of it; the program after `--`. Throws
