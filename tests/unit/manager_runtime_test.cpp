@@ -14,6 +14,7 @@
 #include "test_env.h"
 #include "varuna/common/control_client.h"
 #include "agent/agent.h"
+#include "agent/run_dir.h"
 #include "agent/scheduler_grace.h"
 #include "daemon/async_planner.h"
 #include "loop/background_worker.h"
@@ -705,4 +706,28 @@ TEST_CASE("scheduler grace: Slurm's durations and a partition's GraceTime", "[ru
   CHECK(graceTimeFromPartition("   GraceTime=00:01:30 Hidden=NO") == 90);
   CHECK_FALSE(graceTimeFromPartition("PartitionName=low Hidden=NO"));
   CHECK_FALSE(graceTimeFromPartition("NoGraceTime=15"));
+}
+
+TEST_CASE("agent: worker logs of generations before the last ten are removed, nothing else", "[runtime][agent]") {
+  const auto dir = varuna::test::scratchDir("prune_worker_logs");
+  const auto logs = dir / "logs";
+  std::filesystem::create_directories(logs);
+  for (int g = 1; g <= 15; ++g) std::ofstream(logs / ("g" + std::to_string(g) + "_rank0.log")) << "g" << g;
+  std::ofstream(logs / "g15_rank1.log") << "x";
+  std::ofstream(logs / "notes.txt") << "mine";
+  std::ofstream(logs / "g3_rank0.log.bak") << "mine too";
+  std::ofstream(dir / "elsewhere") << "not the agent's";
+  std::filesystem::create_symlink(dir / "elsewhere", logs / "g2_rank5.log");
+  CHECK(pruneWorkerLogs(logs, 15) == 6);  // g1..g5 of rank 0, and the link (not what it points to)
+  for (int g = 1; g <= 15; ++g) CHECK(std::filesystem::exists(logs / ("g" + std::to_string(g) + "_rank0.log")) == (g > 5));
+  CHECK(std::filesystem::exists(logs / "g15_rank1.log"));
+  CHECK(std::filesystem::exists(logs / "notes.txt"));
+  CHECK(std::filesystem::exists(logs / "g3_rank0.log.bak"));
+  CHECK_FALSE(std::filesystem::is_symlink(logs / "g2_rank5.log"));
+  std::ifstream elsewhere(dir / "elsewhere");
+  std::string text;
+  std::getline(elsewhere, text);
+  CHECK(text == "not the agent's");
+  CHECK(pruneWorkerLogs(logs, 15) == 0);
+  CHECK(pruneWorkerLogs(dir / "missing", 15) == 0);
 }

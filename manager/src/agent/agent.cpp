@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "agent/run_dir.h"
 #include "varuna/common/agent_beat.h"
 #include "varuna/common/launch_contract.h"
 #include "varuna/common/checkpoint_files.h"
@@ -387,6 +388,9 @@ void Agent::launch(const proto::LaunchWorkers& launch) {
   // Inside the private run folder (prepareRunDir): owner only as well.
   if (::mkdir(logDir.c_str(), 0700) != 0 && errno != EEXIST) {
     log::warn("cannot create the log folder ", logDir.string(), ": ", std::strerror(errno));
+  }
+  if (const size_t pruned = pruneWorkerLogs(logDir, launch.generation)) {
+    log::info("removed ", pruned, " worker log(s) of generations before the last ", kKeptLogGenerations);
   }
   std::string program;
   try {

@@ -100,4 +100,23 @@ void prepareRunDir(const fs::path& runDir, bool sharedRoot) {
   checkPrivate(run);
 }
 
+size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation) {
+  size_t removed = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(logDir, ec)) {
+    const std::string name = entry.path().filename().string();
+    int logGeneration = 0;
+    int rank = 0;
+    char tail = 0;
+    // Exactly "g<G>_rank<R>.log": nothing else in the folder is touched.
+    if (std::sscanf(name.c_str(), "g%d_rank%d.lo%c", &logGeneration, &rank, &tail) != 3 || tail != 'g' ||
+        name != "g" + std::to_string(logGeneration) + "_rank" + std::to_string(rank) + ".log") {
+      continue;
+    }
+    if (logGeneration > generation - kKeptLogGenerations) continue;
+    if (::unlink(entry.path().c_str()) == 0) ++removed;  // a link is removed, never followed
+  }
+  return removed;
+}
+
 }  // namespace varuna

@@ -18,4 +18,12 @@ namespace varuna {
 // what is wrong and the fix: another user may have planted it.
 void prepareRunDir(const std::filesystem::path& runDir, bool sharedRoot);
 
+// The workers' logs kept in `logDir` (g<G>_rank<R>.log) when generation
+// `generation` starts: those of the last kKeptLogGenerations generations.
+// Older ones are removed, so a job that morphs every few minutes for weeks
+// leaves a bounded number of files; each of those is the training
+// program's own output (its size is the program's). Returns how many went.
+inline constexpr int kKeptLogGenerations = 10;
+size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation);
+
 }  // namespace varuna
