@@ -200,7 +200,9 @@ struct DaemonHarness {
 
   std::vector<nlohmann::json> events(const std::string& type) const { return readEvents(dir / "state", type); }
   nlohmann::json state() const {
-    while (daemon && daemon->stateWriting()) std::this_thread::yield();  // the tick's rewrite, off the loop
+    while (daemon && daemon->stateWriting()) {  // the tick's rewrite, off the loop
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     std::ifstream in(dir / "state" / "state.json");
     return nlohmann::json::parse(in);
   }

@@ -199,8 +199,8 @@ TEST_CASE("daemon: the manager heartbeats its agents and hands them the lost-man
 
 TEST_CASE("daemon: with many agents each hears a heartbeat a second, not all of them in the same tick",
           "[daemon][hosts]") {
-  // 25 hosts: a 100 ms tick sends to a tenth of them (3), so no tick holds
-  // the loop for all; over time each still gets one a second.
+  // 25 hosts: a 100 ms tick sends to a tenth of them (2.5: 2 or 3), so no
+  // tick holds the loop for all; over time each gets one a second.
   std::vector<std::string> hosts;
   for (int i = 1; i <= 25; ++i) hosts.push_back("127.0.1." + std::to_string(i));
   struct ManyHosts : test::SimDaemonHarness {
@@ -225,7 +225,7 @@ TEST_CASE("daemon: with many agents each hears a heartbeat a second, not all of 
   f.runUntil([&] { return f.now() >= start + 5s; });
   for (const auto& h : hosts) {
     INFO(h);
-    CHECK(beats(h) - before[h] >= 4);  // about 5 in 5 s, none starved ...
+    CHECK(beats(h) - before[h] >= 4);  // 5 in 5 s (give or take the round's phase): none starved ...
     CHECK(beats(h) - before[h] <= 6);  // ... none sent twice per round
   }
 }

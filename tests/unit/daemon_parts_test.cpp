@@ -123,6 +123,10 @@ TEST_CASE("the silence check skips its walk only while no rank can be silent, an
   workers.connect(0, nullptr, t0);
   workers.connect(1, nullptr, t0 + 5s);
   CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 6s).empty());  // a walk: the oldest was heard at t0
+  // Until t0 + 10 s it does not walk: a rank silent for longer (which cannot
+  // happen, last-heard times only move forward) is not seen in that window.
+  workers.find(1)->lastSeen = t0 - 30s;
+  CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 9s).empty());
   workers.find(1)->lastSeen = t0 + 9s;
   CHECK(watchdog.silentRanks({0, 1}, workers, t0 + 9500ms).empty());
   const auto silent = watchdog.silentRanks({0, 1}, workers, t0 + 10500ms);  // rank 0: 10.5 s without a word

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -100,21 +101,38 @@ void prepareRunDir(const fs::path& runDir, bool sharedRoot) {
   checkPrivate(run);
 }
 
+namespace {
+
+// G of "g<G>_rank<R>.log" (digits only), or -1 for any other name.
+int logGeneration(const std::string& name) {
+  auto digits = [&](size_t from, int& value) -> size_t {  // the end of the digits at `from`, or npos
+    const char* begin = name.data() + from;
+    const char* end = name.data() + name.size();
+    if (from >= name.size() || *begin < '0' || *begin > '9') return std::string::npos;
+    const auto [stop, error] = std::from_chars(begin, end, value);
+    return error == std::errc() ? static_cast<size_t>(stop - name.data()) : std::string::npos;
+  };
+  int generation = 0;
+  int rank = 0;
+  if (name.rfind("g", 0) != 0) return -1;
+  const size_t afterGeneration = digits(1, generation);
+  if (afterGeneration == std::string::npos || name.compare(afterGeneration, 5, "_rank") != 0) return -1;
+  const size_t afterRank = digits(afterGeneration + 5, rank);
+  if (afterRank == std::string::npos || name.substr(afterRank) != ".log") return -1;
+  return generation;
+}
+
+}  // namespace
+
 size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation) {
+  // Housekeeping: no error here may stop a launch (nothing throws).
   size_t removed = 0;
   std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(logDir, ec)) {
-    const std::string name = entry.path().filename().string();
-    int logGeneration = 0;
-    int rank = 0;
-    char tail = 0;
-    // Exactly "g<G>_rank<R>.log": nothing else in the folder is touched.
-    if (std::sscanf(name.c_str(), "g%d_rank%d.lo%c", &logGeneration, &rank, &tail) != 3 || tail != 'g' ||
-        name != "g" + std::to_string(logGeneration) + "_rank" + std::to_string(rank) + ".log") {
-      continue;
-    }
-    if (logGeneration > generation - kKeptLogGenerations) continue;
-    if (::unlink(entry.path().c_str()) == 0) ++removed;  // a link is removed, never followed
+  std::filesystem::directory_iterator it(logDir, ec);
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const int logOf = logGeneration(it->path().filename().string());
+    if (logOf < 0 || logOf > generation - kKeptLogGenerations) continue;
+    if (::unlink(it->path().c_str()) == 0) ++removed;  // a link is removed, never followed
   }
   return removed;
 }

@@ -1,7 +1,6 @@
 #include "daemon/agent_pool.h"
 
 #include <algorithm>
-#include <cmath>
 
 #include <nlohmann/json.hpp>
 
@@ -406,12 +405,18 @@ void AgentPool::sendHeartbeats(TimePoint now) {
   // time since the last tick is of the interval, in host order from where
   // the last one stopped, a few at a time with the loop's other work in
   // between; the frame is encoded once.
+  // The fraction of a heartbeat a share leaves is carried to the next tick
+  // (3 agents: 0.3 a tick, one every 3-4 ticks, not one each tick).
   if (agents_.empty()) return;
   if (lastHeartbeat_ == TimePoint{}) lastHeartbeat_ = now - kHeartbeatInterval;
   const double share = std::chrono::duration<double>(now - lastHeartbeat_) / kHeartbeatInterval;
   if (share <= 0) return;
   lastHeartbeat_ = now;
-  heartbeatsDue_ = std::min(agents_.size(), static_cast<size_t>(std::ceil(share * static_cast<double>(agents_.size()))));
+  const auto agents = static_cast<double>(agents_.size());
+  heartbeatCredit_ = std::min(agents, heartbeatCredit_ + share * agents);  // a stalled loop catches up once, not twice
+  const auto due = static_cast<size_t>(heartbeatCredit_);
+  heartbeatCredit_ -= static_cast<double>(due);
+  heartbeatsDue_ = std::min(agents_.size(), heartbeatsDue_ + due);  // what a busy loop left of the last round too
   if (!heartbeatsPosted_) sendSomeHeartbeats();
 }
 
@@ -430,11 +435,13 @@ void AgentPool::sendSomeHeartbeats() {
     heartbeatCursor_ = it->first;
     ++it;
   }
-  heartbeatsPosted_ = heartbeatsDue_ > 0 && !agents_.empty();
-  if (!heartbeatsPosted_) return;
+  if (heartbeatsDue_ == 0 || agents_.empty()) return;
   asio::post(io_, guard_->wrap("sending heartbeats", [this, alive = std::weak_ptr<bool>(alive_)] {
-    if (alive.lock()) sendSomeHeartbeats();
+    if (!alive.lock()) return;
+    heartbeatsPosted_ = false;  // first: should the send throw, the next tick starts again
+    sendSomeHeartbeats();
   }));
+  heartbeatsPosted_ = true;
 }
 
 void AgentPool::retryAbsentHosts(TimePoint now) {

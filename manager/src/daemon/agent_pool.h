@@ -218,7 +218,8 @@ class AgentPool {
   uint64_t nextLaunchThread_ = 0;
   TimePoint lastHeartbeat_{};    // the last tick that sent heartbeats
   std::string heartbeatCursor_;  // the host that got the last one: the next goes on after it
-  size_t heartbeatsDue_ = 0;     // of this tick's, those not sent yet
+  double heartbeatCredit_ = 0;   // the fraction of a heartbeat the last share left
+  size_t heartbeatsDue_ = 0;     // those not sent yet
   bool heartbeatsPosted_ = false;  // the next few are posted to the loop
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);  // reset when this goes
   bool shutDown_ = false;

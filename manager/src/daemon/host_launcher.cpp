@@ -49,16 +49,26 @@ std::optional<LocalAccount> lookUpAccount(const std::string& name) {
   std::vector<char> buffer(16384);
   passwd entry{};
   passwd* found = nullptr;
-  if (::getpwnam_r(name.c_str(), &entry, buffer.data(), buffer.size(), &found) != 0 || !found) return std::nullopt;
-  LocalAccount account{found->pw_name, found->pw_uid, found->pw_gid, {}, found->pw_dir ? found->pw_dir : "/"};
-  int count = 64;
-  account.groups.resize(static_cast<size_t>(count));
-  if (::getgrouplist(found->pw_name, found->pw_gid, account.groups.data(), &count) < 0) {
-    account.groups.resize(static_cast<size_t>(count));  // count now says how many there are
-    ::getgrouplist(found->pw_name, found->pw_gid, account.groups.data(), &count);
+  int rc = 0;
+  while ((rc = ::getpwnam_r(name.c_str(), &entry, buffer.data(), buffer.size(), &found)) == ERANGE &&
+         buffer.size() < (1u << 20)) {
+    buffer.resize(buffer.size() * 2);
   }
-  account.groups.resize(static_cast<size_t>(std::max(count, 0)));
-  return account;
+  if (rc != 0 || !found) return std::nullopt;
+  LocalAccount account{found->pw_name, found->pw_uid, found->pw_gid, {}, found->pw_dir ? found->pw_dir : "/"};
+  // Its groups as a login would have them; asked again while the list is
+  // longer than the room given (it may grow between two calls).
+  int count = 64;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    account.groups.resize(static_cast<size_t>(count));
+    int groups = count;
+    if (::getgrouplist(account.name.c_str(), account.gid, account.groups.data(), &groups) >= 0) {
+      account.groups.resize(static_cast<size_t>(groups));
+      return account;
+    }
+    count = std::max(groups, 2 * count);
+  }
+  return std::nullopt;  // the account's groups cannot be read: not switched to with a wrong list
 }
 
 }  // namespace
@@ -70,7 +80,8 @@ LocalStart localStartFor(const std::string& sshUser) {
   if (account && account->uid == self) return {};
   if (self != 0) return {.overSsh = true};
   if (!account) {
-    throw ConfigError(strCat("ssh_user '", sshUser, "' has no account on this machine, so the agents of its own ",
+    throw ConfigError(strCat("ssh_user '", sshUser, "' has no account on this machine (or its groups cannot be read), ",
+                             "so the agents of its own ",
                              "addresses cannot run as it: create the account here, or leave this machine out of the ",
                              "machine list"));
   }
@@ -209,7 +220,7 @@ HostCommandResult ShellHostLauncher::run(const std::string& host, const std::str
       return refused;
     }
     if (!start.overSsh) {
-      if (!start.account && ::geteuid() == 0) {
+      if (!start.account && ::geteuid() == 0 && ssh_.user.empty()) {
         std::call_once(rootWarning_, [] {
           log::warn("the agents and workers on this machine run as root (run_varuna's user): set ssh_user to the ",
                        "job's user and run_varuna starts them as it");

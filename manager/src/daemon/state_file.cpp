@@ -1,7 +1,5 @@
 #include "daemon/state_file.h"
 
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
@@ -68,9 +66,6 @@ void StateFile::waitFor(uint64_t ticket) {
 }
 
 void StateFile::writerMain() {
-  // Below the loop's priority: on a busy head node the writer waits for a
-  // CPU, not the loop (the text of a big job's state is 10 ms of CPU).
-  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10);
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     wake_.wait(lock, [&] { return queued_.has_value() || stopping_; });
