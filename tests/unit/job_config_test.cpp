@@ -21,6 +21,19 @@ std::optional<JobConfig> parseArgs(std::vector<std::string> args) {
   return parseCommandLine(static_cast<int>(argv.size()), argv.data(), code);
 }
 
+// A configuration validateJobConfig accepts, over `dir`'s machines.txt.
+JobConfig validConfig(const std::filesystem::path& dir) {
+  JobConfig c;
+  c.machineList = (dir / "machines.txt").string();
+  c.nstages = 2;
+  c.batchSize = 16;
+  c.chunkSize = 4;
+  c.globalStore = (dir / "store").string();
+  c.stateDir = (dir / "state").string();
+  c.program = {"./train_gpt"};
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("job config JSON: every key, and the command line overrides the file", "[config]") {
@@ -79,17 +92,7 @@ TEST_CASE("job config: bad inputs are named with the fix", "[config]") {
 TEST_CASE("job config validation names the missing or bad option", "[config]") {
   const auto dir = varuna::test::scratchDir("job_config_validate");
   std::ofstream(dir / "machines.txt") << "127.0.0.1 slots=2\n";
-  auto valid = [&] {
-    JobConfig c;
-    c.machineList = (dir / "machines.txt").string();
-    c.nstages = 2;
-    c.batchSize = 16;
-    c.chunkSize = 4;
-    c.globalStore = (dir / "store").string();
-    c.stateDir = (dir / "state").string();
-    c.program = {"./train_gpt"};
-    return c;
-  };
+  auto valid = [&] { return validConfig(dir); };
   JobConfig ok = valid();
   REQUIRE_NOTHROW(validateJobConfig(ok, "/opt/varuna/bin/run_varuna"));
   CHECK(ok.agentPath == "/opt/varuna/bin/varuna_agent");
@@ -216,14 +219,7 @@ TEST_CASE("--master_port: 0 (the default) is a random port below the ephemeral r
   CHECK(seen.size() > 150);  // not one predictable value
   const auto dir = varuna::test::scratchDir("job_config_master_port");
   std::ofstream(dir / "machines.txt") << "127.0.0.1 slots=2\n";
-  JobConfig c;
-  c.machineList = (dir / "machines.txt").string();
-  c.nstages = 2;
-  c.batchSize = 16;
-  c.chunkSize = 4;
-  c.globalStore = (dir / "store").string();
-  c.stateDir = (dir / "state").string();
-  c.program = {"./train_gpt"};
+  JobConfig c = validConfig(dir);
   CHECK_NOTHROW(validateJobConfig(c, "/x/run_varuna"));
   c.masterPort = 29500;
   CHECK_NOTHROW(validateJobConfig(c, "/x/run_varuna"));
