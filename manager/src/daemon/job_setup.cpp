@@ -139,4 +139,11 @@ std::string dryRunReport(const JobConfig& config) {
                 "\n", result.explain(), "\nplan: ", result.best.plan.describe(), "\n\n", result.table(), "\n");
 }
 
+void chooseRendezvousPort(JobConfig& config) {
+  if (config.masterPort != 0) return;
+  config.masterPort = randomRendezvousPort();
+  log::info("workers rendezvous on port ", config.masterPort, " of rank 0's host (+ the generation's offset, ",
+            "--master_port to choose)");
+}
+
 }  // namespace varuna

@@ -38,6 +38,9 @@ nlohmann::json readJsonFile(const std::filesystem::path& path);
 // state.json of an earlier manager, checked to be this job's (else ConfigError).
 nlohmann::json previousState(const JobConfig& config);
 
+// --master_port 0 (the default): a random rendezvous port, logged.
+void chooseRendezvousPort(JobConfig& config);
+
 // The first generation this manager launches: past the earlier manager's
 // (state.json) and past the store's generation record (fencing), so that no
 // worker of this manager counts as superseded.

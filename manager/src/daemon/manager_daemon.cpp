@@ -113,11 +113,7 @@ void ManagerDaemon::Impl::start() {
   renewJoinCredentialIfDue();
   claimGlobalStore(config_.globalStore, config_.job);
   const int first = firstGeneration(config_, previous, *events_);
-  if (config_.masterPort == 0) {
-    config_.masterPort = randomRendezvousPort();
-    log::info("workers rendezvous on port ", config_.masterPort, " of rank 0's host (+ the generation's offset, ",
-              "--master_port to choose)");
-  }
+  chooseRendezvousPort(config_);
 
   if (tcpListening_) listen();
   serveMetrics();
