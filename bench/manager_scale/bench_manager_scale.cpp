@@ -58,6 +58,7 @@
 #include <string>
 #include <vector>
 
+#include "varuna/common/control_tls.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/protocol.h"
 #include "varuna/common/stage_map.h"
@@ -92,6 +93,7 @@ struct Options {
   bool smoke = false;
   bool directBeats = false;  // each worker heartbeats the manager itself instead of through its agent
   bool directReports = false;  // each worker sends its step reports to the manager itself
+  bool plaintext = false;      // the control plane without TLS (for comparison)
 };
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -302,7 +304,7 @@ echo "simulated agent for $host"
     const int totalSlots = options_.hosts * options_.slots;
     const int replicas = totalSlots / options_.stages;
     if (replicas < 1) throw BenchError(strCat("--hosts x --slots (", totalSlots, ") is less than --stages"));
-    const std::vector<std::string> args = {
+    std::vector<std::string> args = {
         options_.runVaruna,
         "--job", "bench_scale",
         "--machine_list", (dir_ / "machines.txt").string(),
@@ -318,6 +320,7 @@ echo "simulated agent for $host"
         "--global_store", (dir_ / "store").string(),
         "--code_dir", dir_.string(),
         "--", "/bin/true"};
+    if (options_.plaintext) args.insert(args.end() - 2, "--insecure_plaintext_control");
     std::vector<char*> argv;
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -682,11 +685,15 @@ int main(int argc, char** argv) {
   app.add_flag("--direct_reports", options.directReports,
                "every worker sends its step reports over its own connection (the protocol before agents relayed "
                "them with the beats; for comparison)");
+  app.add_flag("--insecure_plaintext_control", options.plaintext,
+               "run_varuna and the simulated peers without TLS on the control plane (what TLS costs, by comparison)");
   app.add_flag("--keep", options.keep, "keep the temp folder (run_varuna's log, state, events)");
   app.add_flag("--smoke", options.smoke,
                "a few seconds at a tiny size (4 hosts x 4 slots, 2 stages, 1 s warm-up, 2 s window; options given "
                "explicitly win), figures not judged: does the bench still run?");
   CLI11_PARSE(app, argc, argv);
+  // The simulated peers (SimPeer) follow the process's environment.
+  options.plaintext ? ::setenv(varuna::tls::kPlaintextEnv, "1", 1) : ::unsetenv(varuna::tls::kPlaintextEnv);
   if (options.smoke) {
     if (!hosts->count()) options.hosts = 4;
     if (!slots->count()) options.slots = 4;
@@ -737,9 +744,10 @@ int main(int argc, char** argv) {
   if (!clean) status = 1;
 
   char line[1024];
-  std::printf("\nrun_varuna with %d simulated workers on %d hosts, %.0f heartbeats/s each (%s), over %.1f s:\n",
+  std::printf("\nrun_varuna with %d simulated workers on %d hosts, %.0f heartbeats/s each (%s), %s, over %.1f s:\n",
               r.workers, options.hosts, options.heartbeatHz,
-              options.directBeats ? "each to the manager" : "relayed by their agents every 250 ms", r.windowS);
+              options.directBeats ? "each to the manager" : "relayed by their agents every 250 ms",
+              options.plaintext ? "control plane in plaintext" : "control plane in TLS 1.3", r.windowS);
   std::printf("  messages to the manager   %.0f /s (%s, %s, pings, agent heartbeats)\n", rate,
               options.directBeats ? "heartbeats" : "relayed beats",
               options.directReports ? "step reports" : "step reports relayed with them");

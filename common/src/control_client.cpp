@@ -8,6 +8,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+
 #include <cerrno>
 #include <cstring>
 
@@ -56,6 +59,49 @@ int connectOne(const addrinfo& ai, Clock::time_point deadline) {
   return fd;
 }
 
+// OpenSSL's socket BIO writes with plain send(): a peer that has gone would
+// raise SIGPIPE and kill a process that did not ignore it (a worker is the
+// user's program). The same BIO, but its writes never raise it.
+int writeWithoutSigpipe(BIO* bio, const char* data, int size) {
+  int fd = -1;
+  BIO_get_fd(bio, &fd);
+  BIO_clear_retry_flags(bio);
+  const ssize_t n = ::send(fd, data, static_cast<size_t>(size), MSG_NOSIGNAL);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) BIO_set_retry_write(bio);
+  return static_cast<int>(n);
+}
+
+const BIO_METHOD* socketWithoutSigpipe() {
+  static BIO_METHOD* const method = [] {
+    const BIO_METHOD* socket = BIO_s_socket();
+    BIO_METHOD* m = BIO_meth_new(BIO_TYPE_SOCKET, "socket without SIGPIPE");
+    BIO_meth_set_write(m, writeWithoutSigpipe);
+    BIO_meth_set_read(m, BIO_meth_get_read(socket));
+    BIO_meth_set_puts(m, BIO_meth_get_puts(socket));
+    BIO_meth_set_ctrl(m, BIO_meth_get_ctrl(socket));
+    BIO_meth_set_create(m, BIO_meth_get_create(socket));
+    BIO_meth_set_destroy(m, BIO_meth_get_destroy(socket));
+    return m;
+  }();
+  return method;
+}
+
+SSL_CTX* sharedContext(bool server) {
+  // One per side for the process, made on first use (thread-safe), never
+  // freed: every connection's SSL holds a reference anyway.
+  static SSL_CTX* const client = [] {
+    SSL_CTX* context = SSL_CTX_new(TLS_client_method());
+    if (context) tls::configureContext(context, false);
+    return context;
+  }();
+  static SSL_CTX* const serverSide = [] {
+    SSL_CTX* context = SSL_CTX_new(TLS_server_method());
+    if (context) tls::configureContext(context, true);
+    return context;
+  }();
+  return server ? serverSide : client;
+}
+
 }  // namespace
 
 std::pair<std::string, int> splitHostPort(const std::string& address, const std::string& what) {
@@ -101,8 +147,93 @@ ControlClient ControlClient::connect(const std::string& address, std::chrono::mi
   return ControlClient(fd, address);
 }
 
+ControlClient ControlClient::connectAs(const std::string& address, std::chrono::milliseconds timeout,
+                                      const Hello& hello, const std::string& pskHint) {
+  const auto deadline = Clock::now() + timeout;
+  auto client = tls::plaintextRequested()
+                    ? connect(address, timeout)
+                    : connectTls(address, timeout,
+                                 {tls::formatIdentity(tls::identityOf(hello, pskHint)), tls::pskKey(hello.token)});
+  client.sendFrame(encode(hello), deadline);
+  return client;
+}
+
+ControlClient ControlClient::connectTls(const std::string& address, std::chrono::milliseconds timeout,
+                                       tls::ClientPsk psk) {
+  const auto deadline = Clock::now() + timeout;
+  auto client = connect(address, timeout);
+  client.clientPsk_ = std::make_unique<tls::ClientPsk>(std::move(psk));
+  client.startTls(false, deadline);
+  return client;
+}
+
+ControlClient ControlClient::acceptTls(int fd, std::string address, tls::KeyForIdentity keyFor,
+                                      std::chrono::milliseconds timeout) {
+  ControlClient client(fd, std::move(address));
+  client.serverPsk_->keyFor = std::move(keyFor);
+  client.startTls(true, Clock::now() + timeout);
+  return client;
+}
+
+void ControlClient::startTls(bool server, Deadline deadline) {
+  SSL_CTX* context = sharedContext(server);
+  ssl_ = context ? SSL_new(context) : nullptr;
+  if (!ssl_) throw ConnectionError(strCat("cannot set up TLS: ", tls::lastError()));
+  ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL, 0) | O_NONBLOCK);  // every wait is a poll with a deadline
+  BIO* bio = BIO_new(socketWithoutSigpipe());
+  if (!bio) throw ConnectionError(strCat("cannot set up TLS: ", tls::lastError()));
+  BIO_set_fd(bio, fd_, BIO_NOCLOSE);
+  SSL_set_bio(ssl_, bio, bio);
+  if (server) {
+    tls::attachServer(ssl_, serverPsk_.get());
+    SSL_set_accept_state(ssl_);
+  } else {
+    tls::attachClient(ssl_, clientPsk_.get());
+    SSL_set_connect_state(ssl_);
+  }
+  bool timedOut = false;
+  const int rc = tlsCall([&] { return SSL_do_handshake(ssl_); }, deadline, timedOut);
+  if (rc == 1) return;
+  const std::string detail = timedOut ? "no answer in time" : tls::lastError();
+  const std::string refusal = serverPsk_->refusal;
+  serverPsk_->presented.reset();
+  close();
+  if (server) throw AuthenticationError(strCat("TLS handshake with ", address_, " failed: ",
+                                               refusal.empty() ? detail : refusal));
+  throw AuthenticationError(strCat("the manager at ", address_, " did not accept this ", clientPsk_ ? "credential" : "peer",
+                                   " in the TLS handshake (", detail,
+                                   "): a wrong or stale credential, a manager of another job, or a plaintext "
+                                   "manager (--insecure_plaintext_control)"));
+}
+
+template <typename Call>
+int ControlClient::tlsCall(Call call, Deadline deadline, bool& timedOut) {
+  while (true) {
+    ERR_clear_error();
+    const int rc = call();
+    if (rc > 0) return rc;
+    const int error = SSL_get_error(ssl_, rc);
+    short events = 0;
+    if (error == SSL_ERROR_WANT_READ) events = POLLIN;
+    if (error == SSL_ERROR_WANT_WRITE) events = POLLOUT;
+    if (events == 0) return rc;
+    pollfd p{fd_, events, 0};
+    const int ready = ::poll(&p, 1, deadline ? remainingMs(*deadline) : -1);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) {
+      timedOut = true;
+      return 0;
+    }
+  }
+}
+
 ControlClient::ControlClient(ControlClient&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)), address_(std::move(other.address_)), decoder_(std::move(other.decoder_)) {}
+    : fd_(std::exchange(other.fd_, -1)),
+      address_(std::move(other.address_)),
+      decoder_(std::move(other.decoder_)),
+      ssl_(std::exchange(other.ssl_, nullptr)),
+      clientPsk_(std::move(other.clientPsk_)),
+      serverPsk_(std::move(other.serverPsk_)) {}
 
 ControlClient& ControlClient::operator=(ControlClient&& other) noexcept {
   if (this != &other) {
@@ -110,6 +241,9 @@ ControlClient& ControlClient::operator=(ControlClient&& other) noexcept {
     fd_ = std::exchange(other.fd_, -1);
     address_ = std::move(other.address_);
     decoder_ = std::move(other.decoder_);
+    ssl_ = std::exchange(other.ssl_, nullptr);
+    clientPsk_ = std::move(other.clientPsk_);
+    serverPsk_ = std::move(other.serverPsk_);
   }
   return *this;
 }
@@ -117,8 +251,22 @@ ControlClient& ControlClient::operator=(ControlClient&& other) noexcept {
 ControlClient::~ControlClient() { close(); }
 
 void ControlClient::close() {
+  if (ssl_) {
+    SSL_shutdown(ssl_);  // a close_notify if the socket takes it now; never waits
+    SSL_free(ssl_);
+    ssl_ = nullptr;
+  }
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
+}
+
+int ControlClient::release() {
+  if (ssl_) throw ConnectionError("a TLS control connection cannot be handed over (release())");
+  return std::exchange(fd_, -1);
+}
+
+std::optional<tls::PskIdentity> ControlClient::peerIdentity() const {
+  return serverPsk_ && ssl_ ? serverPsk_->presented : std::nullopt;
 }
 
 void ControlClient::send(const Message& message) { sendFrame(encode(message), std::nullopt); }
@@ -127,8 +275,24 @@ void ControlClient::send(const Message& message, std::chrono::milliseconds timeo
   sendFrame(encode(message), Clock::now() + timeout);
 }
 
-void ControlClient::sendFrame(const std::string& frame, std::optional<Clock::time_point> deadline) {
+void ControlClient::sendFrameTls(const std::string& frame, Deadline deadline) {
+  size_t sent = 0;
+  while (sent < frame.size()) {
+    bool timedOut = false;
+    const int n = tlsCall([&] { return SSL_write(ssl_, frame.data() + sent, static_cast<int>(frame.size() - sent)); },
+                          deadline, timedOut);
+    if (n <= 0) {
+      const std::string detail = timedOut ? "took no data for longer than the send timeout" : tls::lastError();
+      close();
+      throw ConnectionError(strCat("lost the connection to the manager at ", address_, ": ", detail));
+    }
+    sent += static_cast<size_t>(n);
+  }
+}
+
+void ControlClient::sendFrame(const std::string& frame, Deadline deadline) {
   if (fd_ < 0) throw ConnectionError(strCat("the connection to the manager at ", address_, " is closed"));
+  if (ssl_) return sendFrameTls(frame, deadline);
   size_t sent = 0;
   while (sent < frame.size()) {
     const int flags = MSG_NOSIGNAL | (deadline ? MSG_DONTWAIT : 0);
@@ -159,25 +323,37 @@ std::optional<Message> ControlClient::receive(std::chrono::milliseconds timeout)
   while (true) {
     if (auto message = decoder_.next()) return message;
     if (fd_ < 0) throw ConnectionError(strCat("the connection to the manager at ", address_, " is closed"));
-    pollfd p{fd_, POLLIN, 0};
-    const int rc = ::poll(&p, 1, remainingMs(deadline));
-    if (rc < 0 && errno == EINTR) continue;
-    if (rc == 0) return std::nullopt;
-    char buffer[4096];
-    const ssize_t n = ::recv(fd_, buffer, sizeof(buffer), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      close();
-      throw ConnectionError(strCat("the manager at ", address_, " closed the connection"));
-    }
-    decoder_.feed(std::string_view(buffer, static_cast<size_t>(n)));
+    if (!readSome(deadline)) return std::nullopt;
   }
 }
 
+bool ControlClient::readSome(Clock::time_point deadline) {
+  char buffer[16384];
+  ssize_t n = 0;
+  if (ssl_) {
+    bool timedOut = false;
+    n = tlsCall([&] { return SSL_read(ssl_, buffer, sizeof(buffer)); }, deadline, timedOut);
+    if (timedOut) return false;
+  } else {
+    pollfd p{fd_, POLLIN, 0};
+    const int rc = ::poll(&p, 1, remainingMs(deadline));
+    if (rc < 0 && errno == EINTR) return true;
+    if (rc == 0) return false;
+    n = ::recv(fd_, buffer, sizeof(buffer), 0);
+    if (n < 0 && errno == EINTR) return true;
+  }
+  if (n <= 0) {
+    close();
+    throw ConnectionError(strCat("the manager at ", address_, " closed the connection"));
+  }
+  decoder_.feed(std::string_view(buffer, static_cast<size_t>(n)));
+  return true;
+}
+
 void notifyPreemption(const std::string& address, const std::string& credential, const std::string& host,
-                      int64_t deadlineUnixMs, std::chrono::milliseconds timeout) {
-  auto client = ControlClient::connect(address, timeout);
-  client.send(Hello{kVersion, credential, "notifier", host, -1, -1}, timeout);
+                      int64_t deadlineUnixMs, std::chrono::milliseconds timeout, bool isJobSecret) {
+  auto client = ControlClient::connectAs(address, timeout, Hello{kVersion, credential, "notifier", host, -1, -1},
+                                         isJobSecret ? "secret" : "");
   client.send(PreemptNotice{host, deadlineUnixMs}, timeout);
   const auto reply = client.receive(timeout);
   const auto* ack = reply ? std::get_if<Ack>(&*reply) : nullptr;

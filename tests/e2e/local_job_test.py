@@ -4,14 +4,18 @@
 agents and workers. Each scenario injects one fault and checks the job's
 outcome, its event log and that no process is left behind.
 (The SSH paths are in ssh_cluster_test.py.)"""
+import hashlib
+import hmac
 import json
 import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -271,11 +275,69 @@ def test_manager_killed_and_restarted_carries_on():
     assert_nothing_left(m.job)
 
 
+class LoopbackTap:
+    """Every frame on the loopback interface, as tcpdump -i lo would record
+    them (an AF_PACKET socket: root only), kept in memory."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.2)
+        self.frames = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            try:
+                self.frames.append(self.sock.recv(65536))
+            except socket.timeout:
+                pass
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+        return b"".join(self.frames)
+
+
+def credentials_of_job(m, hosts, generation_max=3, ranks=4):
+    """The job's secret and every credential derived from it (credentials.h)
+    for these hosts: what must never cross the wire in clear."""
+    secret = (m.state_dir / "token").read_text().strip()
+    mac = lambda key, text: hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()  # noqa: E731
+    found = {"secret": secret}
+    for host in hosts:
+        agent = mac(secret, "agent\n" + host)
+        found["agent " + host] = agent
+        found["notifier " + host] = mac(agent, "notifier")
+        for rank in range(ranks):
+            for generation in range(generation_max + 1):
+                found["worker %s %d %d" % (host, rank, generation)] = mac(agent, "worker\n%d\n%d" % (rank, generation))
+    return found
+
+
 def test_no_morphing_stops_on_the_first_failure():
     env_file = ROOT / "no-morphing.env"
     env_file.write_text("# from the env file\nVARUNA_E2E_MARK=from-env-file\n")
+    # A tap on the loopback wire for the whole job: the control plane is TLS,
+    # so no credential, env-file value or message is in it in clear.
+    tap = LoopbackTap() if os.geteuid() == 0 else None
     m = manager("no-morphing", steps=100000, extra_args=["--no_morphing", "--env_file", str(env_file)]).start()
     m.wait_step(10)
+    if tap:
+        wire = tap.close()
+        secrets = credentials_of_job(m, ["127.0.0.1", "127.0.0.2"])
+        notifier = json.loads(m.connection_file("127.0.0.1").read_text())["token"]
+        assert notifier == secrets["notifier 127.0.0.1"], "the test derives the credentials as run_varuna does"
+        port = int(m.state()["address"].rsplit(":", 1)[1]).to_bytes(2, "big")
+        assert wire.count(port) > 20, "the tap saw no control traffic (%d bytes captured)" % len(wire)
+        for what, value in secrets.items():
+            assert value.encode() not in wire, "%s crossed the wire in clear" % what
+        for clear in (b"from-env-file", b'"step_report"', b'"launch_workers"', b'"hello"'):
+            assert clear not in wire, "%r crossed the wire in clear" % clear
+        log("tap: %d bytes on loopback, no credential or message in clear" % len(wire))
     # The workers, not their agents (whose command line names the program too).
     workers = [p for p, cmd in processes_of_job(m.job) if "train_gpt" in cmd and "varuna_agent" not in cmd]
     environ = Path("/proc/%d/environ" % workers[0]).read_bytes()

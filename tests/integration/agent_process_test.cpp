@@ -18,10 +18,13 @@
 #include <set>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "fake_manager.h"
 #include "process.h"
 #include "test_env.h"
 #include "varuna/common/errors.h"
+#include "varuna/manager/credentials.h"
 
 using namespace varuna;
 using namespace std::chrono_literals;
@@ -77,8 +80,17 @@ std::set<pid_t> childrenOf(pid_t parent) {
   return out;
 }
 
+// run_varuna's TLS keys for hosts whose agent credential is `agentCredential`.
+tls::KeyForIdentity keysOfAgent(std::string agentCredential) {
+  return [agentCredential](const tls::PskIdentity& identity) -> std::optional<std::string> {
+    const auto credential = credentials::expected(agentCredential, identity.role, identity.rank, identity.generation);
+    if (credential.empty()) return std::nullopt;
+    return tls::pskKey(credential);
+  };
+}
+
 struct AgentUnderTest {
-  test::FakeManager manager;
+  test::FakeManager manager{keysOfAgent("t0k")};
   fs::path dir;
   std::optional<test::ChildProcess> agent;
   std::optional<test::FakePeer> link;
@@ -98,6 +110,10 @@ struct AgentUnderTest {
     auto hello = link->receive(10s);
     REQUIRE(hello);
     CHECK(std::get<proto::Hello>(*hello).role == "agent");
+    // The hello came over TLS, from the identity it claims.
+    REQUIRE(link->identity());
+    CHECK(link->identity()->role == "agent");
+    CHECK(link->identity()->host == "127.0.0.1");
   }
 
   // Two workers that only sleep (`exec`: the sleep is the agent's child itself).
@@ -485,7 +501,7 @@ TEST_CASE("agent: its run folder and logs are its user's only", "[agent][securit
 
 TEST_CASE("agent: the default run root is shared and sticky, its own folders private", "[agent][security]") {
   const fs::path dir = test::scratchDir("agent-default-run-root");
-  test::FakeManager manager;
+  test::FakeManager manager{keysOfAgent("t0k")};
   // The default run folder is <temp dir>/varuna/<job>/<host>; TMPDIR points it here.
   test::ChildProcess agent({(test::buildDir() / "bin" / "varuna_agent").string(), "--manager", manager.address(),
                             "--host", "127.0.0.1", "--job", "rootjob", "--code_dir", dir.string(), "--grace_s", "1"},
@@ -524,4 +540,60 @@ TEST_CASE("agent: a default run root planted as a link, or owned by another user
   CHECK(foreignCode == kExitConfigError);
   CHECK(foreignErr.find("belongs to uid 65534, neither root nor this user") != std::string::npos);
   CHECK(fs::is_empty(foreign / "varuna"));
+}
+
+TEST_CASE("agent: a manager without the job's credentials gets nothing; the agent exits with an authentication error",
+          "[agent][security]") {
+  // An impostor on the manager's address (another job's run_varuna, or whoever
+  // bound the port): it cannot complete the TLS handshake, so the agent sends
+  // no hello, no credential, and stops.
+  const fs::path dir = test::scratchDir("agent-impostor-manager");
+  test::FakeManager impostor{keysOfAgent("another-jobs-secret")};
+  test::ChildProcess agent({(test::buildDir() / "bin" / "varuna_agent").string(), "--manager", impostor.address(),
+                            "--host", "127.0.0.1", "--job", "agent-impostor", "--run_dir", (dir / "run").string(),
+                            "--code_dir", dir.string(), "--grace_s", "1"},
+                           {{"VARUNA_JOB_TOKEN", "t0k"}}, dir / "agent");
+  CHECK_FALSE(impostor.accept(20s));  // the handshake failed: no peer, nothing read
+  CHECK_THAT(impostor.lastRefusal(), Catch::Contains("TLS handshake"));
+  const auto code = agent.wait(20s);
+  REQUIRE(code);
+  CHECK(*code != 0);
+  CHECK_THAT(agent.stderrText(), Catch::Contains("did not accept this agent's credential"));
+  CHECK_FALSE(fs::exists(dir / "run" / "connection.json"));  // no notifier pointed at the impostor
+}
+
+TEST_CASE("agent: a plaintext manager is refused unless the agent was told the job is plaintext", "[agent][security]") {
+  const fs::path dir = test::scratchDir("agent-plaintext-manager");
+  const std::vector<std::string> argv{(test::buildDir() / "bin" / "varuna_agent").string(), "--manager", "",
+                                      "--host", "127.0.0.1", "--job", "agent-plaintext", "--run_dir",
+                                      (dir / "run").string(), "--code_dir", dir.string(), "--grace_s", "1"};
+  {
+    test::FakeManager plaintext;
+    auto args = argv;
+    args[2] = plaintext.address();
+    test::ChildProcess agent(args, {{"VARUNA_JOB_TOKEN", "t0k"}}, dir / "agent");
+    auto peer = plaintext.accept(20s);
+    REQUIRE(peer);
+    bool gotFrame = false;  // a TLS ClientHello is no frame: nothing decodes
+    try {
+      gotFrame = peer->receive(3s).has_value();
+    } catch (const proto::ProtocolError&) {
+    }
+    CHECK_FALSE(gotFrame);
+    const auto code = agent.wait(20s);
+    REQUIRE(code);
+    CHECK(*code != 0);
+  }
+  test::FakeManager plaintext;
+  auto args = argv;
+  args[2] = plaintext.address();
+  args.push_back("--insecure_plaintext_control");
+  test::ChildProcess agent(args, {{"VARUNA_JOB_TOKEN", "t0k"}}, dir / "agent2");
+  auto peer = plaintext.accept(20s);
+  REQUIRE(peer);
+  const auto hello = peer->receive(10s);
+  REQUIRE(hello);
+  CHECK(std::get<proto::Hello>(*hello).role == "agent");
+  const auto connection = nlohmann::json::parse(test::readText(dir / "run" / "connection.json"));
+  CHECK(connection.at("insecure_plaintext_control") == true);  // its notifier follows
 }

@@ -16,7 +16,13 @@
 #include <algorithm>
 #include <filesystem>
 
+#include <atomic>
+#include <fstream>
+#include <thread>
+
 #include "sim_daemon_harness.h"
+#include "varuna/common/control_client.h"
+#include "varuna/manager/credentials.h"
 
 using namespace varuna;
 namespace fs = std::filesystem;
@@ -113,13 +119,28 @@ TEST_CASE("daemon: connections without a hello are capped and closed at their de
 
 TEST_CASE("daemon: an oversized first frame is refused from its header", "[daemon]") {
   DaemonFixture f("daemon_first_frame");
-  const int fd = dial(f.daemon->port());
-  const uint32_t n = 1000000;  // under the protocol's 1 MiB, far over a hello
-  const unsigned char head[4] = {static_cast<unsigned char>(n >> 24), static_cast<unsigned char>(n >> 16),
-                                 static_cast<unsigned char>(n >> 8), static_cast<unsigned char>(n)};
-  REQUIRE(::write(fd, head, 4) == 4);
-  REQUIRE(f.runUntil([&] { return closedByPeer(fd); }, 2000ms));
-  ::close(fd);
+  // Inside TLS, from a peer with a credential (the host's agent's): its
+  // first frame is held to the hello's limit all the same.
+  std::string secret;
+  std::ifstream(f.dir / "state" / "token") >> secret;
+  const proto::Hello agent{proto::kVersion, credentials::agent(secret, "127.0.0.1"), "agent", "127.0.0.1", -1, -1};
+  proto::Hello huge = agent;
+  huge.host.assign(1000000, 'h');  // under the protocol's 1 MiB, far over a hello
+  std::atomic<bool> closed{false};
+  std::thread peer([&, address = "127.0.0.1:" + std::to_string(f.daemon->port())] {
+    try {
+      auto client = proto::ControlClient::connectTls(
+          address, 10s, {tls::formatIdentity(tls::identityOf(agent)), tls::pskKey(agent.token)});
+      client.send(huge, 10s);
+      client.receive(10s);
+    } catch (const std::exception&) {
+    }
+    closed = true;
+  });
+  const bool refused = f.runUntil([&] { return closed.load(); }, 10000ms);
+  peer.join();
+  CHECK(refused);
+  CHECK(f.runUntil([&] { return f.state()["connections"]["closed_before_hello"].get<int>() >= 1; }, 5000ms));
 }
 
 TEST_CASE("daemon: a failing accept (EMFILE) backs off instead of spinning", "[daemon]") {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -47,7 +48,13 @@ bool FakePeer::sendHeartbeatsFor(std::chrono::milliseconds duration, std::chrono
   return true;
 }
 
+FakeManager::FakeManager(tls::KeyForIdentity keyFor) : FakeManager() {
+  keyFor_ = std::move(keyFor);
+  ::unsetenv(tls::kPlaintextEnv);
+}
+
 FakeManager::FakeManager() {
+  ::setenv(tls::kPlaintextEnv, "1", 1);
   fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -61,7 +68,10 @@ FakeManager::FakeManager() {
   port_ = ntohs(addr.sin_port);
 }
 
-FakeManager::~FakeManager() { close(); }
+FakeManager::~FakeManager() {
+  close();
+  ::unsetenv(tls::kPlaintextEnv);
+}
 
 void FakeManager::close() {
   if (fd_ >= 0) ::close(fd_);
@@ -76,7 +86,13 @@ std::optional<FakePeer> FakeManager::accept(std::chrono::milliseconds timeout) {
   if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return std::nullopt;
   const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
   if (fd < 0) return std::nullopt;
-  return FakePeer(fd);
+  if (!keyFor_) return FakePeer(proto::ControlClient::adopt(fd, "the fake manager's peer"));
+  try {
+    return FakePeer(proto::ControlClient::acceptTls(fd, "the fake manager's peer", keyFor_, timeout));
+  } catch (const proto::ConnectionError& e) {
+    lastRefusal_ = e.what();
+    return std::nullopt;
+  }
 }
 
 }  // namespace varuna::test

@@ -3,6 +3,10 @@
 // listens on 127.0.0.1:0; the test accepts connections and speaks the control
 // protocol (protocol.h) on them frame by frame, with deadlines, from its own
 // thread. No Asio, no threads of its own: safe to use around fork().
+// Plaintext by default: while one lives, the test process's environment says
+// so (tls::kPlaintextEnv), for the ManagerLinks it runs; an agent it starts
+// needs --insecure_plaintext_control. Given a key function, it is TLS, as
+// run_varuna is.
 #pragma once
 
 #include <chrono>
@@ -17,7 +21,9 @@ namespace varuna::test {
 // failures turned into return values. Closes on destruction.
 class FakePeer {
  public:
-  explicit FakePeer(int fd) : client_(proto::ControlClient::adopt(fd, "the fake manager's peer")) {}
+  explicit FakePeer(proto::ControlClient client) : client_(std::move(client)) {}
+  // The identity the peer proved (TLS), nullopt in plaintext.
+  std::optional<tls::PskIdentity> identity() const { return client_.peerIdentity(); }
 
   // False if the peer has gone.
   bool send(const proto::Message& message);
@@ -38,19 +44,26 @@ class FakePeer {
 
 class FakeManager {
  public:
-  FakeManager();  // listening on 127.0.0.1, a free port
+  FakeManager();  // listening on 127.0.0.1, a free port, plaintext
+  // TLS: peers must prove the key `keyFor` gives their identity.
+  explicit FakeManager(tls::KeyForIdentity keyFor);
   ~FakeManager();
   FakeManager(const FakeManager&) = delete;
 
   std::string address() const;  // "127.0.0.1:<port>"
   int port() const { return port_; }
+  // The next connection within `timeout` (its TLS handshake done); nullopt
+  // when none came or its handshake failed (lastRefusal() says why).
   std::optional<FakePeer> accept(std::chrono::milliseconds timeout);
+  const std::string& lastRefusal() const { return lastRefusal_; }
   // Stops listening: from now on connections to the port are refused.
   void close();
 
  private:
   int fd_ = -1;
   int port_ = 0;
+  tls::KeyForIdentity keyFor_;  // empty: plaintext
+  std::string lastRefusal_;
 };
 
 }  // namespace varuna::test

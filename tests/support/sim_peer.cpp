@@ -1,5 +1,7 @@
 #include "sim_peer.h"
 
+#include "loop/tls_stream.h"
+
 namespace varuna::sim {
 
 namespace asio = boost::asio;
@@ -29,7 +31,12 @@ void SimPeer::onConnect(const boost::system::error_code& ec, const proto::Hello&
     fail("connect: " + ec.message());
     return;
   }
-  if (!stream_) {
+  if (!stream_ && !tls::plaintextRequested()) {
+    // One client context for every simulated peer of the process.
+    static const auto context = makeControlTlsContext(false);
+    stream_ = TlsStream::client(std::move(socket_), *context,
+                                {tls::formatIdentity(tls::identityOf(hello)), tls::pskKey(hello.token)});
+  } else if (!stream_) {
     boost::system::error_code ignored;
     socket_.set_option(tcp::no_delay(true), ignored);
     socket_.non_blocking(true, ignored);

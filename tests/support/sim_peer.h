@@ -1,11 +1,12 @@
 // SimPeer: one simulated connection to run_varuna's control port (an agent, a
 // worker or a notifier of SimCluster). Connects, sends the hello first, then
 // reads frames until closed. Two transports, one behaviour:
-//  - TCP (the bench's thousand peers): writes go straight to the non-blocking
-//    socket; only what the kernel does not take waits in an outbox for the
-//    socket to become writable, so a thousand peers cost one thread nothing
-//    but syscalls (a ByteStream's write-a-whole-buffer would cost each frame
-//    a handler);
+//  - TCP (the bench's thousand peers), in TLS with the hello's credential as
+//    run_varuna's peers speak (loop/tls_stream.h) through the stream path
+//    below; in plaintext (tls::plaintextRequested(): a manager with
+//    --insecure_plaintext_control) writes go straight to the non-blocking
+//    socket and only what the kernel does not take waits in an outbox for the
+//    socket to become writable;
 //  - a LocalNetwork (the daemon's fake-clock tests): an in-memory stream to
 //    the in-process daemon, no socket; the outbox goes out one write at a
 //    time.

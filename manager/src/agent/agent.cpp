@@ -123,7 +123,7 @@ std::string defaultAgentRunDir(const std::string& job, const std::string& host) 
 void writeConnectionFile(const std::string& runDir, const std::string& managerAddress, const AgentOptions& options) {
   const nlohmann::json connection = {
       {"manager", managerAddress}, {"token", credentials::notifier(options.credential)}, {"host", options.host},
-      {"job", options.job}};
+      {"job", options.job}, {"insecure_plaintext_control", tls::plaintextRequested()}};
   const auto old = ::umask(077);  // the token is a secret: owner only
   ckpt::writeFileAtomic(runDir, "connection.json", connection.dump(2) + "\n");
   ::umask(old);
@@ -184,7 +184,8 @@ std::string tailOfFile(const std::string& path, int maxLines) {
   return out;
 }
 
-Agent::Agent(asio::io_context& io, AgentOptions options, asio::ip::tcp::socket manager, std::string managerAddress)
+Agent::Agent(asio::io_context& io, AgentOptions options, std::unique_ptr<ByteStream> manager,
+             std::string managerAddress)
     : io_(io),
       options_(std::move(options)),
       manager_(std::make_shared<FramedConnection>(std::move(manager))),

@@ -71,8 +71,8 @@ struct AgentOptions {
 
 class Agent {
  public:
-  // `manager` is an already-connected socket (the hello is sent by start()).
-  Agent(boost::asio::io_context& io, AgentOptions options, boost::asio::ip::tcp::socket manager,
+  // `manager` is an already-connected stream (the hello is sent by start()).
+  Agent(boost::asio::io_context& io, AgentOptions options, std::unique_ptr<ByteStream> manager,
         std::string managerAddress);
   void start();
   // Exit code for main() once the io_context ran out of work.

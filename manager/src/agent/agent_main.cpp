@@ -15,6 +15,8 @@
 #include "varuna/common/log.h"
 #include "varuna/common/time_util.h"
 #include "agent/agent.h"
+#include "loop/tcp_stream.h"
+#include "loop/tls_stream.h"
 #include "agent/join.h"
 #include "agent/scheduler_grace.h"
 #include "agent/run_dir.h"
@@ -157,6 +159,34 @@ std::string rereadJoinCredential(const MainOptions& options, const std::string& 
   }
 }
 
+// The connection to the manager as a ByteStream: TLS with the agent's
+// credential, its handshake done (within 10 s), unless the job's control
+// plane is plaintext; nullptr when the handshake failed.
+std::unique_ptr<ByteStream> secureStream(boost::asio::io_context& io, boost::asio::ip::tcp::socket socket,
+                                         boost::asio::ssl::context& context, const MainOptions& options) {
+  if (tls::plaintextRequested()) return std::make_unique<TcpStream>(std::move(socket));
+  const proto::Hello hello{proto::kVersion, options.agent.credential, "agent", options.agent.host, -1, -1};
+  auto stream = TlsStream::client(std::move(socket), context,
+                                  {tls::formatIdentity(tls::identityOf(hello)), tls::pskKey(hello.token)});
+  std::optional<boost::system::error_code> result;
+  boost::asio::steady_timer timer(io, std::chrono::seconds(10));
+  timer.async_wait([&](const boost::system::error_code& ec) {
+    if (!ec) stream->close();  // no answer in time: the handshake ends with an error
+  });
+  stream->asyncHandshake([&](const boost::system::error_code& ec) {
+    result = ec;
+    timer.cancel();
+  });
+  while (!result && io.run_one() > 0) {
+  }
+  io.run();  // the cancelled timer's handler
+  io.restart();
+  if (result && !*result) return stream;
+  log::error("TLS handshake with the manager at ", options.manager, " failed: ",
+             result ? result->message() : std::string("no answer"));
+  return nullptr;
+}
+
 // One agent's life: (join,) connect, serve until it exits; its exit code.
 // `served`: whether it got as far as serving the manager.
 int runOnce(MainOptions options, const std::string& joinCredential, int verdictFd, bool& served) {
@@ -185,8 +215,17 @@ int runOnce(MainOptions options, const std::string& joinCredential, int verdictF
   socklen_t len = sizeof(addr);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   socket.assign(addr.ss_family == AF_INET6 ? boost::asio::ip::tcp::v6() : boost::asio::ip::tcp::v4(), fd, ec);
+  const auto tlsContext = makeControlTlsContext(false);
+  auto stream = secureStream(io, std::move(socket), *tlsContext, options);
+  if (!stream) {
+    report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": the manager at ", options.manager,
+                             " did not accept this agent's credential in the TLS handshake (a stale credential, "
+                             "the manager of another job, or a plaintext one: --insecure_plaintext_control); "
+                             "nothing was sent\n"));
+    return kExitConfigError;
+  }
   writeConnectionFile(options.agent.runDir, options.manager, options.agent);
-  Agent agent(io, options.agent, std::move(socket), options.manager);
+  Agent agent(io, options.agent, std::move(stream), options.manager);
   agent.start();
   served = true;
   report(verdictFd, strCat("ok ", ::getpid(), "\n"));
@@ -264,6 +303,9 @@ int main(int argc, char** argv) {
                  "terminationGracePeriodSeconds): tell the manager this host goes that many seconds later, and exit "
                  "once the manager has stopped the workers or just before then; auto: the Slurm partition's "
                  "GraceTime (scontrol); 0 (default): a SIGTERM stops the agent and its workers at once");
+  bool plaintext = false;
+  app.add_flag("--insecure_plaintext_control", plaintext,
+               "talk to the manager without TLS (its --insecure_plaintext_control: loopback development only)");
   app.add_flag("--daemonize", options.daemonize, "detach, and return once connected to the manager");
   app.add_option("--log_level", options.logLevel, "debug, info, warn or error");
   bool tokenFromStdin = false, envFromStdin = false;
@@ -278,6 +320,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : kExitConfigError;
   }
+  // This agent decides for its workers and its host's notifier too.
+  plaintext ? ::setenv(tls::kPlaintextEnv, "1", 1) : ::unsetenv(tls::kPlaintextEnv);
   std::string joinCredential;
   try {
     if (options.join.empty() == options.manager.empty()) {

@@ -23,9 +23,9 @@ constexpr std::chrono::milliseconds kMostRetry{5000};
 // One try: the answer, or nullopt for what another try may mend (stored in `why`).
 std::optional<proto::Joined> tryJoin(const JoinRequest& request, std::chrono::milliseconds timeout, std::string& why) {
   try {
-    auto client = proto::ControlClient::connect(request.manager, timeout);
-    client.send(proto::Hello{proto::kVersion, request.credential, "join", request.host, -1, -1, request.slots},
-                kAnswerWait);
+    auto client = proto::ControlClient::connectAs(
+        request.manager, timeout,
+        proto::Hello{proto::kVersion, request.credential, "join", request.host, -1, -1, request.slots});
     const auto answer = client.receive(kAnswerWait);
     if (!answer) {
       why = "the manager did not answer the join";

@@ -6,6 +6,7 @@
 #include "varuna/common/secrets.h"
 #include "varuna/manager/credentials.h"
 #include "loop/tcp_stream.h"
+#include "loop/tls_stream.h"
 
 namespace varuna {
 namespace {
@@ -39,6 +40,7 @@ void ControlListener::start(std::string token, EventLog& events, OnHello onHello
   events_ = &events;
   onHello_ = std::move(onHello);
   expected_ = std::move(expected);
+  if (!plaintext_) tls_ = makeControlTlsContext(true);
   if (acceptor_.is_open()) doAccept();  // not listening on TCP: an accept would fail at once, forever
   if (local_) {
     local_->listen(guard_->wrap("accepting a local connection", [this](std::unique_ptr<ByteStream> stream) {
@@ -77,7 +79,9 @@ void ControlListener::onAccept(const boost::system::error_code& ec, asio::ip::tc
   // Whatever goes wrong with this one connection, the next accept is armed.
   guard_->run("admitting a connection", [&] {
     ::fcntl(socket.native_handle(), F_SETFD, FD_CLOEXEC);
-    admit(std::make_unique<TcpStream>(std::move(socket)));
+    if (!tls_) return admit(std::make_unique<TcpStream>(std::move(socket)));
+    admit(TlsStream::server(std::move(socket), *tls_,
+                            [this](const tls::PskIdentity& identity) { return pskKeyFor(identity); }));
   });
   doAccept();
 }
@@ -98,13 +102,22 @@ void ControlListener::admit(std::unique_ptr<ByteStream> stream) {
         [this, weak](const std::string&) {
           // Closed before a hello: by the peer, or for a bad or oversized
           // first frame (the deadline and the cap are counted by pending_).
-          auto c = weak.lock();
-          if (!c) return;
-          const size_t before = pending_.size();
-          pending_.erase(c);
-          if (pending_.size() < before) ++closedBeforeHello_;
+          if (auto c = weak.lock()) onClosedBeforeHello(c);
         });
   });
+}
+
+void ControlListener::onClosedBeforeHello(const std::shared_ptr<FramedConnection>& connection) {
+  const size_t before = pending_.size();
+  pending_.erase(connection);
+  if (pending_.size() == before) return;  // expired or evicted: counted by pending_
+  const std::string failure = connection->stream().handshakeFailure();
+  if (failure.empty()) {
+    ++closedBeforeHello_;
+    return;
+  }
+  ++unauthenticated_;  // summarised by reportDrops, never a line each
+  lastRefusal_ = strCat("TLS handshake failed: ", failure, " (from ", connection->peer(), ")");
 }
 
 void ControlListener::onAcceptFailed(const boost::system::error_code& ec) {
@@ -144,7 +157,17 @@ void ControlListener::onFirstMessage(const std::shared_ptr<FramedConnection>& co
                                      const proto::Message& message) {
   pending_.erase(connection);
   try {
-    onHello_(connection, checkCredential(message));
+    const auto& hello = checkCredential(message);
+    const auto identity = connection->stream().authenticatedIdentity();
+    if (identity && !tls::matches(*identity, hello)) {
+      throw proto::ProtocolError(strCat("a hello as ", proto::boundedText(hello.role, 64), " of '",
+                                        proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes), "' rank ",
+                                        hello.rank, " generation ", hello.generation,
+                                        " over a connection authenticated as ", identity->role, " of '",
+                                        proto::boundedText(identity->host, proto::kMaxLoggedPeerTextBytes), "' rank ",
+                                        identity->rank, " generation ", identity->generation));
+    }
+    onHello_(connection, hello);
   } catch (const proto::ProtocolError& e) {
     // What a refused peer sent is its own: bounded and valid UTF-8 before it
     // reaches the log and the event log (checkHello bounds the host it quotes).
@@ -179,14 +202,32 @@ const proto::Hello& ControlListener::checkCredential(const proto::Message& messa
   } else if (hello->role == "notifier" && constantTimeEquals(hello->token, token_)) {
     expected = token_;  // the operator's notifier (--token_file): any host
   } else {
-    const std::string agentCredential =
-        agentCredentialOf_ ? agentCredentialOf_(hello->host) : credentials::agent(token_, hello->host);
-    expected = credentials::expected(agentCredential, hello->role, hello->rank, hello->generation);
+    expected = expectedCredential(hello->role, hello->host, hello->rank, hello->generation);
   }
   if (expected.empty()) {
     throw proto::ProtocolError(strCat("unknown role '", proto::boundedText(hello->role, 64), "'"));
   }
   return proto::checkHello(message, expected);  // the version, then the credential in constant time
+}
+
+std::string ControlListener::expectedCredential(const std::string& role, const std::string& host, int rank,
+                                                int generation) const {
+  const std::string agentCredential = agentCredentialOf_ ? agentCredentialOf_(host) : credentials::agent(token_, host);
+  return credentials::expected(agentCredential, role, rank, generation);
+}
+
+std::optional<std::string> ControlListener::pskKeyFor(const tls::PskIdentity& identity) const {
+  if (identity.role == "join") {
+    // "vj1.<expiry>": the join credential of that expiry (checked, with the
+    // clock, at the hello).
+    const auto expiry = credentials::joinExpiry(identity.hint + ".x");
+    if (expiry < 0) return std::nullopt;
+    return tls::pskKey(credentials::join(token_, expiry));
+  }
+  if (identity.role == "notifier" && identity.hint == "secret") return tls::pskKey(token_);
+  const std::string credential = expectedCredential(identity.role, identity.host, identity.rank, identity.generation);
+  if (credential.empty()) return std::nullopt;
+  return tls::pskKey(credential);
 }
 
 void ControlListener::tick(TimePoint now) {
@@ -195,14 +236,17 @@ void ControlListener::tick(TimePoint now) {
 }
 
 void ControlListener::reportDrops(TimePoint now) {
-  const DropCounts totals{closedBeforeHello_, pending_.expired(), pending_.evicted(), refused_};
+  const DropCounts totals{closedBeforeHello_, pending_.expired(), pending_.evicted(), refused_, unauthenticated_};
   const auto limits = pending_.limits();
   if (totals != dropsLogged_ && now - dropsLoggedAt_ >= std::chrono::seconds(10)) {
     log::warn("connections closed before their hello since the last report: ", totals.expired - dropsLogged_.expired,
               " sent none within ", limits.helloDeadline.count(), " ms, ", totals.evicted - dropsLogged_.evicted,
               " were the oldest of more than ", limits.maxPending, " waiting, ", totals.closed - dropsLogged_.closed,
-              " closed by the peer or for a bad first frame, ", totals.refused - dropsLogged_.refused,
-              " hellos refused", totals.refused != dropsLogged_.refused ? strCat(", the last: ", lastRefusal_) : "",
+              " closed by the peer or for a bad first frame, ", totals.unauthenticated - dropsLogged_.unauthenticated,
+              " failed the TLS handshake, ", totals.refused - dropsLogged_.refused, " hellos refused",
+              totals.refused != dropsLogged_.refused || totals.unauthenticated != dropsLogged_.unauthenticated
+                  ? strCat(", the last: ", lastRefusal_)
+                  : "",
               " (", pending_.size(), " waiting now)");
     dropsLogged_ = totals;
     dropsLoggedAt_ = now;
@@ -212,9 +256,12 @@ void ControlListener::reportDrops(TimePoint now) {
     nlohmann::json counts = {{"no_hello_in_time", totals.expired - dropsRecorded_.expired},
                              {"over_the_cap", totals.evicted - dropsRecorded_.evicted},
                              {"closed_before_hello", totals.closed - dropsRecorded_.closed},
-                             {"refused", totals.refused - dropsRecorded_.refused}};
+                             {"refused", totals.refused - dropsRecorded_.refused},
+                             {"unauthenticated", totals.unauthenticated - dropsRecorded_.unauthenticated}};
     // "refused" counts those written in full (connection_refused) too.
-    if (totals.refused != dropsRecorded_.refused) counts["last_refusal"] = lastRefusal_;
+    if (totals.refused != dropsRecorded_.refused || totals.unauthenticated != dropsRecorded_.unauthenticated) {
+      counts["last_refusal"] = lastRefusal_;
+    }
     events_->write("connections_dropped", counts);
     dropsRecorded_ = totals;
     dropsRecordedAt_ = now;
@@ -227,6 +274,7 @@ nlohmann::json ControlListener::stats() const {
           {"no_hello_in_time", pending_.expired()},
           {"over_the_cap", pending_.evicted()},
           {"refused", refused_},
+          {"unauthenticated", unauthenticated_},
           {"accept_failures", acceptFailures_}};
 }
 

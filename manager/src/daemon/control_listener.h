@@ -14,6 +14,7 @@
 
 #include <utility>  // before Asio: its headers miss it with this GCC
 #include <boost/asio.hpp>
+#include <boost/asio/ssl/context.hpp>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -65,6 +66,9 @@ class ControlListener {
   void listenLocal(LocalNetwork& network) { local_ = &network; }
   // Starts accepting (TCP once listen() worked, the local network if any). `token` is the job's; `events` gets refusals and drop counts.
   void start(std::string token, EventLog& events, OnHello onHello, ExpectedHellos expected);
+  // Before start(): TCP connections in plaintext, no TLS (run_varuna's
+  // --insecure_plaintext_control, loopback development only).
+  void setPlaintext(bool plaintext) { plaintext_ = plaintext; }
   // Before start(): where hellos' credentials come from (see AgentCredentialOf).
   void setAgentCredentials(AgentCredentialOf agentCredentialOf) { agentCredentialOf_ = std::move(agentCredentialOf); }
   // The tick: expires connections past their hello deadline, reports drops.
@@ -94,6 +98,13 @@ class ControlListener {
   // credential its role, host, rank and generation must carry: credentials.h);
   // throws proto::ProtocolError otherwise.
   const proto::Hello& checkCredential(const proto::Message& message) const;
+  // The credential a hello of that role, host, rank and generation must
+  // carry (the hello's, when its TLS identity is known); "" if none.
+  std::string expectedCredential(const std::string& role, const std::string& host, int rank, int generation) const;
+  // The TLS key of a PSK identity: the key of the credential it must hold.
+  std::optional<std::string> pskKeyFor(const tls::PskIdentity& identity) const;
+  // A connection closed before its hello: counted by why.
+  void onClosedBeforeHello(const std::shared_ptr<FramedConnection>& connection);
   // A refused hello: the first few of a window in full, the rest counted
   // for reportDrops' summary (a flood of bad hellos must not fill the disk).
   void recordRefusal(const std::shared_ptr<FramedConnection>& connection, const std::string& reason);
@@ -118,14 +129,17 @@ class ControlListener {
   uint64_t acceptFailures_ = 0;
   RateLimiter failureLog_{std::chrono::seconds(10), 1};
   PendingConnections pending_;      // before their hello: capped, with a deadline
+  bool plaintext_ = false;
+  std::unique_ptr<boost::asio::ssl::context> tls_;  // made by start() unless plaintext_
   uint64_t closedBeforeHello_ = 0;  // by the peer, or for a bad or oversized first frame
+  uint64_t unauthenticated_ = 0;    // failed the TLS handshake (no or a wrong credential)
   uint64_t refused_ = 0;             // hellos refused (token, version, malformed)
   std::string lastRefusal_;          // "<reason> (from <peer>)", for the summary
   // Refusals written in full: to the log 3 per 10 s, to the event log 3 a minute.
   RateLimiter refusalLog_{std::chrono::seconds(10), 3};
   RateLimiter refusalEvents_{std::chrono::seconds(60), 3};
   struct DropCounts {
-    uint64_t closed = 0, expired = 0, evicted = 0, refused = 0;
+    uint64_t closed = 0, expired = 0, evicted = 0, refused = 0, unauthenticated = 0;
     bool operator==(const DropCounts&) const = default;
   };
   DropCounts dropsLogged_, dropsRecorded_;  // totals when last logged / written to the event log

@@ -31,15 +31,13 @@ constexpr auto kPreemptedWithoutDeadline = std::chrono::seconds(120);
 // A notice's deadline counts up to a day ahead: a host announced as taken
 // next year is out for a day, then tried like a lost one.
 constexpr auto kMaxNoticeAhead = std::chrono::hours(24);
-// A failed worker's last lines as its agent sent them: printed, but not
-// megabytes of one runaway line.
+// A failed worker's last lines as its agent sent them: not megabytes of one runaway line.
 constexpr size_t kMaxLoggedLogTailBytes = 4096;
 
 // The end of `text` (of a log, the end matters), at most about maxBytes, valid UTF-8.
 std::string endOfText(const std::string& text, size_t maxBytes) {
   if (text.size() <= maxBytes) return proto::boundedText(text, maxBytes);
   size_t start = text.size() - maxBytes;
-  // Forward to a character's start.
   while (start < text.size() && (static_cast<unsigned char>(text[start]) & 0xc0) == 0x80) ++start;
   return "..." + proto::boundedText(std::string_view(text).substr(start), maxBytes);
 }
@@ -88,6 +86,7 @@ ManagerDaemon::Impl::Impl(asio::io_context& io, JobConfig config, std::unique_pt
       liveness_({config_.heartbeatTimeoutS, config_.startupTimeoutS, config_.hangTimeoutS}),
       metrics_(config_.batchSize) {
   if (options.localConnections) listener_.listenLocal(*options.localConnections);
+  listener_.setPlaintext(config_.insecurePlaintextControl);
   tcpListening_ = !options.localConnections;
 }
 
@@ -270,7 +269,8 @@ std::string ManagerDaemon::Impl::agentCommand(const std::string& host) const {
                 // Not hearing from the manager this long, the agent takes it as gone: as long as the
                 // manager waits for a silent agent, plus the grace.
                 " --lost_manager_ms ", lostManagerAfter().count(),
-                " --log_level ", shellQuote(config_.logLevel));
+                " --log_level ", shellQuote(config_.logLevel),
+                config_.insecurePlaintextControl ? " --insecure_plaintext_control" : "");
 }
 
 std::chrono::milliseconds ManagerDaemon::Impl::lostManagerAfter() const {

@@ -58,6 +58,9 @@ const std::vector<Field>& fields() {
       {"no_morphing", &JobConfig::noMorphing, "run once: any failure stops the job"},
       {"manager_ip", &JobConfig::managerIp, "this head node's address agents and workers dial"},
       {"port", &JobConfig::port, "control port (default 0: any free port)"},
+      {"insecure_plaintext_control", &JobConfig::insecurePlaintextControl,
+       "control connections without TLS: whoever can reach the port or read the traffic speaks for the job; only "
+       "with a loopback --manager_ip (127.0.0.1), for development"},
       {"master_port", &JobConfig::masterPort, "workers' rendezvous port on rank 0's host, + generation offset (default 0: a random one)"},
       {"metrics_port", &JobConfig::metricsPort,
        "serve Prometheus metrics at http://<manager_ip>:PORT/metrics (0: any free port, named in state.json; "
@@ -247,6 +250,10 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
   if (config.metricsPort < -1 || config.metricsPort > 65535) {
     throw ConfigError(strCat("--metrics_port must be 0..65535 (0: any free port; leave it out for no metrics), got ",
                              config.metricsPort));
+  }
+  if (config.insecurePlaintextControl && config.managerIp.rfind("127.", 0) != 0 && config.managerIp != "::1") {
+    throw ConfigError(strCat("--insecure_plaintext_control needs a loopback --manager_ip (127.0.0.1 or ::1), got '",
+                             config.managerIp, "': over a network the control plane must be TLS (drop the flag)"));
   }
   if (config.masterPort != 0 && (config.masterPort < 1024 || config.masterPort > 65000)) {
     throw ConfigError(strCat("--master_port must be 1024..65000 (or 0: a random one), got ", config.masterPort));

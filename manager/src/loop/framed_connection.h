@@ -59,6 +59,7 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void closeAfterSending(const std::string& reason);
   bool open() const { return open_; }
   const std::string& peer() const { return stream_->peer(); }
+  const ByteStream& stream() const { return *stream_; }
 
   // Call before start(): the connection's first frame may be at most
   // `maxBytes` long; a header announcing more closes the connection before

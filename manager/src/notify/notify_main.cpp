@@ -3,6 +3,7 @@
 // by the cloud pollers in scripts/pollers/ (or by hand). Authenticated with the
 // job token from the agent's connection file (or --token_file).
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -65,6 +66,8 @@ int main(int argc, char** argv) {
         if (o.manager.empty()) o.manager = connection.at("manager").get<std::string>();
         token = connection.at("token").get<std::string>();
         if (o.host.empty()) o.host = connection.at("host").get<std::string>();
+        // The agent's job runs a plaintext control plane (loopback development).
+        if (connection.value("insecure_plaintext_control", false)) ::setenv(tls::kPlaintextEnv, "1", 1);
       } catch (const std::exception& e) {
         throw ConfigError(strCat("--connection_file ", o.connectionFile, ": ", e.what(),
                                  " (it is written by the job's agent on this host)"));
@@ -78,7 +81,7 @@ int main(int argc, char** argv) {
     if (o.host.empty()) throw ConfigError("--host is required (the host's name in the machine list)");
     if (o.inSeconds >= 0) o.deadlineUnixMs = nowUnixMs() + static_cast<int64_t>(o.inSeconds * 1000);
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeoutS * 1000));
-    proto::notifyPreemption(o.manager, token, o.host, o.deadlineUnixMs, timeout);
+    proto::notifyPreemption(o.manager, token, o.host, o.deadlineUnixMs, timeout, o.connectionFile.empty());
     std::cout << "manager at " << o.manager << " acknowledged: " << o.host << " will be preempted" << std::endl;
     return 0;
   } catch (const Error& e) {

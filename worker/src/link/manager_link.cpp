@@ -122,9 +122,9 @@ void ManagerLink::run() {
     if (!client && !stopping && Clock::now() >= retryAt_) {
       lock.unlock();
       try {
-        client.emplace(proto::ControlClient::connect(options_.address, timings_.connectTimeout));
-        client->send(proto::Hello{proto::kVersion, options_.token, "worker", options_.host, rank_, options_.generation},
-                     timings_.sendTimeout);
+        client.emplace(proto::ControlClient::connectAs(
+            options_.address, timings_.connectTimeout + timings_.sendTimeout,
+            proto::Hello{proto::kVersion, options_.token, "worker", options_.host, rank_, options_.generation}));
         lastSent = Clock::time_point{};  // a heartbeat right away: the manager learns the step at once
         directBeatDue_ = true;           // ...and from us: a relay could reach it before our hello
         lastPing = Clock::time_point{};

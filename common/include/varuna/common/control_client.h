@@ -1,15 +1,20 @@
 // ControlClient: a blocking TCP connection to the manager speaking the control
-// protocol (protocol.h). Used where an event loop would be overkill: the
+// protocol (protocol.h), inside TLS 1.3 with the peer's credential as the
+// pre-shared key (control_tls.h) unless tls::plaintextRequested(). Used where an event loop would be overkill: the
 // worker's reporter thread and notify_manager_preempt. One thread uses a
 // client at a time; it is movable, not copyable, and closes on destruction.
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 
+#include "varuna/common/control_tls.h"
 #include "varuna/common/protocol.h"
+
+struct ssl_st;
 
 namespace varuna::proto {
 
@@ -25,7 +30,23 @@ std::pair<std::string, int> splitHostPort(const std::string& address, const std:
 class ControlClient {
  public:
   // Connects within `timeout`. Throws Error saying which address failed and why.
+  // Only TCP: the caller makes it TLS (connectAs), or hands the socket to
+  // Asio (release()) which does.
   static ControlClient connect(const std::string& address, std::chrono::milliseconds timeout);
+  // Connects, proves `hello`'s credential in a TLS handshake whose identity
+  // names what `hello` claims (`pskHint`: see tls::PskIdentity), and sends
+  // `hello`, all within `timeout`. Throws ConnectionError; AuthenticationError
+  // when the handshake fails (a wrong credential, or not the job's manager).
+  static ControlClient connectAs(const std::string& address, std::chrono::milliseconds timeout,
+                                 const proto::Hello& hello, const std::string& pskHint = {});
+  // Connects and completes a TLS handshake presenting `psk`, sending nothing
+  // yet (connectAs's first half; tests use it to claim one thing and say another).
+  static ControlClient connectTls(const std::string& address, std::chrono::milliseconds timeout, tls::ClientPsk psk);
+  // The server's side, for test stand-ins of run_varuna: a TLS handshake on
+  // an accepted socket within `timeout`, keys from `keyFor`. Throws
+  // AuthenticationError when the peer cannot prove an identity.
+  static ControlClient acceptTls(int fd, std::string address, tls::KeyForIdentity keyFor,
+                                 std::chrono::milliseconds timeout);
   // Takes over a connected socket (the inverse of release()), e.g. one a
   // listener accepted; `address` names the peer in errors.
   static ControlClient adopt(int fd, std::string address) { return ControlClient(fd, std::move(address)); }
@@ -49,15 +70,39 @@ class ControlClient {
   std::optional<Message> receive(std::chrono::milliseconds timeout);
   bool connected() const { return fd_ >= 0; }
   void close();
-  // Gives up ownership of the socket (e.g. to an Asio socket); the client is closed after.
-  int release() { return std::exchange(fd_, -1); }
+  // Gives up ownership of a plain TCP socket (e.g. to an Asio socket); the
+  // client is closed after. A TLS connection cannot be handed over: throws.
+  int release();
+  // The identity a TLS peer proved (acceptTls), nullopt on plain TCP.
+  std::optional<tls::PskIdentity> peerIdentity() const;
 
  private:
-  ControlClient(int fd, std::string address) : fd_(fd), address_(std::move(address)) {}
-  void sendFrame(const std::string& frame, std::optional<std::chrono::steady_clock::time_point> deadline);
+  using Deadline = std::optional<std::chrono::steady_clock::time_point>;
+  ControlClient(int fd, std::string address)
+      : fd_(fd), address_(std::move(address)), serverPsk_(std::make_unique<tls::ServerPsk>()) {}
+  void startTls(bool server, Deadline deadline);
+  // Runs one OpenSSL call until it completes or `deadline` passes, waiting
+  // for the socket as OpenSSL asks; its result, or <= 0 with ssl error set.
+  template <typename Call>
+  int tlsCall(Call call, Deadline deadline, bool& timedOut);
+  void sendFrame(const std::string& frame, Deadline deadline);
+  void sendFrameTls(const std::string& frame, Deadline deadline);
+  // Appends what arrived to the decoder; false when nothing did by `deadline`.
+  bool readSome(std::chrono::steady_clock::time_point deadline);
   int fd_ = -1;
   std::string address_;
   FrameDecoder decoder_;
+  ssl_st* ssl_ = nullptr;
+  // Where OpenSSL's callbacks find the keys (stable addresses across moves).
+  std::unique_ptr<tls::ClientPsk> clientPsk_;
+  std::unique_ptr<tls::ServerPsk> serverPsk_;
+};
+
+// The TLS handshake failed: this peer's credential is not what the other end
+// expects (or the other end is not the job's manager).
+class AuthenticationError : public ConnectionError {
+ public:
+  using ConnectionError::ConnectionError;
 };
 
 // Tells the manager at `address` that `host` will be taken at
@@ -65,8 +110,9 @@ class ControlClient {
 // host's notifier credential, or the job's secret), and waits for the
 // acknowledgement. Throws ConnectionError when the manager cannot be reached
 // within `timeout`, does not answer, or refuses the notice (its reason).
+// `isJobSecret`: the credential is the job's secret (the operator's), not N(host).
 // notify_manager_preempt, and an agent told by its scheduler (SIGTERM).
 void notifyPreemption(const std::string& address, const std::string& credential, const std::string& host,
-                      int64_t deadlineUnixMs, std::chrono::milliseconds timeout);
+                      int64_t deadlineUnixMs, std::chrono::milliseconds timeout, bool isJobSecret = false);
 
 }  // namespace varuna::proto

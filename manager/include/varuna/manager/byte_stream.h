@@ -24,7 +24,10 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+
+#include "varuna/common/control_tls.h"
 
 namespace varuna {
 
@@ -43,6 +46,11 @@ class ByteStream {
   virtual void close() = 0;
   // Who is at the other end, for logs ("10.0.0.2:41234", "memory:agent 127.0.0.2").
   virtual const std::string& peer() const = 0;
+  // The identity the peer proved in a TLS handshake (loop/tls_stream.h);
+  // nullopt for a stream without one (plaintext TCP, in-memory).
+  virtual std::optional<tls::PskIdentity> authenticatedIdentity() const { return std::nullopt; }
+  // Why the TLS handshake failed, in words; "" if it did not (or there is none).
+  virtual std::string handshakeFailure() const { return {}; }
 };
 
 // Two connected in-memory ends, a and b: what one writes, the other reads.

@@ -38,6 +38,7 @@ struct JobConfig {
   bool noMorphing = false;
   std::string managerIp;            // address agents and workers dial (default: guessed)
   int port = 0;                     // manager's control port (0: any free port)
+  bool insecurePlaintextControl = false;  // no TLS on the control plane: loopback development only
   int masterPort = 0;               // workers' rendezvous port on rank 0's host (+ generation offset); 0: random
   int metricsPort = -1;             // Prometheus metrics at http://manager_ip:PORT/metrics (-1: off, 0: any free port)
   std::string globalStore;          // checkpoint root shared by the workers

@@ -1,0 +1,149 @@
+#include "varuna/common/control_tls.h"
+
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/ssl.h>
+
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace varuna::tls {
+namespace {
+
+// The one suite old-style PSK callbacks may use in TLS 1.3 (SHA-256).
+constexpr const char* kCipherSuite = "TLS_AES_128_GCM_SHA256";
+constexpr const char* kIdentityVersion = "varuna-control-1";
+
+int exDataIndex() {
+  static const int index = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, nullptr);
+  return index;
+}
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t end = text.find(separator, start);
+    parts.push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (end == std::string::npos) return parts;
+    start = end + 1;
+  }
+}
+
+bool parseInt(const std::string& text, int& value) {
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  return ec == std::errc() && end == text.data() + text.size();
+}
+
+unsigned int copyOut(const std::string& from, unsigned char* to, unsigned int capacity) {
+  if (from.empty() || from.size() > capacity) return 0;
+  std::memcpy(to, from.data(), from.size());
+  return static_cast<unsigned int>(from.size());
+}
+
+unsigned int clientCallback(SSL* ssl, const char* /*hint*/, char* identity, unsigned int maxIdentity,
+                            unsigned char* key, unsigned int maxKey) {
+  const auto* psk = static_cast<const ClientPsk*>(SSL_get_ex_data(ssl, exDataIndex()));
+  if (!psk || psk->identity.size() + 1 > maxIdentity) return 0;
+  std::memcpy(identity, psk->identity.c_str(), psk->identity.size() + 1);
+  return copyOut(psk->key, key, maxKey);
+}
+
+unsigned int serverCallback(SSL* ssl, const char* identity, unsigned char* key, unsigned int maxKey) {
+  auto* psk = static_cast<ServerPsk*>(SSL_get_ex_data(ssl, exDataIndex()));
+  if (!psk || !identity) return 0;
+  const auto parsed = parseIdentity(identity);
+  if (!parsed) {
+    psk->refusal = "a malformed TLS identity";
+    return 0;
+  }
+  const auto found = psk->keyFor ? psk->keyFor(*parsed) : std::nullopt;
+  if (!found) {
+    psk->refusal = strCat("no credential for the TLS identity of ", parsed->role, " '",
+                          proto::boundedText(parsed->host, proto::kMaxLoggedPeerTextBytes), "'");
+    return 0;
+  }
+  // A wrong key fails the handshake's binder check after this returns; the
+  // identity is kept only as "presented" until the handshake completes.
+  psk->presented = parsed;
+  return copyOut(*found, key, maxKey);
+}
+
+}  // namespace
+
+bool plaintextRequested() {
+  const char* value = std::getenv(kPlaintextEnv);
+  return value && std::strcmp(value, "1") == 0;
+}
+
+std::string formatIdentity(const PskIdentity& identity) {
+  return strCat(kIdentityVersion, "\n", identity.role, "\n", identity.host, "\n", identity.rank, "\n",
+                identity.generation, "\n", identity.hint);
+}
+
+std::optional<PskIdentity> parseIdentity(const std::string& text) {
+  const auto parts = split(text, '\n');
+  if (parts.size() != 6 || parts[0] != kIdentityVersion) return std::nullopt;
+  PskIdentity identity{parts[1], parts[2], -1, -1, parts[5]};
+  if (!parseInt(parts[3], identity.rank) || !parseInt(parts[4], identity.generation)) return std::nullopt;
+  return identity;
+}
+
+PskIdentity identityOf(const proto::Hello& hello, std::string hint) {
+  if (hint.empty() && hello.role == "join") {
+    // A join credential's public part: "vj1.<expiry>" (never its MAC, which
+    // the identity would show in clear).
+    const size_t mac = hello.token.rfind('.');
+    if (mac != std::string::npos) hint = hello.token.substr(0, mac);
+  }
+  return {hello.role, hello.host, hello.rank, hello.generation, std::move(hint)};
+}
+
+bool matches(const PskIdentity& identity, const proto::Hello& hello) {
+  return identity.role == hello.role && identity.host == hello.host && identity.rank == hello.rank &&
+         identity.generation == hello.generation;
+}
+
+std::string pskKey(const std::string& credential) {
+  // Domain-separated from the credential itself: the key that encrypts is
+  // not the string the hello carries.
+  static constexpr char kLabel[] = "varuna control TLS 1.3 external PSK";
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  HMAC(EVP_sha256(), credential.data(), static_cast<int>(credential.size()),
+       reinterpret_cast<const unsigned char*>(kLabel), sizeof(kLabel) - 1, mac, &length);
+  return std::string(reinterpret_cast<const char*>(mac), length);
+}
+
+void configureContext(SSL_CTX* context, bool server) {
+  SSL_CTX_set_min_proto_version(context, TLS1_3_VERSION);
+  SSL_CTX_set_max_proto_version(context, TLS1_3_VERSION);
+  SSL_CTX_set_ciphersuites(context, kCipherSuite);
+  SSL_CTX_set_verify(context, SSL_VERIFY_NONE, nullptr);  // no certificates: the PSK authenticates both ends
+  SSL_CTX_set_num_tickets(context, 0);                    // every connection proves its credential afresh
+  SSL_CTX_set_options(context, SSL_OP_NO_TICKET);
+  SSL_CTX_set_mode(context, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  if (server) {
+    SSL_CTX_set_psk_server_callback(context, serverCallback);
+  } else {
+    SSL_CTX_set_psk_client_callback(context, clientCallback);
+  }
+}
+
+void attachClient(SSL* ssl, ClientPsk* psk) { SSL_set_ex_data(ssl, exDataIndex(), psk); }
+void attachServer(SSL* ssl, ServerPsk* psk) { SSL_set_ex_data(ssl, exDataIndex(), psk); }
+
+std::string lastError() {
+  std::string text;
+  while (const unsigned long code = ERR_get_error()) {
+    char buffer[256];
+    ERR_error_string_n(code, buffer, sizeof(buffer));
+    text += (text.empty() ? "" : "; ") + std::string(buffer);
+  }
+  return text.empty() ? "no detail from OpenSSL" : text;
+}
+
+}  // namespace varuna::tls

@@ -1,0 +1,68 @@
+// TlsStream: the ByteStream of a control connection inside TLS 1.3 with a
+// pre-shared key (control_tls.h), over Asio's SSL stream. run_varuna's
+// listener makes the server side (keys derived from the identity a peer
+// presents), the agent the client side (its credential as the key). The
+// handshake runs before the first read or write; a peer that cannot prove an
+// identity fails it, and the read that waited completes with the error, so
+// the connection closes before one byte of the control protocol was read.
+// Until then the connection is one that has not said hello (the listener's
+// deadline and cap apply). Owned by its connection; used on the socket's
+// io_context thread.
+#pragma once
+
+#include <utility>  // before Asio: its headers miss it with this GCC
+#include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "varuna/common/control_tls.h"
+#include "varuna/manager/byte_stream.h"
+
+namespace varuna {
+
+// An Asio SSL context configured for the control plane's side.
+std::unique_ptr<boost::asio::ssl::context> makeControlTlsContext(bool server);
+
+class TlsStream final : public ByteStream {
+ public:
+  // `context` outlives the stream.
+  static std::unique_ptr<TlsStream> server(boost::asio::ip::tcp::socket socket, boost::asio::ssl::context& context,
+                                           tls::KeyForIdentity keyFor);
+  static std::unique_ptr<TlsStream> client(boost::asio::ip::tcp::socket socket, boost::asio::ssl::context& context,
+                                           tls::ClientPsk psk);
+  ~TlsStream() override { close(); }
+
+  // Runs the handshake now (reads and writes would start it anyway); `done`
+  // gets its result. For a client that must know before it goes on.
+  void asyncHandshake(std::function<void(const boost::system::error_code&)> done);
+  void asyncReadSome(char* data, size_t size, Handler handler) override;
+  void asyncWrite(const char* data, size_t size, Handler handler) override;
+  void close() override;
+  const std::string& peer() const override { return peer_; }
+  std::optional<tls::PskIdentity> authenticatedIdentity() const override;
+  std::string handshakeFailure() const override { return failure_; }
+
+ private:
+  using Ready = std::function<void(const boost::system::error_code&)>;
+  TlsStream(boost::asio::ip::tcp::socket socket, boost::asio::ssl::context& context, bool server);
+  // Calls `then` once the handshake is done (with its error if it failed),
+  // starting it if nobody has.
+  void afterHandshake(Ready then);
+  void onHandshake(const boost::system::error_code& ec);
+
+  enum class State { kNotStarted, kRunning, kDone, kFailed };
+  boost::asio::ssl::stream<boost::asio::ip::tcp::socket> stream_;
+  bool server_;
+  std::string peer_;
+  State state_ = State::kNotStarted;
+  boost::system::error_code handshakeError_;
+  std::string failure_;
+  std::vector<Ready> waiting_;
+  tls::ClientPsk clientPsk_;
+  tls::ServerPsk serverPsk_;
+};
+
+}  // namespace varuna
