@@ -38,6 +38,10 @@ std::optional<proto::Joined> tryJoin(const JoinRequest& request, std::chrono::mi
     why = reason;  // an earlier agent of this host may be on its way out
   } catch (const ConfigError&) {
     throw;
+  } catch (const proto::AuthenticationError& e) {
+    // The manager derived another key for this credential: waiting will not mend it.
+    throw ConfigError(strCat("a wrong join credential (not this job's; read the current one from run_varuna's "
+                             "state_dir/join_token): ", e.what()));
   } catch (const std::exception& e) {
     why = e.what();
   }
