@@ -48,6 +48,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -153,6 +154,18 @@ SchedStat schedStat(pid_t pid) {
   return s;
 }
 
+// A process's resident set now and at its peak (VmRSS, VmHWM), MiB.
+std::pair<double, double> residentMiB(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  double rss = 0, peak = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto kib = [&] { return std::atof(line.c_str() + line.find_first_of("0123456789")) / 1024; };
+    if (line.rfind("VmRSS:", 0) == 0) rss = kib();
+    if (line.rfind("VmHWM:", 0) == 0) peak = kib();
+  }
+  return {rss, peak};
+}
+
 double selfCpuSeconds() {
   rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
@@ -191,6 +204,7 @@ struct Results {
   int managerExit = -1;
   bool managerKilled = false;
   double stopS = 0;
+  double managerRssMiB = 0, managerPeakRssMiB = 0;  // at the window's end
 };
 
 // The simulator and the bench's phases, all on `io_`'s thread.
@@ -525,6 +539,7 @@ echo "simulated agent for $host"
     results_.managerWaitS = sched.waitS - schedStart_.waitS;
     results_.managerSlices = sched.slices - schedStart_.slices;
     results_.messages = cluster_.framesSent() - messagesStart_;
+    std::tie(results_.managerRssMiB, results_.managerPeakRssMiB) = residentMiB(managerPid_);
     // Pongs of the last pings may still be on their way.
     drainPongs(Clock::now());
   }
@@ -758,6 +773,7 @@ int main(int argc, char** argv) {
               "(target p99 <= 5 ms: %s)\n",
               p50, p99, maxMs, static_cast<unsigned long long>(r.rttMs.size()), verdict(latencyMet));
   std::printf("  this bench's own CPU      %.3f of a core\n", benchCpu);
+  std::printf("  manager memory            %.0f MiB resident (peak %.0f MiB)\n", r.managerRssMiB, r.managerPeakRssMiB);
   std::printf("  contention                the manager waited for a CPU %.1f %% of the time and woke %.0f times/s; "
               "some task waited %.1f %% of the time (PSI)\n",
               100 * waitFraction, wakeups, 100 * pressure);
@@ -783,10 +799,11 @@ int main(int argc, char** argv) {
                 "\"p99_ms\": %.3f, \"max_ms\": %.3f, \"messages_per_s\": %.0f, \"latency_samples\": %zu, "
                 "\"bench_cpu_fraction_of_core\": %.4f, \"manager_cpu_wait_fraction\": %.4f, \"manager_wakeups_per_s\": %.0f, "
                 "\"cpu_pressure_some\": %.4f, \"manager_exit\": %d, \"clean\": %s, \"smoke\": %s, \"beats\": \"%s\", "
-                "\"reports\": \"%s\"}",
+                "\"reports\": \"%s\", \"control\": \"%s\", \"manager_rss_mib\": %.0f, \"connect_s\": %.3f}",
                 r.workers, r.windowS, cpu, p50, p99, maxMs, rate, r.rttMs.size(), benchCpu, waitFraction, wakeups, pressure,
                 r.managerKilled ? -9 : r.managerExit, clean ? "true" : "false", options.smoke ? "true" : "false",
-                options.directBeats ? "direct" : "relayed", options.directReports ? "direct" : "relayed");
+                options.directBeats ? "direct" : "relayed", options.directReports ? "direct" : "relayed",
+                options.plaintext ? "plaintext" : "tls", r.managerRssMiB, r.connectS);
   std::cout << std::flush;
   std::printf("%s\n", line);
   return status;

@@ -59,33 +59,6 @@ int connectOne(const addrinfo& ai, Clock::time_point deadline) {
   return fd;
 }
 
-// OpenSSL's socket BIO writes with plain send(): a peer that has gone would
-// raise SIGPIPE and kill a process that did not ignore it (a worker is the
-// user's program). The same BIO, but its writes never raise it.
-int writeWithoutSigpipe(BIO* bio, const char* data, int size) {
-  int fd = -1;
-  BIO_get_fd(bio, &fd);
-  BIO_clear_retry_flags(bio);
-  const ssize_t n = ::send(fd, data, static_cast<size_t>(size), MSG_NOSIGNAL);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) BIO_set_retry_write(bio);
-  return static_cast<int>(n);
-}
-
-const BIO_METHOD* socketWithoutSigpipe() {
-  static BIO_METHOD* const method = [] {
-    const BIO_METHOD* socket = BIO_s_socket();
-    BIO_METHOD* m = BIO_meth_new(BIO_TYPE_SOCKET, "socket without SIGPIPE");
-    BIO_meth_set_write(m, writeWithoutSigpipe);
-    BIO_meth_set_read(m, BIO_meth_get_read(socket));
-    BIO_meth_set_puts(m, BIO_meth_get_puts(socket));
-    BIO_meth_set_ctrl(m, BIO_meth_get_ctrl(socket));
-    BIO_meth_set_create(m, BIO_meth_get_create(socket));
-    BIO_meth_set_destroy(m, BIO_meth_get_destroy(socket));
-    return m;
-  }();
-  return method;
-}
-
 SSL_CTX* sharedContext(bool server) {
   // One per side for the process, made on first use (thread-safe), never
   // freed: every connection's SSL holds a reference anyway.
@@ -180,10 +153,7 @@ void ControlClient::startTls(bool server, Deadline deadline) {
   ssl_ = context ? SSL_new(context) : nullptr;
   if (!ssl_) throw ConnectionError(strCat("cannot set up TLS: ", tls::lastError()));
   ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL, 0) | O_NONBLOCK);  // every wait is a poll with a deadline
-  BIO* bio = BIO_new(socketWithoutSigpipe());
-  if (!bio) throw ConnectionError(strCat("cannot set up TLS: ", tls::lastError()));
-  BIO_set_fd(bio, fd_, BIO_NOCLOSE);
-  SSL_set_bio(ssl_, bio, bio);
+  if (!tls::attachSocket(ssl_, fd_)) throw ConnectionError(strCat("cannot set up TLS: ", tls::lastError()));
   if (server) {
     tls::attachServer(ssl_, serverPsk_.get());
     SSL_set_accept_state(ssl_);

@@ -5,6 +5,9 @@
 #include <openssl/hmac.h>
 #include <openssl/ssl.h>
 
+#include <sys/socket.h>
+
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
@@ -72,7 +75,42 @@ unsigned int serverCallback(SSL* ssl, const char* identity, unsigned char* key, 
   return copyOut(*found, key, maxKey);
 }
 
+// OpenSSL's socket BIO writes with plain send(): a peer that has gone would
+// raise SIGPIPE and kill a process that did not ignore it (a worker is the
+// user's program). The same BIO, but its writes never raise it.
+int writeWithoutSigpipe(BIO* bio, const char* data, int size) {
+  int fd = -1;
+  BIO_get_fd(bio, &fd);
+  BIO_clear_retry_flags(bio);
+  const ssize_t n = ::send(fd, data, static_cast<size_t>(size), MSG_NOSIGNAL);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) BIO_set_retry_write(bio);
+  return static_cast<int>(n);
+}
+
+const BIO_METHOD* socketWithoutSigpipe() {
+  static BIO_METHOD* const method = [] {
+    const BIO_METHOD* socket = BIO_s_socket();
+    BIO_METHOD* m = BIO_meth_new(BIO_TYPE_SOCKET, "socket without SIGPIPE");
+    BIO_meth_set_write(m, writeWithoutSigpipe);
+    BIO_meth_set_read(m, BIO_meth_get_read(socket));
+    BIO_meth_set_puts(m, BIO_meth_get_puts(socket));
+    BIO_meth_set_ctrl(m, BIO_meth_get_ctrl(socket));
+    BIO_meth_set_create(m, BIO_meth_get_create(socket));
+    BIO_meth_set_destroy(m, BIO_meth_get_destroy(socket));
+    return m;
+  }();
+  return method;
+}
+
 }  // namespace
+
+bool attachSocket(SSL* ssl, int fd) {
+  BIO* bio = BIO_new(socketWithoutSigpipe());
+  if (!bio) return false;
+  BIO_set_fd(bio, fd, BIO_NOCLOSE);
+  SSL_set_bio(ssl, bio, bio);
+  return true;
+}
 
 bool plaintextRequested() {
   const char* value = std::getenv(kPlaintextEnv);
@@ -124,8 +162,13 @@ void configureContext(SSL_CTX* context, bool server) {
   SSL_CTX_set_ciphersuites(context, kCipherSuite);
   SSL_CTX_set_verify(context, SSL_VERIFY_NONE, nullptr);  // no certificates: the PSK authenticates both ends
   SSL_CTX_set_num_tickets(context, 0);                    // every connection proves its credential afresh
-  SSL_CTX_set_options(context, SSL_OP_NO_TICKET);
-  SSL_CTX_set_mode(context, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  // A peer that closes without close_notify reads as the end of the stream,
+  // as a plain TCP close does.
+  SSL_CTX_set_options(context, SSL_OP_NO_TICKET | SSL_OP_IGNORE_UNEXPECTED_EOF);
+  // Idle connections (thousands of workers between reports) give their
+  // record buffers back to the allocator.
+  SSL_CTX_set_mode(context,
+                   SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER | SSL_MODE_RELEASE_BUFFERS);
   if (server) {
     SSL_CTX_set_psk_server_callback(context, serverCallback);
   } else {

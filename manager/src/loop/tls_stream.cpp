@@ -1,6 +1,9 @@
 #include "loop/tls_stream.h"
 
+#include <openssl/err.h>
 #include <openssl/ssl.h>
+
+#include <cerrno>
 
 namespace varuna {
 
@@ -10,25 +13,40 @@ std::unique_ptr<asio::ssl::context> makeControlTlsContext(bool server) {
   auto context = std::make_unique<asio::ssl::context>(server ? asio::ssl::context::tls_server
                                                              : asio::ssl::context::tls_client);
   tls::configureContext(context->native_handle(), server);
-  // Idle connections (thousands of workers between reports) give their
-  // record buffers back to the allocator.
-  SSL_CTX_set_mode(context->native_handle(), SSL_MODE_RELEASE_BUFFERS);
   return context;
 }
 
 TlsStream::TlsStream(asio::ip::tcp::socket socket, asio::ssl::context& context, bool server)
-    : stream_(std::move(socket), context), server_(server) {
+    : socket_(std::move(socket)), ssl_(SSL_new(context.native_handle())), server_(server) {
   boost::system::error_code ec;
-  const auto endpoint = stream_.lowest_layer().remote_endpoint(ec);
+  const auto endpoint = socket_.remote_endpoint(ec);
   peer_ = ec ? "?" : endpoint.address().to_string() + ":" + std::to_string(endpoint.port());
-  stream_.lowest_layer().set_option(asio::ip::tcp::no_delay(true), ec);
+  socket_.set_option(asio::ip::tcp::no_delay(true), ec);
+  socket_.non_blocking(true, ec);
+  if (ssl_ && !tls::attachSocket(ssl_, socket_.native_handle())) {
+    SSL_free(ssl_);
+    ssl_ = nullptr;
+  }
+  if (!ssl_) {
+    // Out of memory in OpenSSL: the first operation fails, the connection closes.
+    state_ = State::kFailed;
+    handshakeError_ = make_error_code(boost::system::errc::not_enough_memory);
+    failure_ = "cannot set up TLS: " + tls::lastError();
+    return;
+  }
+  server ? SSL_set_accept_state(ssl_) : SSL_set_connect_state(ssl_);
+}
+
+TlsStream::~TlsStream() {
+  close();
+  if (ssl_) SSL_free(ssl_);
 }
 
 std::unique_ptr<TlsStream> TlsStream::server(asio::ip::tcp::socket socket, asio::ssl::context& context,
                                              tls::KeyForIdentity keyFor) {
   std::unique_ptr<TlsStream> stream(new TlsStream(std::move(socket), context, true));
   stream->serverPsk_.keyFor = std::move(keyFor);
-  tls::attachServer(stream->stream_.native_handle(), &stream->serverPsk_);
+  if (stream->ssl_) tls::attachServer(stream->ssl_, &stream->serverPsk_);
   return stream;
 }
 
@@ -36,8 +54,36 @@ std::unique_ptr<TlsStream> TlsStream::client(asio::ip::tcp::socket socket, asio:
                                              tls::ClientPsk psk) {
   std::unique_ptr<TlsStream> stream(new TlsStream(std::move(socket), context, false));
   stream->clientPsk_ = std::move(psk);
-  tls::attachClient(stream->stream_.native_handle(), &stream->clientPsk_);
+  if (stream->ssl_) tls::attachClient(stream->ssl_, &stream->clientPsk_);
   return stream;
+}
+
+void TlsStream::drive(std::function<int()> call, Done done) {
+  if (!socket_.is_open()) return done(-1, asio::error::operation_aborted);
+  ERR_clear_error();
+  const int result = call();
+  if (result > 0) return done(result, {});
+  const int error = SSL_get_error(ssl_, result);
+  if (error == SSL_ERROR_WANT_READ || error == SSL_ERROR_WANT_WRITE) {
+    const auto wait = error == SSL_ERROR_WANT_READ ? asio::socket_base::wait_read : asio::socket_base::wait_write;
+    socket_.async_wait(wait, [this, call = std::move(call), done = std::move(done)](
+                                 const boost::system::error_code& ec) mutable {
+      if (ec) return done(-1, ec);
+      drive(std::move(call), std::move(done));
+    });
+    return;
+  }
+  if (error == SSL_ERROR_ZERO_RETURN) return done(-1, asio::error::eof);
+  if (error == SSL_ERROR_SYSCALL && errno != 0) {
+    return done(-1, boost::system::error_code(errno, boost::system::system_category()));
+  }
+  if (error == SSL_ERROR_SYSCALL) return done(-1, asio::error::eof);
+  if (failure_.empty()) failure_ = tls::lastError();
+  done(-1, make_error_code(boost::system::errc::protocol_error));
+}
+
+void TlsStream::complete(Handler handler, const boost::system::error_code& ec, size_t bytes) {
+  asio::post(socket_.get_executor(), [handler = std::move(handler), ec, bytes] { handler(ec, bytes); });
 }
 
 void TlsStream::asyncHandshake(std::function<void(const boost::system::error_code&)> done) {
@@ -50,7 +96,7 @@ void TlsStream::afterHandshake(Ready then) {
       then({});
       return;
     case State::kFailed:
-      asio::post(stream_.get_executor(), [then = std::move(then), ec = handshakeError_] { then(ec); });
+      asio::post(socket_.get_executor(), [then = std::move(then), ec = handshakeError_] { then(ec); });
       return;
     case State::kRunning:
       waiting_.push_back(std::move(then));
@@ -58,8 +104,11 @@ void TlsStream::afterHandshake(Ready then) {
     case State::kNotStarted:
       state_ = State::kRunning;
       waiting_.push_back(std::move(then));
-      stream_.async_handshake(server_ ? asio::ssl::stream_base::server : asio::ssl::stream_base::client,
-                              [this](const boost::system::error_code& ec) { onHandshake(ec); });
+      // Through the loop: a handshake that completes at once still reports as a handler.
+      asio::post(socket_.get_executor(), [this] {
+        drive([this] { return SSL_do_handshake(ssl_); },
+              [this](int, const boost::system::error_code& ec) { onHandshake(ec); });
+      });
       return;
   }
 }
@@ -68,7 +117,8 @@ void TlsStream::onHandshake(const boost::system::error_code& ec) {
   state_ = ec ? State::kFailed : State::kDone;
   handshakeError_ = ec;
   if (ec) {
-    failure_ = serverPsk_.refusal.empty() ? ec.message() : serverPsk_.refusal;
+    if (!serverPsk_.refusal.empty()) failure_ = serverPsk_.refusal;
+    if (failure_.empty()) failure_ = ec.message();
     serverPsk_.presented.reset();  // what it presented, it did not prove
   }
   auto waiting = std::move(waiting_);
@@ -78,16 +128,29 @@ void TlsStream::onHandshake(const boost::system::error_code& ec) {
 
 void TlsStream::asyncReadSome(char* data, size_t size, Handler handler) {
   afterHandshake([this, data, size, handler = std::move(handler)](const boost::system::error_code& ec) mutable {
-    if (ec) return handler(ec, 0);
-    stream_.async_read_some(asio::buffer(data, size), std::move(handler));
+    if (ec) return complete(std::move(handler), ec, 0);
+    drive([this, data, size] { return SSL_read(ssl_, data, static_cast<int>(size)); },
+          [this, handler = std::move(handler)](int result, const boost::system::error_code& readError) mutable {
+            complete(std::move(handler), readError, readError ? 0 : static_cast<size_t>(result));
+          });
   });
 }
 
 void TlsStream::asyncWrite(const char* data, size_t size, Handler handler) {
   afterHandshake([this, data, size, handler = std::move(handler)](const boost::system::error_code& ec) mutable {
-    if (ec) return handler(ec, 0);
-    asio::async_write(stream_, asio::buffer(data, size), std::move(handler));
+    if (ec) return complete(std::move(handler), ec, 0);
+    writeRest(data, size, 0, std::move(handler));
   });
+}
+
+void TlsStream::writeRest(const char* data, size_t size, size_t written, Handler handler) {
+  if (written == size) return complete(std::move(handler), {}, size);
+  drive([this, data, size, written] { return SSL_write(ssl_, data + written, static_cast<int>(size - written)); },
+        [this, data, size, written, handler = std::move(handler)](int result,
+                                                                  const boost::system::error_code& ec) mutable {
+          if (ec) return complete(std::move(handler), ec, written);
+          writeRest(data, size, written + static_cast<size_t>(result), std::move(handler));
+        });
 }
 
 std::optional<tls::PskIdentity> TlsStream::authenticatedIdentity() const {
@@ -95,13 +158,12 @@ std::optional<tls::PskIdentity> TlsStream::authenticatedIdentity() const {
 }
 
 void TlsStream::close() {
-  auto& socket = stream_.lowest_layer();
-  if (!socket.is_open()) return;
+  if (!socket_.is_open()) return;
   // No close_notify: the connection is done either way, and a peer that
   // stopped reading must not hold this close up.
   boost::system::error_code ignored;
-  socket.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
-  socket.close(ignored);
+  socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
 }
 
 }  // namespace varuna

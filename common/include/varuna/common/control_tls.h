@@ -74,6 +74,10 @@ struct ServerPsk {
 // TLS 1.3 only, the one cipher suite external PSKs of the callback kind use,
 // no certificates, no session tickets.
 void configureContext(ssl_ctx_st* context, bool server);
+// Makes `ssl` read and write the socket `fd` (which it does not close), its
+// writes never raising SIGPIPE (a worker is the user's program, which may not
+// ignore it). False if OpenSSL could not.
+bool attachSocket(ssl_st* ssl, int fd);
 // Attach the per-connection data (which must outlive the SSL) to `ssl`.
 void attachClient(ssl_st* ssl, ClientPsk* psk);
 void attachServer(ssl_st* ssl, ServerPsk* psk);
