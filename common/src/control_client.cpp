@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <netdb.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -57,6 +58,20 @@ int connectOne(const addrinfo& ai, Clock::time_point deadline) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   return fd;
+}
+
+// Whether the connected socket's peer is this machine (127.0.0.0/8, ::1, or
+// an IPv4-mapped 127.x).
+bool peerIsLoopback(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return false;
+  if (address.ss_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in&>(address).sin_addr.s_addr) >> 24) == 127;
+  }
+  if (address.ss_family != AF_INET6) return false;
+  const in6_addr& v6 = reinterpret_cast<const sockaddr_in6&>(address).sin6_addr;
+  return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
 }
 
 SSL_CTX* sharedContext(bool server) {
@@ -123,10 +138,19 @@ ControlClient ControlClient::connect(const std::string& address, std::chrono::mi
 ControlClient ControlClient::connectAs(const std::string& address, std::chrono::milliseconds timeout,
                                       const Hello& hello, const std::string& pskHint) {
   const auto deadline = Clock::now() + timeout;
-  auto client = tls::plaintextRequested()
-                    ? connect(address, timeout)
-                    : connectTls(address, timeout,
-                                 {tls::formatIdentity(tls::identityOf(hello, pskHint)), tls::pskKey(hello.token)});
+  if (!tls::plaintextRequested()) {
+    auto client = connectTls(address, timeout,
+                             {tls::formatIdentity(tls::identityOf(hello, pskHint)), tls::pskKey(hello.token)});
+    client.sendFrame(encode(hello), deadline);
+    return client;
+  }
+  auto client = connect(address, timeout);
+  // A credential goes out in clear only to this machine (--insecure_plaintext_control is loopback only).
+  if (!peerIsLoopback(client.fd_)) {
+    throw ConfigError(strCat("refusing to send a credential in plaintext to ", address, ": ", tls::kPlaintextEnv,
+                             " is set, but the manager is not on this machine (unset it: over a network the control "
+                             "plane is TLS)"));
+  }
   client.sendFrame(encode(hello), deadline);
   return client;
 }
@@ -161,39 +185,56 @@ void ControlClient::startTls(bool server, Deadline deadline) {
     tls::attachClient(ssl_, clientPsk_.get());
     SSL_set_connect_state(ssl_);
   }
-  bool timedOut = false;
-  const int rc = tlsCall([&] { return SSL_do_handshake(ssl_); }, deadline, timedOut);
-  if (rc == 1) return;
-  const std::string detail = timedOut ? "no answer in time" : tls::lastError();
+  const TlsResult result = tlsCall([&] { return SSL_do_handshake(ssl_); }, deadline);
+  if (result.rc == 1 && (server || tls::provedKey(ssl_))) return;
+  failHandshake(server, result);
+}
+
+void ControlClient::failHandshake(bool server, const TlsResult& result) {
+  const bool certificate = result.rc == 1;  // completed, but with a certificate instead of the key
+  // Only what the other end said in TLS counts against the credential; a
+  // timeout, a reset or an end of file is a connection's failure, retried.
+  const bool refused = certificate || result.sslError == SSL_ERROR_SSL;
+  const std::string detail = result.timedOut ? "no answer in time"
+                             : refused       ? tls::lastError()
+                             : result.savedErrno != 0 ? std::strerror(result.savedErrno)
+                                                      : "the connection was closed";
   const std::string refusal = serverPsk_->refusal;
   serverPsk_->presented.reset();
   close();
+  if (!refused) {
+    throw ConnectionError(strCat("the TLS handshake with ", server ? "" : "the manager at ", address_,
+                                 " did not complete: ", detail));
+  }
   if (server) throw AuthenticationError(strCat("TLS handshake with ", address_, " failed: ",
                                                refusal.empty() ? detail : refusal));
-  throw AuthenticationError(strCat("the manager at ", address_, " did not accept this ", clientPsk_ ? "credential" : "peer",
-                                   " in the TLS handshake (", detail,
-                                   "): a wrong or stale credential, a manager of another job, or a plaintext "
+  if (certificate) {
+    throw AuthenticationError(strCat("the manager at ", address_, " answered with a certificate, not the job's key: "
+                                     "it is not this job's run_varuna; nothing was sent"));
+  }
+  throw AuthenticationError(strCat("the manager at ", address_, " did not accept this credential in the TLS handshake (",
+                                   detail, "): a wrong or stale credential, a manager of another job, or a plaintext "
                                    "manager (--insecure_plaintext_control)"));
 }
 
 template <typename Call>
-int ControlClient::tlsCall(Call call, Deadline deadline, bool& timedOut) {
+ControlClient::TlsResult ControlClient::tlsCall(Call call, Deadline deadline) {
   while (true) {
     ERR_clear_error();
+    errno = 0;
     const int rc = call();
-    if (rc > 0) return rc;
+    if (rc > 0) return {rc, SSL_ERROR_NONE, false, 0};
     const int error = SSL_get_error(ssl_, rc);
+    const int savedErrno = errno;
     short events = 0;
     if (error == SSL_ERROR_WANT_READ) events = POLLIN;
     if (error == SSL_ERROR_WANT_WRITE) events = POLLOUT;
-    if (events == 0) return rc;
+    if (events == 0) return {rc, error, false, savedErrno};
     pollfd p{fd_, events, 0};
     const int ready = ::poll(&p, 1, deadline ? remainingMs(*deadline) : -1);
     if (ready < 0 && errno == EINTR) continue;
-    if (ready == 0) {
-      timedOut = true;
-      return 0;
-    }
+    if (ready < 0) return {-1, SSL_ERROR_SYSCALL, false, errno};
+    if (ready == 0) return {0, error, true, 0};
   }
 }
 
@@ -222,7 +263,10 @@ ControlClient::~ControlClient() { close(); }
 
 void ControlClient::close() {
   if (ssl_) {
-    SSL_shutdown(ssl_);  // a close_notify if the socket takes it now; never waits
+    // A close_notify if the socket takes it now (never waits); not after a
+    // failed handshake, where OpenSSL says not to.
+    if (SSL_is_init_finished(ssl_)) SSL_shutdown(ssl_);
+    ERR_clear_error();
     SSL_free(ssl_);
     ssl_ = nullptr;
   }
@@ -248,11 +292,14 @@ void ControlClient::send(const Message& message, std::chrono::milliseconds timeo
 void ControlClient::sendFrameTls(const std::string& frame, Deadline deadline) {
   size_t sent = 0;
   while (sent < frame.size()) {
-    bool timedOut = false;
-    const int n = tlsCall([&] { return SSL_write(ssl_, frame.data() + sent, static_cast<int>(frame.size() - sent)); },
-                          deadline, timedOut);
+    const TlsResult result =
+        tlsCall([&] { return SSL_write(ssl_, frame.data() + sent, static_cast<int>(frame.size() - sent)); }, deadline);
+    const int n = result.rc;
     if (n <= 0) {
-      const std::string detail = timedOut ? "took no data for longer than the send timeout" : tls::lastError();
+      const std::string detail = result.timedOut                   ? "took no data for longer than the send timeout"
+                                 : result.sslError == SSL_ERROR_SSL ? tls::lastError()
+                                 : result.savedErrno != 0           ? std::strerror(result.savedErrno)
+                                                                    : "closed";
       close();
       throw ConnectionError(strCat("lost the connection to the manager at ", address_, ": ", detail));
     }
@@ -301,9 +348,9 @@ bool ControlClient::readSome(Clock::time_point deadline) {
   char buffer[16384];
   ssize_t n = 0;
   if (ssl_) {
-    bool timedOut = false;
-    n = tlsCall([&] { return SSL_read(ssl_, buffer, sizeof(buffer)); }, deadline, timedOut);
-    if (timedOut) return false;
+    const TlsResult result = tlsCall([&] { return SSL_read(ssl_, buffer, sizeof(buffer)); }, deadline);
+    if (result.timedOut) return false;
+    n = result.rc;
   } else {
     pollfd p{fd_, POLLIN, 0};
     const int rc = ::poll(&p, 1, remainingMs(deadline));

@@ -118,6 +118,10 @@ bool plaintextRequested() {
 }
 
 std::string formatIdentity(const PskIdentity& identity) {
+  if (identity.host.size() > kMaxHostBytes) {
+    throw ConfigError(strCat("host name '", proto::boundedText(identity.host, 64), "...' is longer than ",
+                             kMaxHostBytes, " bytes: it cannot name a peer of the control plane"));
+  }
   return strCat(kIdentityVersion, "\n", identity.role, "\n", identity.host, "\n", identity.rank, "\n",
                 identity.generation, "\n", identity.hint);
 }
@@ -160,7 +164,14 @@ void configureContext(SSL_CTX* context, bool server) {
   SSL_CTX_set_min_proto_version(context, TLS1_3_VERSION);
   SSL_CTX_set_max_proto_version(context, TLS1_3_VERSION);
   SSL_CTX_set_ciphersuites(context, kCipherSuite);
-  SSL_CTX_set_verify(context, SSL_VERIFY_NONE, nullptr);  // no certificates: the PSK authenticates both ends
+  if (server) {
+    SSL_CTX_set_verify(context, SSL_VERIFY_NONE, nullptr);  // no certificates: the PSK authenticates both ends
+  } else {
+    // A server may ignore the PSK and authenticate with a certificate instead
+    // (TLS 1.3 allows it, and OpenSSL would go along): any certificate at all
+    // fails the handshake, so only a server that proved the key gets a byte.
+    SSL_CTX_set_verify(context, SSL_VERIFY_PEER, [](int, X509_STORE_CTX*) { return 0; });
+  }
   SSL_CTX_set_num_tickets(context, 0);                    // every connection proves its credential afresh
   // A peer that closes without close_notify reads as the end of the stream,
   // as a plain TCP close does.
@@ -174,6 +185,10 @@ void configureContext(SSL_CTX* context, bool server) {
   } else {
     SSL_CTX_set_psk_client_callback(context, clientCallback);
   }
+}
+
+bool provedKey(const SSL* ssl) {
+  return SSL_session_reused(const_cast<SSL*>(ssl)) == 1 && SSL_get0_peer_certificate(ssl) == nullptr;
 }
 
 void attachClient(SSL* ssl, ClientPsk* psk) { SSL_set_ex_data(ssl, exDataIndex(), psk); }

@@ -126,11 +126,12 @@ TEST_CASE("daemon: an oversized first frame is refused from its header", "[daemo
   const proto::Hello agent{proto::kVersion, credentials::agent(secret, "127.0.0.1"), "agent", "127.0.0.1", -1, -1};
   proto::Hello huge = agent;
   huge.host.assign(1000000, 'h');  // under the protocol's 1 MiB, far over a hello
-  std::atomic<bool> closed{false};
+  std::atomic<bool> closed{false}, handshaken{false};
   std::thread peer([&, address = "127.0.0.1:" + std::to_string(f.daemon->port())] {
     try {
       auto client = proto::ControlClient::connectTls(
           address, 10s, {tls::formatIdentity(tls::identityOf(agent)), tls::pskKey(agent.token)});
+      handshaken = true;
       client.send(huge, 10s);
       client.receive(10s);
     } catch (const std::exception&) {
@@ -140,6 +141,7 @@ TEST_CASE("daemon: an oversized first frame is refused from its header", "[daemo
   const bool refused = f.runUntil([&] { return closed.load(); }, 10000ms);
   peer.join();
   CHECK(refused);
+  CHECK(handshaken);
   CHECK(f.runUntil([&] { return f.state()["connections"]["closed_before_hello"].get<int>() >= 1; }, 5000ms));
 }
 

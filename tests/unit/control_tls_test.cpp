@@ -3,6 +3,9 @@
 // refusal it claims: no credential, a wrong one, plaintext, an identity that
 // says one thing and a hello another; and what a tap on the wire sees.
 #include <catch2/catch.hpp>
+#include <openssl/evp.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -18,6 +21,7 @@
 #include "daemon/control_listener.h"
 #include "loop/event_log.h"
 #include "loop/handler_guard.h"
+#include "loop/tls_stream.h"
 
 using namespace varuna;
 namespace asio = boost::asio;
@@ -36,6 +40,7 @@ struct TlsListener {
   std::vector<proto::Hello> hellos;
   std::vector<std::optional<tls::PskIdentity>> identities;
   std::vector<std::shared_ptr<FramedConnection>> admitted;
+  std::atomic<int> framesAfterHello{0};
   std::thread loop;
 
   explicit TlsListener(const std::string& name) {
@@ -48,7 +53,7 @@ struct TlsListener {
           hellos.push_back(hello);
           identities.push_back(connection->stream().authenticatedIdentity());
           admitted.push_back(connection);  // as the daemon's router would: taken over, read on
-          connection->start([](const proto::Message&) {}, [](const std::string&) {});
+          connection->start([this](const proto::Message&) { ++framesAfterHello; }, [](const std::string&) {});
           connection->send(proto::Ack{true, ""});
         },
         [] { return size_t{0}; });
@@ -58,10 +63,13 @@ struct TlsListener {
     });
   }
   ~TlsListener() {
-    asio::post(io, [this] {
+    std::promise<void> closed;
+    asio::post(io, [this, &closed] {
       listener.close();
       for (auto& c : admitted) c->close("test over");
+      closed.set_value();
     });
+    closed.get_future().wait();
     io.stop();
     loop.join();
   }
@@ -76,12 +84,87 @@ struct TlsListener {
     std::lock_guard<std::mutex> lock(mutex);
     return hellos.size();
   }
+  std::optional<tls::PskIdentity> identity(size_t i) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return identities.at(i);
+  }
 };
 
 proto::Hello workerHello(const std::string& host, int rank, int generation) {
   return {proto::kVersion, credentials::worker(credentials::agent(kSecret, host), rank, generation), "worker", host,
           rank, generation};
 }
+
+// An impostor on the manager's address: TLS 1.3 with a self-signed
+// certificate and no pre-shared key at all. Accepts one connection and
+// records whatever application data it gets.
+class CertificateImpostor {
+ public:
+  CertificateImpostor() {
+    EVP_PKEY* key = EVP_PKEY_Q_keygen(nullptr, nullptr, "EC", "P-256");
+    X509* cert = X509_new();
+    ASN1_INTEGER_set(X509_get_serialNumber(cert), 1);
+    X509_gmtime_adj(X509_getm_notBefore(cert), 0);
+    X509_gmtime_adj(X509_getm_notAfter(cert), 3600);
+    X509_set_pubkey(cert, key);
+    X509_NAME* name = X509_get_subject_name(cert);
+    X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC, reinterpret_cast<const unsigned char*>("run_varuna"), -1, -1, 0);
+    X509_set_issuer_name(cert, name);
+    X509_sign(cert, key, EVP_sha256());
+    context_ = SSL_CTX_new(TLS_server_method());
+    SSL_CTX_set_min_proto_version(context_, TLS1_3_VERSION);
+    REQUIRE(SSL_CTX_use_certificate(context_, cert) == 1);
+    REQUIRE(SSL_CTX_use_PrivateKey(context_, key) == 1);
+    X509_free(cert);
+    EVP_PKEY_free(key);
+    listenFd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    REQUIRE(::bind(listenFd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+    REQUIRE(::listen(listenFd_, 4) == 0);
+    REQUIRE(::getsockname(listenFd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { serveOne(); });
+  }
+  ~CertificateImpostor() {
+    ::shutdown(listenFd_, SHUT_RDWR);
+    thread_.join();
+    ::close(listenFd_);
+    SSL_CTX_free(context_);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  // Waits for the connection to end; what the impostor read in it.
+  std::string received() {
+    thread_.join();
+    thread_ = std::thread([] {});
+    return received_;
+  }
+
+ private:
+  void serveOne() {
+    const int fd = ::accept(listenFd_, nullptr, nullptr);
+    if (fd < 0) return;
+    timeval timeout{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    SSL* ssl = SSL_new(context_);
+    SSL_set_fd(ssl, fd);
+    if (SSL_accept(ssl) == 1) {
+      char buffer[4096];
+      int n = 0;
+      while ((n = SSL_read(ssl, buffer, sizeof(buffer))) > 0) received_.append(buffer, static_cast<size_t>(n));
+    }
+    SSL_free(ssl);
+    ::close(fd);
+  }
+
+  SSL_CTX* context_ = nullptr;
+  int listenFd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+  std::string received_;
+};
 
 // A TCP relay from a port of its own to `target` that keeps a copy of every
 // byte either way: the tap on the wire.
@@ -175,12 +258,16 @@ TEST_CASE("control tls: a worker with its credential is admitted, its identity k
   REQUIRE(ack);
   CHECK(std::get<proto::Ack>(*ack).ok);
   REQUIRE(server.helloCount() == 1);
-  REQUIRE(server.identities[0]);
-  CHECK(server.identities[0]->role == "worker");
-  CHECK(server.identities[0]->rank == 2);
-  CHECK(server.identities[0]->generation == 5);
-  // Frames both ways after the handshake, many of them.
+  const auto identity = server.identity(0);
+  REQUIRE(identity);
+  CHECK(identity->role == "worker");
+  CHECK(identity->rank == 2);
+  CHECK(identity->generation == 5);
+  // Many frames after the handshake, all of them read.
   for (int i = 0; i < 200; ++i) client.send(proto::Heartbeat{2, i}, 5s);
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server.framesAfterHello < 200 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+  CHECK(server.framesAfterHello == 200);
   CHECK(server.stats().at("unauthenticated") == 0);
 }
 
@@ -245,8 +332,12 @@ TEST_CASE("control tls: a tap on the wire sees neither the credential nor the me
     auto client = proto::ControlClient::connectAs(tap.address(), 10s, hello);
     REQUIRE(client.receive(10s));
     client.send(proto::StepReport{0, 0, 0, 1, 0.25, 1.5, 0.1}, 5s);
+    // The relay copies before it forwards: once the listener read the
+    // report, the tap holds it.
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (server.framesAfterHello < 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+    REQUIRE(server.framesAfterHello == 1);
   }
-  std::this_thread::sleep_for(200ms);  // the relay copies what is in flight
   const std::string wire = tap.captured();
   CHECK(wire.size() > 200);  // a handshake and records went through
   CHECK(wire.find(hello.token) == std::string::npos);
@@ -254,4 +345,37 @@ TEST_CASE("control tls: a tap on the wire sees neither the credential nor the me
   CHECK(wire.find("\"hello\"") == std::string::npos);
   CHECK(wire.find("step_report") == std::string::npos);
   CHECK(wire.find("\"ok\"") == std::string::npos);
+}
+
+TEST_CASE("control tls: a server with a certificate instead of the key gets nothing", "[tls][security]") {
+  // TLS 1.3 lets a server ignore the client's PSK and authenticate with a
+  // certificate; whoever holds any certificate must not get the hello (the
+  // credential in it, or the operator's secret).
+  const auto hello = workerHello("h1", 0, 1);
+  {
+    CertificateImpostor impostor;
+    CHECK_THROWS_AS(proto::ControlClient::connectAs(impostor.address(), 10s, hello), proto::AuthenticationError);
+    CHECK(impostor.received().empty());
+  }
+  // The agent's side (Asio, TlsStream) the same.
+  CertificateImpostor impostor;
+  asio::io_context io;
+  asio::ip::tcp::socket socket(io);
+  const auto port = static_cast<uint16_t>(std::stoi(impostor.address().substr(impostor.address().rfind(':') + 1)));
+  socket.connect(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  auto context = makeControlTlsContext(false);
+  auto stream = TlsStream::client(std::move(socket), *context,
+                                  {tls::formatIdentity(tls::identityOf(hello)), tls::pskKey(hello.token)});
+  std::optional<boost::system::error_code> result;
+  stream->asyncHandshake([&](const boost::system::error_code& ec) { result = ec; });
+  io.run_for(10s);
+  REQUIRE(result);
+  CHECK(*result);
+  bool wrote = false;
+  stream->asyncWrite("x", 1, [&](const boost::system::error_code& ec, size_t) { wrote = !ec; });
+  io.restart();
+  io.run_for(1s);
+  CHECK_FALSE(wrote);
+  stream->close();
+  CHECK(impostor.received().empty());
 }

@@ -159,19 +159,40 @@ std::string rereadJoinCredential(const MainOptions& options, const std::string& 
   }
 }
 
-// The connection to the manager as a ByteStream: TLS with the agent's
-// credential, its handshake done (within 10 s), unless the job's control
-// plane is plaintext; nullptr when the handshake failed.
-std::unique_ptr<ByteStream> secureStream(boost::asio::io_context& io, boost::asio::ip::tcp::socket socket,
-                                         boost::asio::ssl::context& context, const MainOptions& options) {
-  if (tls::plaintextRequested()) return std::make_unique<TcpStream>(std::move(socket));
+// The connection to the manager, secured: a stream, or why not and whether
+// the manager refused this agent (a lasting error) or the connection failed.
+struct SecuredConnection {
+  std::unique_ptr<ByteStream> stream;
+  bool refused = false;
+  std::string why;
+};
+
+bool isLoopback(const boost::asio::ip::address& address) {
+  if (address.is_loopback()) return true;
+  return address.is_v6() && address.to_v6().is_v4_mapped() &&
+         boost::asio::ip::make_address_v4(boost::asio::ip::v4_mapped, address.to_v6()).is_loopback();
+}
+
+// TLS with the agent's credential, its handshake done (within 10 s), unless
+// the job's control plane is plaintext (to this machine only).
+SecuredConnection secure(boost::asio::io_context& io, boost::asio::ip::tcp::socket socket,
+                         boost::asio::ssl::context& context, const MainOptions& options) {
+  if (tls::plaintextRequested()) {
+    boost::system::error_code ec;
+    const auto peer = socket.remote_endpoint(ec);
+    if (ec || !isLoopback(peer.address())) {
+      return {nullptr, true, strCat("refusing to speak in plaintext to ", options.manager,
+                                    ", not on this machine (--insecure_plaintext_control is for loopback only)")};
+    }
+    return {std::make_unique<TcpStream>(std::move(socket)), false, ""};
+  }
   const proto::Hello hello{proto::kVersion, options.agent.credential, "agent", options.agent.host, -1, -1};
   auto stream = TlsStream::client(std::move(socket), context,
                                   {tls::formatIdentity(tls::identityOf(hello)), tls::pskKey(hello.token)});
   std::optional<boost::system::error_code> result;
   boost::asio::steady_timer timer(io, std::chrono::seconds(10));
   timer.async_wait([&](const boost::system::error_code& ec) {
-    if (!ec) stream->close();  // no answer in time: the handshake ends with an error
+    if (!ec && !result) stream->close();  // no answer in time: the handshake ends with an error
   });
   stream->asyncHandshake([&](const boost::system::error_code& ec) {
     result = ec;
@@ -181,10 +202,15 @@ std::unique_ptr<ByteStream> secureStream(boost::asio::io_context& io, boost::asi
   }
   io.run();  // the cancelled timer's handler
   io.restart();
-  if (result && !*result) return stream;
-  log::error("TLS handshake with the manager at ", options.manager, " failed: ",
-             result ? result->message() : std::string("no answer"));
-  return nullptr;
+  if (result && !*result) return {std::move(stream), false, ""};
+  // An error of the TLS protocol is the manager's refusal (or no key of its
+  // own); a timeout, a reset or an end of file is the connection's.
+  const bool refused = result && *result == boost::system::errc::protocol_error;
+  std::string why = !stream->handshakeFailure().empty() ? stream->handshakeFailure()
+                    : result                            ? result->message()
+                                                        : std::string("no answer");
+  if (!result || *result == boost::asio::error::operation_aborted) why = "no answer within 10 s";
+  return {nullptr, refused, why};
 }
 
 // One agent's life: (join,) connect, serve until it exits; its exit code.
@@ -216,16 +242,21 @@ int runOnce(MainOptions options, const std::string& joinCredential, int verdictF
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   socket.assign(addr.ss_family == AF_INET6 ? boost::asio::ip::tcp::v6() : boost::asio::ip::tcp::v4(), fd, ec);
   const auto tlsContext = makeControlTlsContext(false);
-  auto stream = secureStream(io, std::move(socket), *tlsContext, options);
-  if (!stream) {
+  auto secured = secure(io, std::move(socket), *tlsContext, options);
+  if (secured.refused) {
     report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": the manager at ", options.manager,
-                             " did not accept this agent's credential in the TLS handshake (a stale credential, "
-                             "the manager of another job, or a plaintext one: --insecure_plaintext_control); "
-                             "nothing was sent\n"));
+                             " did not accept this agent's credential in the TLS handshake (", secured.why,
+                             "): a stale credential, the manager of another job, or a plaintext one "
+                             "(--insecure_plaintext_control); nothing was sent\n"));
     return kExitConfigError;
   }
+  if (!secured.stream) {
+    report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": the TLS handshake with the manager at ",
+                             options.manager, " did not complete: ", secured.why, "\n"));
+    return 1;
+  }
   writeConnectionFile(options.agent.runDir, options.manager, options.agent);
-  Agent agent(io, options.agent, std::move(stream), options.manager);
+  Agent agent(io, options.agent, std::move(secured.stream), options.manager);
   agent.start();
   served = true;
   report(verdictFd, strCat("ok ", ::getpid(), "\n"));
@@ -320,8 +351,6 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : kExitConfigError;
   }
-  // This agent decides for its workers and its host's notifier too.
-  plaintext ? ::setenv(tls::kPlaintextEnv, "1", 1) : ::unsetenv(tls::kPlaintextEnv);
   std::string joinCredential;
   try {
     if (options.join.empty() == options.manager.empty()) {
@@ -336,6 +365,9 @@ int main(int argc, char** argv) {
       options.agent.credential = readJobToken(tokenFromStdin);
     }
     if (envFromStdin) setEnvironmentFromStdin();
+    // This agent decides for its workers and its host's notifier too (after
+    // the env file: a line there must not turn TLS off).
+    plaintext ? ::setenv(tls::kPlaintextEnv, "1", 1) : ::unsetenv(tls::kPlaintextEnv);
     options.agent.grace = std::chrono::milliseconds(static_cast<int64_t>(options.graceS * 1000));
     options.graceSet = app.count("--grace_s") > 0;
     options.lostManagerSet = app.count("--lost_manager_ms") > 0;

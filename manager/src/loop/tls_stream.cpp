@@ -61,6 +61,7 @@ std::unique_ptr<TlsStream> TlsStream::client(asio::ip::tcp::socket socket, asio:
 void TlsStream::drive(std::function<int()> call, Done done) {
   if (!socket_.is_open()) return done(-1, asio::error::operation_aborted);
   ERR_clear_error();
+  errno = 0;  // what SSL_ERROR_SYSCALL reports is this call's
   const int result = call();
   if (result > 0) return done(result, {});
   const int error = SSL_get_error(ssl_, result);
@@ -78,7 +79,10 @@ void TlsStream::drive(std::function<int()> call, Done done) {
     return done(-1, boost::system::error_code(errno, boost::system::system_category()));
   }
   if (error == SSL_ERROR_SYSCALL) return done(-1, asio::error::eof);
-  if (failure_.empty()) failure_ = tls::lastError();
+  // What the other end refused in TLS; only a handshake's failure is why
+  // the connection was not let in (handshakeFailure()).
+  const std::string detail = tls::lastError();
+  if (state_ == State::kRunning && failure_.empty()) failure_ = detail;
   done(-1, make_error_code(boost::system::errc::protocol_error));
 }
 
@@ -87,7 +91,9 @@ void TlsStream::complete(Handler handler, const boost::system::error_code& ec, s
 }
 
 void TlsStream::asyncHandshake(std::function<void(const boost::system::error_code&)> done) {
-  afterHandshake(std::move(done));
+  afterHandshake([this, done = std::move(done)](const boost::system::error_code& ec) {
+    asio::post(socket_.get_executor(), [done, ec] { done(ec); });  // never inline
+  });
 }
 
 void TlsStream::afterHandshake(Ready then) {
@@ -113,7 +119,13 @@ void TlsStream::afterHandshake(Ready then) {
   }
 }
 
-void TlsStream::onHandshake(const boost::system::error_code& ec) {
+void TlsStream::onHandshake(boost::system::error_code ec) {
+  if (!ec && !server_ && !tls::provedKey(ssl_)) {
+    // TLS 1.3 lets a server answer with a certificate instead of the key
+    // (the client refuses every certificate; this is the belt to those braces).
+    failure_ = "the manager answered with a certificate, not the job's key";
+    ec = make_error_code(boost::system::errc::protocol_error);
+  }
   state_ = ec ? State::kFailed : State::kDone;
   handshakeError_ = ec;
   if (ec) {

@@ -59,7 +59,7 @@ class TlsStream final : public ByteStream {
   // Calls `then` once the handshake is done (with its error if it failed),
   // starting it if nobody has.
   void afterHandshake(Ready then);
-  void onHandshake(const boost::system::error_code& ec);
+  void onHandshake(boost::system::error_code ec);
   // Runs `call` (SSL_read, SSL_write, SSL_do_handshake) now and again each
   // time the socket is ready as OpenSSL asked, until it works or fails.
   void drive(std::function<int()> call, Done done);

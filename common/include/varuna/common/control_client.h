@@ -80,11 +80,22 @@ class ControlClient {
   using Deadline = std::optional<std::chrono::steady_clock::time_point>;
   ControlClient(int fd, std::string address)
       : fd_(fd), address_(std::move(address)), serverPsk_(std::make_unique<tls::ServerPsk>()) {}
+  // One OpenSSL call's outcome: rc > 0 worked; else SSL_get_error's answer,
+  // whether the deadline passed, and errno as the call left it.
+  struct TlsResult {
+    int rc = 0;
+    int sslError = 0;
+    bool timedOut = false;
+    int savedErrno = 0;
+  };
   void startTls(bool server, Deadline deadline);
+  // Closes and throws: AuthenticationError where the other end refused in
+  // TLS (or proved no key), ConnectionError for a timeout, reset or EOF.
+  [[noreturn]] void failHandshake(bool server, const TlsResult& result);
   // Runs one OpenSSL call until it completes or `deadline` passes, waiting
-  // for the socket as OpenSSL asks; its result, or <= 0 with ssl error set.
+  // for the socket as OpenSSL asks.
   template <typename Call>
-  int tlsCall(Call call, Deadline deadline, bool& timedOut);
+  TlsResult tlsCall(Call call, Deadline deadline);
   void sendFrame(const std::string& frame, Deadline deadline);
   void sendFrameTls(const std::string& frame, Deadline deadline);
   // Appends what arrived to the decoder; false when nothing did by `deadline`.

@@ -47,6 +47,9 @@ struct PskIdentity {
   int rank = -1, generation = -1;
   std::string hint;
 };
+// Throws ConfigError for a host name over kMaxHostBytes (OpenSSL's PSK
+// identities end at 256 bytes; DNS names at 253).
+inline constexpr size_t kMaxHostBytes = 200;
 std::string formatIdentity(const PskIdentity& identity);
 std::optional<PskIdentity> parseIdentity(const std::string& text);
 // The identity a connection that starts with `hello` must present (a join's
@@ -78,6 +81,9 @@ void configureContext(ssl_ctx_st* context, bool server);
 // writes never raising SIGPIPE (a worker is the user's program, which may not
 // ignore it). False if OpenSSL could not.
 bool attachSocket(ssl_st* ssl, int fd);
+// After a completed handshake: whether it was the pre-shared key that
+// authenticated the other end (a resumed-style PSK handshake, no certificate).
+bool provedKey(const ssl_st* ssl);
 // Attach the per-connection data (which must outlive the SSL) to `ssl`.
 void attachClient(ssl_st* ssl, ClientPsk* psk);
 void attachServer(ssl_st* ssl, ServerPsk* psk);
