@@ -95,6 +95,20 @@ proto::Hello workerHello(const std::string& host, int rank, int generation) {
           rank, generation};
 }
 
+// A listening socket on 127.0.0.1, a free port (set in `port`).
+int listenOnLoopback(int& port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  REQUIRE(::listen(fd, 4) == 0);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  port = ntohs(addr.sin_port);
+  return fd;
+}
+
 // An impostor on the manager's address: TLS 1.3 with a self-signed
 // certificate and no pre-shared key at all. Accepts one connection and
 // records whatever application data it gets.
@@ -117,15 +131,7 @@ class CertificateImpostor {
     REQUIRE(SSL_CTX_use_PrivateKey(context_, key) == 1);
     X509_free(cert);
     EVP_PKEY_free(key);
-    listenFd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(addr);
-    REQUIRE(::bind(listenFd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-    REQUIRE(::listen(listenFd_, 4) == 0);
-    REQUIRE(::getsockname(listenFd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-    port_ = ntohs(addr.sin_port);
+    listenFd_ = listenOnLoopback(port_);
     thread_ = std::thread([this] { serveOne(); });
   }
   ~CertificateImpostor() {
@@ -171,15 +177,7 @@ class CertificateImpostor {
 class RecordingRelay {
  public:
   explicit RecordingRelay(int targetPort) : target_(targetPort) {
-    listenFd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(addr);
-    REQUIRE(::bind(listenFd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-    REQUIRE(::listen(listenFd_, 4) == 0);
-    REQUIRE(::getsockname(listenFd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-    port_ = ntohs(addr.sin_port);
+    listenFd_ = listenOnLoopback(port_);
     thread_ = std::thread([this] { relayOne(); });
   }
   ~RecordingRelay() {
