@@ -230,6 +230,11 @@ void Agent::scheduleHeartbeat() {
   heartbeatTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || exiting_ || !manager_->open()) return;
     manager_->send(proto::Heartbeat{-1, 0});
+    // Every 10 s: no log of this run folder grows past kMaxLogBytes.
+    if (++heartbeatsSinceLogCap_ >= 10) {
+      heartbeatsSinceLogCap_ = 0;
+      if (const size_t cut = capLogs(options_.runDir)) log::info("cut ", cut, " log(s) past ", kMaxLogBytes >> 20, " MiB");
+    }
     scheduleHeartbeat();
   });
 }

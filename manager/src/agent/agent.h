@@ -135,6 +135,7 @@ class Agent {
   boost::asio::local::datagram_protocol::socket beatSocket_;
   std::array<char, 64> beatBuffer_{};
   int beatGeneration_ = -1;
+  int heartbeatsSinceLogCap_ = 0;  // capLogs runs every 10th heartbeat
   uint64_t beatEpoch_ = 0;  // one per beat socket: a read of an earlier one is dropped
   std::map<int, proto::WorkerBeat> pendingBeats_;
   static constexpr size_t kMaxPendingReports = 100000;

@@ -1,5 +1,6 @@
 #include "agent/run_dir.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -130,11 +131,53 @@ size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation) {
   std::error_code ec;
   std::filesystem::directory_iterator it(logDir, ec);
   for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    const int logOf = logGeneration(it->path().filename().string());
+    std::string name = it->path().filename().string();
+    if (name.size() > 2 && name.compare(name.size() - 2, 2, ".1") == 0) name.resize(name.size() - 2);  // capLogs' copy
+    const int logOf = logGeneration(name);
     if (logOf < 0 || logOf > generation - kKeptLogGenerations) continue;
     if (::unlink(it->path().c_str()) == 0) ++removed;  // a link is removed, never followed
   }
   return removed;
+}
+
+namespace {
+
+// Copies `from` (a regular file, not a link) to `to` (made or replaced,
+// 0600, not through a link), then truncates `from`. False if any step failed.
+bool copyThenTruncate(const fs::path& from, const fs::path& to) {
+  const int in = ::open(from.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  if (in < 0) return false;
+  ::unlink(to.c_str());  // a link planted under the name goes, never followed
+  const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  bool copied = out >= 0;
+  char buffer[1 << 16];
+  ssize_t n = 0;
+  while (copied && (n = ::read(in, buffer, sizeof(buffer))) > 0) copied = ::write(out, buffer, static_cast<size_t>(n)) == n;
+  copied = copied && n == 0;
+  if (out >= 0) ::close(out);
+  const bool cut = copied && ::ftruncate(in, 0) == 0;
+  ::close(in);
+  return cut;
+}
+
+bool cutIfLarge(const fs::path& log, uint64_t maxBytes) {
+  struct stat st {};
+  if (::lstat(log.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) <= maxBytes) {
+    return false;
+  }
+  return copyThenTruncate(log, fs::path(log.string() + ".1"));
+}
+
+}  // namespace
+
+size_t capLogs(const fs::path& runDir, uint64_t maxBytes) {
+  size_t cut = cutIfLarge(runDir / "agent.log", maxBytes) ? 1 : 0;
+  std::error_code ec;
+  fs::directory_iterator it(runDir / "logs", ec);
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    if (logGeneration(it->path().filename().string()) >= 0 && cutIfLarge(it->path(), maxBytes)) ++cut;
+  }
+  return cut;
 }
 
 }  // namespace varuna

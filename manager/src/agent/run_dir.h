@@ -4,6 +4,7 @@
 // Called by varuna_agent's main before anything is written there.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 
 namespace varuna {
@@ -18,12 +19,23 @@ namespace varuna {
 // what is wrong and the fix: another user may have planted it.
 void prepareRunDir(const std::filesystem::path& runDir, bool sharedRoot);
 
-// The workers' logs kept in `logDir` (g<G>_rank<R>.log) when generation
+// The workers' logs kept in `logDir` (g<G>_rank<R>.log, and capLogs'
+// g<G>_rank<R>.log.1) when generation
 // `generation` starts: those of the last kKeptLogGenerations generations.
 // Older ones are removed, so a job that morphs every few minutes for weeks
 // leaves a bounded number of files; each of those is the training
 // program's own output (its size is the program's). Returns how many went.
 inline constexpr int kKeptLogGenerations = 10;
 size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation);
+
+// Caps the logs of a run folder by size, as logrotate's copytruncate does:
+// `agent.log` and each worker's log in logs/ past `maxBytes` is copied to
+// <name>.1 (replacing the one before) and truncated in place, so the process
+// writing it through a descriptor opened with O_APPEND (a worker, the
+// agent's own output) goes on at its start. Lines written between the copy
+// and the cut are lost. Never follows a link; nothing throws. Returns how
+// many files were cut.
+inline constexpr uint64_t kMaxLogBytes = 64ull << 20;
+size_t capLogs(const std::filesystem::path& runDir, uint64_t maxBytes = kMaxLogBytes);
 
 }  // namespace varuna
