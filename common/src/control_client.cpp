@@ -60,18 +60,12 @@ int connectOne(const addrinfo& ai, Clock::time_point deadline) {
   return fd;
 }
 
-// Whether the connected socket's peer is this machine (127.0.0.0/8, ::1, or
-// an IPv4-mapped 127.x).
+// Whether the connected socket's peer is this machine.
 bool peerIsLoopback(int fd) {
   sockaddr_storage address{};
   socklen_t length = sizeof(address);
   if (::getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return false;
-  if (address.ss_family == AF_INET) {
-    return (ntohl(reinterpret_cast<const sockaddr_in&>(address).sin_addr.s_addr) >> 24) == 127;
-  }
-  if (address.ss_family != AF_INET6) return false;
-  const in6_addr& v6 = reinterpret_cast<const sockaddr_in6&>(address).sin6_addr;
-  return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  return tls::isLoopback(reinterpret_cast<const sockaddr&>(address));
 }
 
 SSL_CTX* sharedContext(bool server) {

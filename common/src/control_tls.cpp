@@ -5,6 +5,8 @@
 #include <openssl/hmac.h>
 #include <openssl/ssl.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 
 #include <cerrno>
@@ -110,6 +112,15 @@ bool attachSocket(SSL* ssl, int fd) {
   BIO_set_fd(bio, fd, BIO_NOCLOSE);
   SSL_set_bio(ssl, bio, bio);
   return true;
+}
+
+bool isLoopback(const sockaddr& address) {
+  if (address.sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in&>(address).sin_addr.s_addr) >> 24) == 127;
+  }
+  if (address.sa_family != AF_INET6) return false;
+  const in6_addr& v6 = reinterpret_cast<const sockaddr_in6&>(address).sin6_addr;
+  return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
 }
 
 bool plaintextRequested() {

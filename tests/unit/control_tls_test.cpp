@@ -6,6 +6,7 @@
 #include <openssl/evp.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -376,4 +377,27 @@ TEST_CASE("control tls: a server with a certificate instead of the key gets noth
   CHECK_FALSE(wrote);
   stream->close();
   CHECK(impostor.received().empty());
+}
+
+TEST_CASE("control tls: plaintext peers are this machine's addresses only", "[tls][security]") {
+  const auto v4 = [](const char* text) {
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    REQUIRE(::inet_pton(AF_INET, text, &address.sin_addr) == 1);
+    return tls::isLoopback(reinterpret_cast<const sockaddr&>(address));
+  };
+  const auto v6 = [](const char* text) {
+    sockaddr_in6 address{};
+    address.sin6_family = AF_INET6;
+    REQUIRE(::inet_pton(AF_INET6, text, &address.sin6_addr) == 1);
+    return tls::isLoopback(reinterpret_cast<const sockaddr&>(address));
+  };
+  CHECK(v4("127.0.0.1"));
+  CHECK(v4("127.0.0.3"));
+  CHECK_FALSE(v4("10.0.0.1"));
+  CHECK_FALSE(v4("128.0.0.1"));
+  CHECK(v6("::1"));
+  CHECK(v6("::ffff:127.0.0.2"));
+  CHECK_FALSE(v6("::ffff:10.0.0.1"));
+  CHECK_FALSE(v6("fe80::1"));
 }

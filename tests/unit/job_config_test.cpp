@@ -226,3 +226,19 @@ TEST_CASE("--master_port: 0 (the default) is a random port below the ephemeral r
   c.masterPort = 80;
   CHECK_THROWS_WITH(validateJobConfig(c, "/x/run_varuna"), Catch::Contains("--master_port must be 1024..65000"));
 }
+
+TEST_CASE("job config: a plaintext control plane only on a loopback address", "[config][security]") {
+  const auto dir = varuna::test::scratchDir("job_config_plaintext");
+  std::ofstream(dir / "machines.txt") << "127.0.0.1 slots=2\n";
+  JobConfig c = validConfig(dir);
+  c.insecurePlaintextControl = true;
+  for (const char* loopback : {"127.0.0.1", "127.0.0.9", "::1"}) {
+    c.managerIp = loopback;
+    CHECK_NOTHROW(validateJobConfig(c, "/x/run_varuna"));
+  }
+  for (const char* network : {"10.0.0.1", "0.0.0.0", ""}) {
+    c.managerIp = network;
+    CHECK_THROWS_WITH(validateJobConfig(c, "/x/run_varuna"),
+                      Catch::Contains("--insecure_plaintext_control needs a loopback --manager_ip"));
+  }
+}

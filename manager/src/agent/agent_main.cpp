@@ -167,12 +167,6 @@ struct SecuredConnection {
   std::string why;
 };
 
-bool isLoopback(const boost::asio::ip::address& address) {
-  if (address.is_loopback()) return true;
-  return address.is_v6() && address.to_v6().is_v4_mapped() &&
-         boost::asio::ip::make_address_v4(boost::asio::ip::v4_mapped, address.to_v6()).is_loopback();
-}
-
 // TLS with the agent's credential, its handshake done (within 10 s), unless
 // the job's control plane is plaintext (to this machine only).
 SecuredConnection secure(boost::asio::io_context& io, boost::asio::ip::tcp::socket socket,
@@ -180,7 +174,7 @@ SecuredConnection secure(boost::asio::io_context& io, boost::asio::ip::tcp::sock
   if (tls::plaintextRequested()) {
     boost::system::error_code ec;
     const auto peer = socket.remote_endpoint(ec);
-    if (ec || !isLoopback(peer.address())) {
+    if (ec || !tls::isLoopback(*peer.data())) {
       return {nullptr, true, strCat("refusing to speak in plaintext to ", options.manager,
                                     ", not on this machine (--insecure_plaintext_control is for loopback only)")};
     }

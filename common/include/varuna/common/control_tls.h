@@ -29,6 +29,7 @@
 
 #include "varuna/common/protocol.h"
 
+struct sockaddr;
 struct ssl_ctx_st;
 struct ssl_st;
 
@@ -37,6 +38,9 @@ namespace varuna::tls {
 // "1" in a process's environment: its control connections are plaintext.
 inline constexpr const char* kPlaintextEnv = "VARUNA_INSECURE_PLAINTEXT_CONTROL";
 bool plaintextRequested();
+// Whether `address` is this machine's: 127.0.0.0/8, ::1 or an IPv4-mapped
+// 127.x. Plaintext goes to no other peer.
+bool isLoopback(const sockaddr& address);
 
 // What a peer's PSK identity says. `hint` tells the manager which key to
 // derive where the role alone does not: "secret" for a notifier holding the
