@@ -71,8 +71,10 @@ def wait_for(what, predicate, timeout, interval=0.02):
 
 
 def free_port(count=1):
-    """A port p such that p .. p+count-1 are free now (bound and released)."""
-    for _ in range(100):
+    """A port p such that p .. p+count-1 are free now (bound and released).
+    SO_REUSEADDR as c10d's store binds: a port some earlier test's connection
+    left in TIME_WAIT (10,000 of them after the starvation test) is free to it."""
+    for _ in range(1000):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -81,6 +83,7 @@ def free_port(count=1):
         try:
             for extra in range(1, count):
                 with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     s.bind(("127.0.0.1", port + extra))
             return port
         except OSError:
