@@ -4,8 +4,6 @@
 agents and workers. Each scenario injects one fault and checks the job's
 outcome, its event log and that no process is left behind.
 (The SSH paths are in ssh_cluster_test.py.)"""
-import hashlib
-import hmac
 import json
 import math
 import os
@@ -15,11 +13,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wire_tap import LoopbackTap, credentials_of_job  # noqa: E402
 from varuna_e2e import (  # noqa: E402
     BIN, TINY_MODEL, Manager, assert_losses_continue, assert_nothing_left,
     assert_resumed_exactly, log, processes_of_job, run_tests, wait_for)
@@ -273,49 +271,6 @@ def test_manager_killed_and_restarted_carries_on():
     for pid, _ in old:
         assert not Path("/proc/%d" % pid).exists() or pid not in [p for p, _ in processes_of_job(m.job)]
     assert_nothing_left(m.job)
-
-
-class LoopbackTap:
-    """Every frame on the loopback interface, as tcpdump -i lo would record
-    them (an AF_PACKET socket: root only), kept in memory."""
-
-    def __init__(self):
-        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
-        self.sock.bind(("lo", 0))
-        self.sock.settimeout(0.2)
-        self.frames = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.stop.is_set():
-            try:
-                self.frames.append(self.sock.recv(65536))
-            except socket.timeout:
-                pass
-
-    def close(self):
-        self.stop.set()
-        self.thread.join()
-        self.sock.close()
-        return b"".join(self.frames)
-
-
-def credentials_of_job(m, hosts, generation_max=3, ranks=4):
-    """The job's secret and every credential derived from it (credentials.h)
-    for these hosts: what must never cross the wire in clear."""
-    secret = (m.state_dir / "token").read_text().strip()
-    mac = lambda key, text: hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()  # noqa: E731
-    found = {"secret": secret}
-    for host in hosts:
-        agent = mac(secret, "agent\n" + host)
-        found["agent " + host] = agent
-        found["notifier " + host] = mac(agent, "notifier")
-        for rank in range(ranks):
-            for generation in range(generation_max + 1):
-                found["worker %s %d %d" % (host, rank, generation)] = mac(agent, "worker\n%d\n%d" % (rank, generation))
-    return found
 
 
 def test_no_morphing_stops_on_the_first_failure():
