@@ -9,6 +9,10 @@ seconds once the job has recovered from the one before:
   worker_sigstop   a worker frozen (its heartbeats stop)
   agent_sigkill    kill -9 of an agent (its workers die with it)
   agent_sigstop    an agent frozen; thawed at the next fault
+  job_sigkill      every worker of the job killed at once (an OOM sweep, a
+                   bad driver), a few steps past a checkpoint: no survivor
+                   holds the last step, so the job must resume from the
+                   checkpoint and train those steps again
   preempt          a preemption notice from the host (8 s deadline)
   link_cut         the host's link down for 2-6 s, then up
   manager_restart  run_varuna killed (-9) and started again with the same
@@ -21,11 +25,14 @@ after their notice's deadline); no two generations' workers are alive
 together longer than a superseded process may live (docs/run_varuna.md:
 heartbeat timeout + agent grace + 2 s; processes sampled every 0.2 s, a
 worker's generation read from its environment); no process is left; and
-every step trained more than once has the same loss each time.
+every step trained more than once has the same loss each time, and the
+steps a job_sigkill took back were trained again (so that comparison always
+has something to compare: salvage from survivors otherwise often leaves
+nothing to retrain).
 
     chaos_test.py [--faults N] [--seed S]
 
-N defaults to 12 (CI); the seed is printed, so a failing series can be run
+N defaults to 12 (CI; every kind at least once from 9); the seed is printed, so a failing series can be run
 again. Root only (network namespaces, sshd).
 """
 import argparse
@@ -47,12 +54,13 @@ from netns_cluster import Cluster  # noqa: E402
 from varuna_e2e import log, run_tests, wait_for  # noqa: E402
 
 KINDS = ["host_kill", "worker_sigkill", "worker_sigstop", "agent_sigkill", "agent_sigstop", "preempt", "link_cut",
-         "manager_restart"]
+         "manager_restart", "job_sigkill"]
 HOST_LEVEL = {"host_kill", "agent_sigkill", "agent_sigstop", "preempt", "link_cut"}
 N_HOSTS = 3
 RECOVERY_TIMEOUT_S = 150   # a lost host's backoff, an SSH timeout, a relaunch on a loaded machine
 NEW_STEPS = 5              # "recovered": rank 0 of a generation launched after the fault logged this many steps
 PREEMPT_NOTICE_S = 8
+CHECKPOINT_EVERY = 10      # train_gpt --checkpoint_every
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--faults", type=int, default=12, help="how many faults (default 12)")
@@ -134,7 +142,7 @@ class Chaos:
             # Never leave the job without a host: one impaired at a time, and
             # the target must be one the current plan uses.
             return len(self.healthy_up()) >= 2 and any(a not in self.impaired() for a in self.plan_hosts())
-        if kind in ("worker_sigkill", "worker_sigstop"):
+        if kind in ("worker_sigkill", "worker_sigstop", "job_sigkill"):
             gen = self.current_generation()
             return any(g == gen for _, g, _, _ in workers_of_job(self.m.job))
         return True
@@ -151,6 +159,8 @@ class Chaos:
             pid, _, host, rank = self.rng.choice(sorted(w for w in workers_of_job(m.job) if w[1] == gen))
             os.kill(pid, signal.SIGKILL if kind == "worker_sigkill" else signal.SIGSTOP)
             return "rank %d (pid %d) on %s, generation %d" % (rank, pid, host, gen), {}
+        if kind == "job_sigkill":
+            return self.kill_job_past_checkpoint()
         if kind == "manager_restart":
             m.kill(signal.SIGKILL)
             m.proc.wait()
@@ -180,6 +190,25 @@ class Chaos:
                 set_link(c, host, up=True)
             return host.addr, {"cut_s": round(hold, 1), "healed": time.time()}
         return host.addr, {}
+
+    def kill_job_past_checkpoint(self):
+        """SIGKILLs every worker of the current generation once its rank 0 has
+        logged a step 3 to 7 past a checkpoint: the steps from the checkpoint
+        to there are lost with every copy of the state, and must be trained
+        again. Returns what inject does, the lost steps in the record."""
+        gen = self.current_generation()
+
+        def past_checkpoint():
+            steps = rank0_steps(self.m.job, gen)
+            return steps and 3 <= steps[-1][0] % CHECKPOINT_EVERY <= 7 and steps[-1][0]
+        last = wait_for("rank 0 of generation %d a few steps past a checkpoint" % gen, past_checkpoint,
+                        RECOVERY_TIMEOUT_S, 0.02)
+        workers = sorted(w for w in workers_of_job(self.m.job) if w[1] == gen)
+        for pid, _, _, _ in workers:
+            os.kill(pid, signal.SIGKILL)
+        checkpoint = last - last % CHECKPOINT_EVERY
+        return ("%d workers of generation %d at step %d" % (len(workers), gen, last),
+                {"lost_steps": list(range(checkpoint + 1, last + 1))})
 
     def wait_recovered(self, record):
         """Until rank 0 of a generation launched after the fault has logged
@@ -281,8 +310,19 @@ def test_chaos():
             log("  generations %d and %d together for %.1f s (%d samples; pids of %d: %s)"
                 % (old, new, last - first + sampler.period, count, old, sorted(pids)))
         assert worst <= SUPERSEDED_BOUND_S + SLACK_S, (worst, pair, details)
-        repeated, _ = assert_repeated_steps_agree(m.job, m.events("launch"))
-        assert repeated > 0, "no step was trained twice: the loss check proves nothing"
+        by_gen = sampler.losses_by_generation()
+        repeated, _ = assert_repeated_steps_agree(m.job, m.events("launch"), by_gen)
+        trained = {}  # step -> how many generations trained it
+        for records in by_gen.values():
+            for step in {step for step, _ in records}:
+                trained[step] = trained.get(step, 0) + 1
+        for r in chaos.done:
+            if r["kind"] == "job_sigkill":
+                again = [s for s in r["lost_steps"] if trained.get(s, 0) >= 2]
+                assert again, "fault %d (%s) took back steps %s, and none was trained again" % (
+                    r["n"], r["target"], r["lost_steps"])
+        if "job_sigkill" not in {r["kind"] for r in chaos.done}:
+            log("no job_sigkill in %d faults: %d steps trained twice by chance" % (len(chaos.done), repeated))
     log("chaos: seed %d, %d faults, %.0f s" % (SEED, len(chaos.done), time.monotonic() - started))
 
 

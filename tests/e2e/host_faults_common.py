@@ -120,15 +120,32 @@ class JobSampler(threading.Thread):
     """Every `period` s, the generations of the job's running workers. For every
     pair of generations seen alive together, the first and last time they were
     (so a superseded generation's lifetime next to its successor is measured,
-    whatever ended it)."""
+    whatever ended it). Every `loss_period` s it also copies what rank 0 of
+    each generation has logged: an agent keeps only the last
+    kKeptLogGenerations (10) generations' worker logs, and a long fault series
+    passes that, so the steps an early generation trained again would be gone
+    by the time the losses are compared."""
 
-    def __init__(self, job, period=0.2):
+    def __init__(self, job, period=0.2, loss_period=1.0):
         super().__init__(daemon=True)
-        self.job, self.period = job, period
+        self.job, self.period, self.loss_period = job, period, loss_period
         self.together = {}  # (older, newer) -> [first, last, sample count, pids of older]
         self.samples = 0
         self.generations = set()
+        self.losses = {}  # generation -> [(step, loss)], the longest read of its rank-0 log
+        self._last_loss_read = 0.0
         self.done = threading.Event()
+
+    def keep_losses(self):
+        for gen, records in losses_by_generation(self.job).items():
+            if len(records) >= len(self.losses.get(gen, ())):
+                self.losses[gen] = records
+        self._last_loss_read = time.monotonic()
+
+    def losses_by_generation(self):
+        """{generation: [(step, loss)]}: every generation's rank-0 steps, pruned logs included."""
+        self.keep_losses()
+        return dict(self.losses)
 
     def sample(self):
         now = time.time()
@@ -149,6 +166,8 @@ class JobSampler(threading.Thread):
         while not self.done.is_set():
             try:
                 self.sample()
+                if time.monotonic() - self._last_loss_read >= self.loss_period:
+                    self.keep_losses()
             except Exception as e:  # noqa: BLE001 - a /proc race must not end the sampling
                 log("sampler:", e)
             self.done.wait(self.period)
@@ -215,7 +234,7 @@ def losses_by_generation(job):
     return out
 
 
-def assert_repeated_steps_agree(job, launches):
+def assert_repeated_steps_agree(job, launches, by_gen=None):
     """Every step trained more than once (by a relaunch from a checkpoint, or a
     superseded generation that ran on for a moment) has the same loss each time.
     Two computations of a step may differ by float noise where the data-parallel
@@ -223,8 +242,10 @@ def assert_repeated_steps_agree(job, launches):
     order), and the log prints 6 significant digits; a broken resume (a batch
     skipped or repeated, optimizer state lost) moves a loss by about the
     step-to-step spread. So, as local_job_test's preemption case: relative
-    difference under min(1e-3, spread / 10). Returns (repeated steps, worst)."""
-    by_gen = losses_by_generation(job)
+    difference under min(1e-3, spread / 10). `by_gen`, {generation: [(step,
+    loss)]}, where the logs were collected as they grew (JobSampler), else
+    read now. Returns (repeated steps, worst)."""
+    by_gen = losses_by_generation(job) if by_gen is None else by_gen
     width = {e["generation"]: (e["plan"]["stages"], e["plan"]["replicas"]) for e in launches}
     seen = {}  # step -> [(generation, loss)]
     for gen, records in sorted(by_gen.items()):
