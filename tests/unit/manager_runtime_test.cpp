@@ -754,38 +754,3 @@ TEST_CASE("agent: worker logs of generations before the last ten are removed, no
   CHECK_FALSE(std::filesystem::exists(logs / "g5_rank0.log.1"));
   CHECK(std::filesystem::exists(logs / "g7_rank0.log"));
 }
-
-TEST_CASE("agent: logs past the cap are cut in place and a writer goes on at their start", "[runtime][agent]") {
-  namespace fs = std::filesystem;
-  const auto dir = varuna::test::scratchDir("cap_logs");
-  const auto readText = [](const fs::path& path) {
-    std::ifstream in(path);
-    return std::string((std::istreambuf_iterator<char>(in)), {});
-  };
-  fs::create_directories(dir / "logs");
-  // A worker's log, held open with O_APPEND as the agent hands it over.
-  const int worker = ::open((dir / "logs" / "g3_rank0.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
-  REQUIRE(worker >= 0);
-  const std::string line(1000, 'w');
-  for (int i = 0; i < 20; ++i) REQUIRE(::write(worker, line.data(), line.size()) == static_cast<ssize_t>(line.size()));
-  std::ofstream(dir / "agent.log") << std::string(500, 'a');  // under the cap
-  std::ofstream(dir / "logs" / "notes.txt") << std::string(50000, 'n');  // not a worker's log
-  fs::create_symlink(dir / "elsewhere", dir / "logs" / "g3_rank0.log.1");  // planted where the copy goes
-  std::ofstream(dir / "elsewhere") << "untouched";
-
-  CHECK(capLogs(dir, 10000) == 1);
-  CHECK(fs::file_size(dir / "logs" / "g3_rank0.log") == 0);
-  CHECK_FALSE(fs::is_symlink(dir / "logs" / "g3_rank0.log.1"));
-  CHECK(fs::file_size(dir / "logs" / "g3_rank0.log.1") == 20000);
-  CHECK((fs::status(dir / "logs" / "g3_rank0.log.1").permissions() & fs::perms::all) ==
-        (fs::perms::owner_read | fs::perms::owner_write));
-  CHECK(readText(dir / "elsewhere") == "untouched");
-  CHECK(fs::file_size(dir / "agent.log") == 500);
-  CHECK(fs::file_size(dir / "logs" / "notes.txt") == 50000);
-  // The worker writes on, at the start of the cut file (no hole).
-  REQUIRE(::write(worker, "next\n", 5) == 5);
-  ::close(worker);
-  CHECK(readText(dir / "logs" / "g3_rank0.log") == "next\n");
-  CHECK(capLogs(dir, 10000) == 0);
-  CHECK(capLogs(dir / "missing", 10) == 0);
-}

@@ -192,6 +192,8 @@ Agent::Agent(asio::io_context& io, AgentOptions options, std::unique_ptr<ByteStr
       managerAddress_(std::move(managerAddress)),
       signals_(io, SIGCHLD, SIGTERM, SIGINT),
       heartbeatTimer_(io),
+      logCapTimer_(io),
+      logCapper_(io, "varuna-logcap"),
       graceTimer_(io),
       readDeadlineTimer_(io),
       killTimer_(io),
@@ -206,6 +208,7 @@ void Agent::start() {
                   [this](const std::string& reason) { onManagerLost(reason); });
   manager_->send(proto::Hello{proto::kVersion, options_.credential, "agent", options_.host, -1, -1});
   scheduleHeartbeat();
+  scheduleLogCap();
   scheduleBeatForward();
   lastFrame_ = std::chrono::steady_clock::now();
   scheduleReadDeadline();
@@ -230,12 +233,28 @@ void Agent::scheduleHeartbeat() {
   heartbeatTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || exiting_ || !manager_->open()) return;
     manager_->send(proto::Heartbeat{-1, 0});
-    // Every 10 s: no log of this run folder grows past kMaxLogBytes.
-    if (++heartbeatsSinceLogCap_ >= 10) {
-      heartbeatsSinceLogCap_ = 0;
-      if (const size_t cut = capLogs(options_.runDir)) log::info("cut ", cut, " log(s) past ", kMaxLogBytes >> 20, " MiB");
-    }
     scheduleHeartbeat();
+  });
+}
+
+void Agent::scheduleLogCap() {
+  // Every kLogCapInterval, connected to the manager or not: no log of the run
+  // folder grows past kMaxLogBytes. The copy (up to 64 MiB) runs on the
+  // background thread, never on the loop that relays heartbeats; a round
+  // still running when the next is due is not doubled.
+  logCapTimer_.expires_after(kLogCapInterval);
+  logCapTimer_.async_wait([this](const boost::system::error_code& ec) {
+    if (ec || exiting_) return;
+    if (logCapper_.pending() == 0) {
+      logCapper_.run([runDir = options_.runDir] { return capLogs(runDir); }, [](const LogCapResult& r) {
+        if (r.cut > 0) log::info("cut ", r.cut, " log(s) past ", kMaxLogBytes >> 20, " MiB (their tails kept in <log>.1)");
+        if (r.dropped > 0) {
+          log::warn("cut ", r.dropped, " log(s) past ", kMaxLogBytes >> 20,
+                    " MiB without keeping their tails: the copy failed (a full disk?)");
+        }
+      });
+    }
+    scheduleLogCap();
   });
 }
 
@@ -459,7 +478,8 @@ pid_t Agent::spawn(const std::string& program, const proto::LaunchWorkers& launc
   // workers along; the signal survives exec). The agent may have died between
   // fork and prctl: then the child has been re-parented already and ends
   // here. (The signal follows the thread that forked; the agent forks from
-  // its only thread, the event loop's.)
+  // its event loop's thread, which lives as long as the agent; the log
+  // capper's thread never forks.)
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != agent) ::_exit(127);
   ::setpgid(0, 0);  // its own group: a kill reaches whatever it spawned
@@ -567,6 +587,7 @@ void Agent::finish(int exitCode, const std::string& reason) {
   log::info("agent exiting: ", reason);
   killWorkers(reason);
   heartbeatTimer_.cancel();
+  logCapTimer_.cancel();
   graceTimer_.cancel();
   schedulerNotice_.cancel();
   readDeadlineTimer_.cancel();

@@ -23,9 +23,9 @@
 //    dies without cleaning up (OOM-killed, SIGKILL, a crash) takes its
 //    workers along. (A frozen agent cannot act: run_varuna then orders its
 //    workers out over their own connections, docs/run_varuna.md.)
-// Single-threaded: everything runs on the io_context passed in (the
-// parent-death signal follows the thread that forked, so spawning must stay
-// on that one thread).
+// Everything runs on the io_context passed in (the parent-death signal
+// follows the thread that forked, so spawning must stay on that one thread),
+// but capping the logs' sizes, which copies files, on a thread of its own.
 #pragma once
 
 #include <sys/types.h>
@@ -41,6 +41,7 @@
 
 #include "varuna/common/protocol.h"
 #include "agent/scheduler_notice.h"
+#include "loop/background_worker.h"
 #include "loop/framed_connection.h"
 
 namespace varuna {
@@ -109,6 +110,7 @@ class Agent {
   void reapChildren();
   void waitSignals();
   void scheduleHeartbeat();
+  void scheduleLogCap();
   // The read deadline: fires lostManager after the last frame from the manager.
   void scheduleReadDeadline();
   void finish(int exitCode, const std::string& reason);
@@ -123,6 +125,10 @@ class Agent {
   std::string managerAddress_;
   boost::asio::signal_set signals_;
   boost::asio::steady_timer heartbeatTimer_;
+  // capLogs every kLogCapInterval, on logCapper_'s thread.
+  static constexpr std::chrono::seconds kLogCapInterval{10};
+  boost::asio::steady_timer logCapTimer_;
+  BackgroundWorker logCapper_;
   boost::asio::steady_timer graceTimer_;
   boost::asio::steady_timer readDeadlineTimer_;
   // When the last frame from the manager arrived (or start()): the read
@@ -135,7 +141,6 @@ class Agent {
   boost::asio::local::datagram_protocol::socket beatSocket_;
   std::array<char, 64> beatBuffer_{};
   int beatGeneration_ = -1;
-  int heartbeatsSinceLogCap_ = 0;  // capLogs runs every 10th heartbeat
   uint64_t beatEpoch_ = 0;  // one per beat socket: a read of an earlier one is dropped
   std::map<int, proto::WorkerBeat> pendingBeats_;
   static constexpr size_t kMaxPendingReports = 100000;

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
@@ -142,42 +143,83 @@ size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation) {
 
 namespace {
 
-// Copies `from` (a regular file, not a link) to `to` (made or replaced,
-// 0600, not through a link), then truncates `from`. False if any step failed.
-bool copyThenTruncate(const fs::path& from, const fs::path& to) {
-  const int in = ::open(from.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-  if (in < 0) return false;
-  ::unlink(to.c_str());  // a link planted under the name goes, never followed
-  const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  bool copied = out >= 0;
-  char buffer[1 << 16];
-  ssize_t n = 0;
-  while (copied && (n = ::read(in, buffer, sizeof(buffer))) > 0) copied = ::write(out, buffer, static_cast<size_t>(n)) == n;
-  copied = copied && n == 0;
-  if (out >= 0) ::close(out);
-  const bool cut = copied && ::ftruncate(in, 0) == 0;
-  ::close(in);
-  return cut;
+// Appends `length` bytes of `in` from `offset` to `out`: copy_file_range (the
+// kernel copies, no buffer in this process), or read and write where the
+// filesystem or the kernel cannot.
+bool copyRange(int in, int out, off_t offset, uint64_t length) {
+  while (length > 0) {
+    const ssize_t n = ::copy_file_range(in, &offset, out, nullptr, length, 0);
+    if (n > 0) {
+      length -= static_cast<uint64_t>(n);
+      continue;
+    }
+    if (n == 0) return true;  // the file shrank under us: what there was is copied
+    if (errno == EINTR) continue;
+    if (errno != EXDEV && errno != ENOSYS && errno != EINVAL && errno != EOPNOTSUPP) return false;
+    char buffer[1 << 16];
+    while (length > 0) {
+      const ssize_t got = ::pread(in, buffer, std::min<uint64_t>(sizeof(buffer), length), offset);
+      if (got == 0) return true;
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0 || ::write(out, buffer, static_cast<size_t>(got)) != got) return false;
+      offset += got;
+      length -= static_cast<uint64_t>(got);
+    }
+  }
+  return true;
 }
 
-bool cutIfLarge(const fs::path& log, uint64_t maxBytes) {
+// Copies the last `maxBytes` of `from` (a regular file, not a link) to `to`
+// (made or replaced, 0600, not through a link), then truncates `from`,
+// whether or not the copy succeeded: on a full disk the copy fails, and the
+// log must stop growing all the same.
+LogCut copyThenTruncate(const fs::path& from, const fs::path& to, uint64_t maxBytes) {
+  // O_NONBLOCK: a FIFO swapped in after the caller's lstat must not block
+  // the open; fstat then checks what was opened.
+  const int in = ::open(from.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (in < 0) return LogCut::kNone;
+  struct stat st {};
+  if (::fstat(in, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) <= maxBytes) {
+    ::close(in);
+    return LogCut::kNone;
+  }
+  ::unlink(to.c_str());  // a link planted under the name goes, never followed
+  const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  const uint64_t kept = std::min(size, maxBytes);  // the newest lines: the ones a reader wants
+  bool copied = out >= 0 && copyRange(in, out, static_cast<off_t>(size - kept), kept);
+  if (out >= 0) copied = ::close(out) == 0 && copied;
+  if (!copied) ::unlink(to.c_str());  // no half copy passed off as the log's tail
+  const bool cut = ::ftruncate(in, 0) == 0;
+  ::close(in);
+  if (!cut) return LogCut::kNone;
+  return copied ? LogCut::kCopied : LogCut::kDropped;
+}
+
+LogCut cutIfLarge(const fs::path& log, uint64_t maxBytes) {
   struct stat st {};
   if (::lstat(log.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) <= maxBytes) {
-    return false;
+    return LogCut::kNone;
   }
-  return copyThenTruncate(log, fs::path(log.string() + ".1"));
+  return copyThenTruncate(log, fs::path(log.string() + ".1"), maxBytes);
+}
+
+void count(LogCapResult& result, LogCut cut) {
+  if (cut == LogCut::kCopied) ++result.cut;
+  if (cut == LogCut::kDropped) ++result.dropped;
 }
 
 }  // namespace
 
-size_t capLogs(const fs::path& runDir, uint64_t maxBytes) {
-  size_t cut = cutIfLarge(runDir / "agent.log", maxBytes) ? 1 : 0;
+LogCapResult capLogs(const fs::path& runDir, uint64_t maxBytes) {
+  LogCapResult result;
+  count(result, cutIfLarge(runDir / "agent.log", maxBytes));
   std::error_code ec;
   fs::directory_iterator it(runDir / "logs", ec);
   for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
-    if (logGeneration(it->path().filename().string()) >= 0 && cutIfLarge(it->path(), maxBytes)) ++cut;
+    if (logGeneration(it->path().filename().string()) >= 0) count(result, cutIfLarge(it->path(), maxBytes));
   }
-  return cut;
+  return result;
 }
 
 }  // namespace varuna

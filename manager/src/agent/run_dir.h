@@ -29,13 +29,21 @@ inline constexpr int kKeptLogGenerations = 10;
 size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation);
 
 // Caps the logs of a run folder by size, as logrotate's copytruncate does:
-// `agent.log` and each worker's log in logs/ past `maxBytes` is copied to
-// <name>.1 (replacing the one before) and truncated in place, so the process
-// writing it through a descriptor opened with O_APPEND (a worker, the
-// agent's own output) goes on at its start. Lines written between the copy
-// and the cut are lost. Never follows a link; nothing throws. Returns how
-// many files were cut.
+// `agent.log` and each worker's log in logs/ past `maxBytes` has its last
+// `maxBytes` copied to <name>.1 (replacing the one before) and is truncated
+// in place, so the process writing it through a descriptor opened with
+// O_APPEND (a worker, the agent's own output) goes on at its start. Lines
+// written between the copy and the cut are lost; where the copy fails (a
+// full disk) the log is cut all the same, without a copy: the disk matters
+// more than the old lines. Never follows a link, never blocks on a FIFO
+// planted under a log's name; nothing throws. The copy runs in the kernel
+// (copy_file_range) where it can: the agent calls this off its event loop.
 inline constexpr uint64_t kMaxLogBytes = 64ull << 20;
-size_t capLogs(const std::filesystem::path& runDir, uint64_t maxBytes = kMaxLogBytes);
+enum class LogCut { kNone, kCopied, kDropped };
+struct LogCapResult {
+  size_t cut = 0;      // copied to <name>.1, then cut
+  size_t dropped = 0;  // cut without a copy (the copy failed)
+};
+LogCapResult capLogs(const std::filesystem::path& runDir, uint64_t maxBytes = kMaxLogBytes);
 
 }  // namespace varuna
