@@ -597,3 +597,72 @@ TEST_CASE("agent: a plaintext manager is refused unless the agent was told the j
   const auto connection = nlohmann::json::parse(test::readText(dir / "run" / "connection.json"));
   CHECK(connection.at("insecure_plaintext_control") == true);  // its notifier follows
 }
+
+TEST_CASE("agent: a launch cannot switch its workers to plaintext or hand them a credential in their environment",
+          "[agent][security]") {
+  AgentUnderTest t("agent-launch-env", "30");
+  proto::LaunchWorkers launch;
+  launch.workers = {{0, 0}};
+  launch.argv = {"/bin/sh", "-c", "exec sleep 120"};
+  launch.codeDir = t.dir.string();
+  launch.stageToRankMap = "0;";
+  launch.chunkSize = launch.batchSize = 1;
+  launch.masterAddr = "127.0.0.1";
+  launch.masterPort = 29999;
+  launch.worldSize = 1;
+  launch.generation = 1;
+  launch.env = {{"VARUNA_INSECURE_PLAINTEXT_CONTROL", "1"}, {"VARUNA_JOB_TOKEN", "planted-secret"},
+                {"OMP_NUM_THREADS", "3"}};
+  REQUIRE(t.link->send(launch));
+  std::set<pid_t> workers;
+  REQUIRE(test::waitUntil([&] { return (workers = childrenOf(t.agent->pid())).size() == 1; }, 10s));
+  std::string environ;
+  REQUIRE(test::waitUntil([&] {
+    std::ifstream in("/proc/" + std::to_string(*workers.begin()) + "/environ");
+    environ.assign(std::istreambuf_iterator<char>(in), {});
+    return environ.find("OMP_NUM_THREADS=3") != std::string::npos;  // after exec: the job's variables are there
+  }, 10s));
+  CHECK(environ.find("VARUNA_INSECURE_PLAINTEXT_CONTROL") == std::string::npos);
+  CHECK(environ.find("planted-secret") == std::string::npos);
+}
+
+TEST_CASE("agent: joined, but its connection cut before the handshake, it joins again; the job's env cannot turn "
+          "TLS off", "[agent][join]") {
+  const std::string joinCredential = "vj1.99999999999.0123456789abcdef";
+  test::FakeManager manager([&](const tls::PskIdentity& identity) -> std::optional<std::string> {
+    if (identity.role == "join") return tls::pskKey(joinCredential);
+    if (identity.role == "agent" && identity.host == "127.0.0.1") return tls::pskKey("agent-credential");
+    return std::nullopt;
+  });
+  const auto dir = test::scratchDir("agent-join-retry");
+  const auto tokenFile = dir / "join_token";
+  std::ofstream(tokenFile) << joinCredential << "\n";
+  fs::permissions(tokenFile, fs::perms::owner_read | fs::perms::owner_write);
+  test::ChildProcess agent({(test::buildDir() / "bin" / "varuna_agent").string(), "--join", manager.address(),
+                            "--join_token_file", tokenFile.string(), "--host", "127.0.0.1", "--job",
+                            "agent-test-join-retry", "--run_dir", (dir / "run").string(), "--code_dir", dir.string(),
+                            "--join_wait_s", "60"},
+                           {}, dir / "agent");
+  const auto admit = [&] {
+    auto join = manager.accept(30s);
+    REQUIRE(join);
+    REQUIRE(join->identity());
+    CHECK(join->identity()->role == "join");
+    const auto hello = join->receive(10s);
+    REQUIRE(hello);
+    CHECK(std::get<proto::Hello>(*hello).role == "join");
+    // A manager (or an env_file) that names the plaintext switch: the agent ignores it.
+    REQUIRE(join->send(proto::Joined{"agent-credential", {{"VARUNA_INSECURE_PLAINTEXT_CONTROL", "1"}}, 0, 0}));
+  };
+  admit();
+  REQUIRE(manager.acceptAndDrop(30s));  // the agent's own connection, cut before its handshake
+  admit();                              // so it joins again (after a pause of 2 s)
+  auto link = manager.accept(30s);
+  REQUIRE(link);
+  REQUIRE(link->identity());  // TLS, as the agent decided, not plaintext as the env said
+  CHECK(link->identity()->role == "agent");
+  const auto hello = link->receive(10s);
+  REQUIRE(hello);
+  CHECK(std::get<proto::Hello>(*hello).role == "agent");
+  CHECK_FALSE(agent.wait(0ms));  // still serving
+}

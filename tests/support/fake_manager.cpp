@@ -95,4 +95,14 @@ std::optional<FakePeer> FakeManager::accept(std::chrono::milliseconds timeout) {
   }
 }
 
+bool FakeManager::acceptAndDrop(std::chrono::milliseconds timeout) {
+  if (fd_ < 0) return false;
+  pollfd p{fd_, POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return false;
+  const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+
 }  // namespace varuna::test

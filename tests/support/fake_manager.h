@@ -56,6 +56,9 @@ class FakeManager {
   // when none came or its handshake failed (lastRefusal() says why).
   std::optional<FakePeer> accept(std::chrono::milliseconds timeout);
   const std::string& lastRefusal() const { return lastRefusal_; }
+  // The next connection within `timeout`, closed at once, before any TLS:
+  // a connection that fails under its peer. False when none came.
+  bool acceptAndDrop(std::chrono::milliseconds timeout);
   // Stops listening: from now on connections to the port are refused.
   void close();
 

@@ -172,6 +172,18 @@ TEST_CASE("env file: KEY=VALUE lines, comments, export and quotes; bad lines nam
   CHECK_THROWS_WITH(parseEnvFile("A-B=2\n", "my.env"), Catch::Contains("KEY=VALUE"));
 }
 
+TEST_CASE("env file: the plaintext switch and credentials are refused, naming the line and the flag", "[config][security]") {
+  CHECK_THROWS_WITH(parseEnvFile("A=1\nVARUNA_INSECURE_PLAINTEXT_CONTROL=1\n", "my.env"),
+                    Catch::Contains("my.env:2") && Catch::Contains("--insecure_plaintext_control"));
+  for (const char* name : {"VARUNA_JOB_TOKEN", "VARUNA_JOB_TOKEN_FD", "VARUNA_AGENT_BEAT_FD"}) {
+    INFO(name);
+    CHECK_THROWS_AS(parseEnvFile(std::string("export ") + name + "=x\n", "my.env"), ConfigError);
+    CHECK(isControlPlaneVariable(name));
+  }
+  CHECK_FALSE(isControlPlaneVariable("VARUNA_GLOBAL_STORE"));
+  CHECK_FALSE(isControlPlaneVariable("OMP_NUM_THREADS"));
+}
+
 TEST_CASE("--keep_checkpoints: default 3, CLI and JSON, >= 0, handed to every worker", "[config]") {
   CHECK(JobConfig{}.keepCheckpoints == 3);
   CHECK(toJson(JobConfig{}).at("keep_checkpoints") == 3);
@@ -232,11 +244,12 @@ TEST_CASE("job config: a plaintext control plane only on a loopback address", "[
   std::ofstream(dir / "machines.txt") << "127.0.0.1 slots=2\n";
   JobConfig c = validConfig(dir);
   c.insecurePlaintextControl = true;
-  for (const char* loopback : {"127.0.0.1", "127.0.0.9", "::1"}) {
+  for (const char* loopback : {"127.0.0.1", "127.0.0.9", "::1", "::ffff:127.0.0.1"}) {
     c.managerIp = loopback;
     CHECK_NOTHROW(validateJobConfig(c, "/x/run_varuna"));
   }
-  for (const char* network : {"10.0.0.1", "0.0.0.0", ""}) {
+  // Names are not addresses, even one that starts as a loopback address does.
+  for (const char* network : {"10.0.0.1", "0.0.0.0", "", "127.example.org", "127.0.0.1.nip.example", "::ffff:10.0.0.1"}) {
     c.managerIp = network;
     CHECK_THROWS_WITH(validateJobConfig(c, "/x/run_varuna"),
                       Catch::Contains("--insecure_plaintext_control needs a loopback --manager_ip"));

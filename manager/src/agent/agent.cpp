@@ -23,6 +23,7 @@
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 #include "varuna/manager/credentials.h"
+#include "varuna/manager/job_config.h"
 
 extern char** environ;
 
@@ -79,9 +80,13 @@ std::vector<std::string> workerArgv(const std::string& program, const proto::Lau
 std::vector<std::string> workerEnv(const proto::LaunchWorkers& launch, const LaunchArgs& args) {
   std::map<std::string, std::string> env = currentEnvironment();
   env.erase(contract::kAgentBeatFdEnv);  // never an inherited one: that descriptor is not ours
-  for (const auto& [k, v] : launch.env) env[k] = v;
+  // The job's variables, but never a control-plane one (a credential, the
+  // plaintext switch): the agent's own decision on TLS holds for its workers.
+  for (const auto& [k, v] : launch.env) {
+    if (!isControlPlaneVariable(k)) env[k] = v;
+  }
   // No credential in a worker's environment: not the agent's own (a test or a
-  // hand start passes it so), nor one from the job's env_file.
+  // hand start passes it so).
   env.erase(contract::kJobTokenEnv);
   env.erase(contract::kJobTokenFdEnv);
   for (const auto& [k, v] : rendezvousEnvironment(args)) env[k] = v;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
@@ -20,6 +21,7 @@
 #include "agent/join.h"
 #include "agent/scheduler_grace.h"
 #include "agent/run_dir.h"
+#include "varuna/manager/job_config.h"
 
 namespace {
 
@@ -133,7 +135,14 @@ int joinFirst(MainOptions& options, const std::string& joinCredential, int verdi
       options.agent.lostManager = std::chrono::milliseconds(joined.lostManagerMs);
       lostFrom = "the job's";
     }
-    for (const auto& [name, value] : joined.env) ::setenv(name.c_str(), value.c_str(), 1);
+    for (const auto& [name, value] : joined.env) {
+      // The plaintext switch and credentials are this agent's own business.
+      if (isControlPlaneVariable(name)) {
+        log::warn("the manager's environment names ", name, ": ignored (varuna sets it itself)");
+        continue;
+      }
+      ::setenv(name.c_str(), value.c_str(), 1);
+    }
     // The timing in force and whose it is (tests/e2e/join_test.py reads this line).
     log::info("joined the job at ", options.manager, " as host ", options.agent.host, " (", options.slots,
               " slots); grace ", options.agent.grace.count(), " ms (", graceFrom, "), manager lost after ",
@@ -207,17 +216,34 @@ SecuredConnection secure(boost::asio::io_context& io, boost::asio::ip::tcp::sock
   return {nullptr, refused, why};
 }
 
+// How far one round of an agent's life got.
+enum class Reached { kNothing, kJoined, kServed };
+
+// A start-up failure: the verdict for run_varuna (or stderr); for a joined
+// agent, which will join again, a warning in its log only (the verdict is
+// still owed, by the round that gets through or fails for good).
+void failStart(const MainOptions& options, int& verdictFd, const std::string& line) {
+  if (!options.join.empty()) {
+    log::warn(line.substr(0, line.size() - 1));
+    return;
+  }
+  report(verdictFd, line);
+  verdictFd = -1;
+}
+
 // One agent's life: (join,) connect, serve until it exits; its exit code.
-// `served`: whether it got as far as serving the manager.
-int runOnce(MainOptions options, const std::string& joinCredential, int verdictFd, bool& served) {
-  served = false;
+// `reached`: how far it got. `verdictFd` is -1 once the verdict is given.
+int runOnce(MainOptions options, const std::string& joinCredential, int& verdictFd, Reached& reached) {
+  reached = Reached::kNothing;
   boost::asio::io_context io;
   // Joined first: a refused join must leave an agent already running alone.
   if (!options.join.empty()) {
     if (const int failed = joinFirst(options, joinCredential, verdictFd); failed != 0) {
+      verdictFd = -1;
       log::flush();
       return failed;
     }
+    reached = Reached::kJoined;
   }
   replacePreviousAgent(options.agent.runDir);
   int fd = -1;
@@ -225,8 +251,9 @@ int runOnce(MainOptions options, const std::string& joinCredential, int verdictF
     auto client = proto::ControlClient::connect(options.manager, std::chrono::seconds(10));
     fd = client.release();
   } catch (const std::exception& e) {
-    report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": ", e.what(),
-                             " (is run_varuna reachable from this host? check --manager_ip and firewalls)\n"));
+    failStart(options, verdictFd, strCat("varuna_agent on ", options.agent.host, ": ", e.what(),
+                                         " (is run_varuna reachable from this host? check --manager_ip and "
+                                         "firewalls)\n"));
     return 1;
   }
   boost::asio::ip::tcp::socket socket(io);
@@ -242,18 +269,20 @@ int runOnce(MainOptions options, const std::string& joinCredential, int verdictF
                              " did not accept this agent's credential in the TLS handshake (", secured.why,
                              "): a stale credential, the manager of another job, or a plaintext one "
                              "(--insecure_plaintext_control); nothing was sent\n"));
+    verdictFd = -1;
     return kExitConfigError;
   }
   if (!secured.stream) {
-    report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": the TLS handshake with the manager at ",
-                             options.manager, " did not complete: ", secured.why, "\n"));
+    failStart(options, verdictFd, strCat("varuna_agent on ", options.agent.host, ": the TLS handshake with the manager at ",
+                                         options.manager, " did not complete: ", secured.why, "\n"));
     return 1;
   }
   writeConnectionFile(options.agent.runDir, options.manager, options.agent);
   Agent agent(io, options.agent, std::move(secured.stream), options.manager);
   agent.start();
-  served = true;
+  reached = Reached::kServed;
   report(verdictFd, strCat("ok ", ::getpid(), "\n"));
+  verdictFd = -1;
   io.run();
   log::flush();
   return agent.exitCode();
@@ -262,18 +291,40 @@ int runOnce(MainOptions options, const std::string& joinCredential, int verdictF
 // A joined host outlives its manager: when the manager is lost (exit 1: a
 // restart, a requeued manager job, a partition) the agent, its workers
 // killed, joins again (waiting up to --join_wait_s for the manager), as a
-// scheduler's task should rather than end. Released (0), refused (2),
-// stopped by a signal, or not let in again within the wait, it exits.
+// scheduler's task should rather than end; so too when it was let in but its
+// connection then failed (a reset, a handshake cut short), up to
+// kMaxUnservedJoins times in a row with a growing pause. Released (0),
+// refused (2), stopped by a signal, or not let in again within the wait, it
+// exits.
 int run(const MainOptions& options, const std::string& joinCredential, int verdictFd) {
+  constexpr int kMaxUnservedJoins = 5;
+  int unservedJoins = 0;
   for (int round = 0;; ++round) {
-    bool served = false;
+    Reached reached = Reached::kNothing;
     // The file again each round: run_varuna (or the scheduler's secret
     // store) renews it, and the one read at start may have expired since.
     const std::string credential =
         round > 0 && !options.joinTokenFile.empty() ? rereadJoinCredential(options, joinCredential) : joinCredential;
-    const int code = runOnce(options, credential, round == 0 ? verdictFd : -1, served);
-    if (options.join.empty() || !served || code != 1) return code;
-    log::warn("the manager was lost: joining again (for up to ", options.joinWaitS, " s)");
+    const int code = runOnce(options, credential, verdictFd, reached);
+    if (options.join.empty() || reached == Reached::kNothing || code != 1) {
+      if (verdictFd >= 0) report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": exited with code ", code,
+                               " before serving the manager; see its log\n"));
+      return code;
+    }
+    if (reached == Reached::kServed) {
+      unservedJoins = 0;
+      log::warn("the manager was lost: joining again (for up to ", options.joinWaitS, " s)");
+      continue;
+    }
+    if (++unservedJoins > kMaxUnservedJoins) {
+      if (verdictFd >= 0) report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": let in ", kMaxUnservedJoins + 1,
+                               " times, but the connection to the manager failed each time; see its log\n"));
+      return code;
+    }
+    const auto pause = std::chrono::seconds(1 << std::min(unservedJoins, 4));
+    log::warn("joined, but the connection to the manager failed: joining again in ", pause.count(), " s (",
+              unservedJoins, " of ", kMaxUnservedJoins, ")");
+    std::this_thread::sleep_for(pause);
   }
 }
 

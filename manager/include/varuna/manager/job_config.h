@@ -110,7 +110,12 @@ std::vector<std::pair<std::string, std::string>> jobEnvironment(
     const JobConfig& config, std::vector<std::pair<std::string, std::string>> envFile);
 
 // KEY=VALUE lines (optional `export `, optional quotes, # comments). Errors
-// name source:line.
+// name source:line; a control-plane variable is one.
 std::vector<std::pair<std::string, std::string>> parseEnvFile(std::string_view text, const std::string& source);
+
+// The variables only varuna sets (a credential, its descriptor, the beat
+// socket's, the plaintext switch): an env_file may not, and an agent drops
+// them from what a manager sends.
+bool isControlPlaneVariable(std::string_view name);
 
 }  // namespace varuna
