@@ -133,11 +133,21 @@ class JobSampler(threading.Thread):
         self.samples = 0
         self.generations = set()
         self.losses = {}  # generation -> [(step, loss)], the longest read of its rank-0 log
+        self._sizes = {}  # path -> its size when last read: unchanged logs are not read again
         self._last_loss_read = 0.0
         self.done = threading.Event()
 
     def keep_losses(self):
-        for gen, records in losses_by_generation(self.job).items():
+        for path in LOG_ROOT.joinpath(self.job).glob("*/logs/g*_rank0.log"):
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue  # pruned meanwhile: what was read of it is kept
+            if self._sizes.get(path) == size:
+                continue
+            self._sizes[path] = size
+            gen = int(re.match(r"g(\d+)_rank0\.log$", path.name).group(1))
+            records = rank0_steps_of(path)
             if len(records) >= len(self.losses.get(gen, ())):
                 self.losses[gen] = records
         self._last_loss_read = time.monotonic()
@@ -208,18 +218,20 @@ def notify_preempt_from(cluster, m, host, *extra):
 _STEP_LINE = re.compile(r"^step (\d+) loss (\S+) grad_norm ")
 
 
+def rank0_steps_of(path):
+    """[(step, loss)] in one rank-0 log, in order ([] if it cannot be read)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [(int(m.group(1)), float(m.group(2))) for m in map(_STEP_LINE.match, text.splitlines()) if m]
+
+
 def rank0_steps(job, generation):
     """[(step, loss)] rank 0 of `generation` printed (train_gpt --log_every 1), in order."""
     out = []
     for path in LOG_ROOT.joinpath(job).glob("*/logs/g%d_rank0.log" % generation):
-        try:
-            text = path.read_text(errors="replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            match = _STEP_LINE.match(line)
-            if match:
-                out.append((int(match.group(1)), float(match.group(2))))
+        out += rank0_steps_of(path)
     return out
 
 

@@ -251,16 +251,20 @@ void Agent::scheduleLogCap() {
   logCapTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || exiting_) return;
     if (logCapper_.pending() == 0) {
-      logCapper_.run([runDir = options_.runDir] { return capLogs(runDir); }, [](const LogCapResult& r) {
-        if (r.cut > 0) log::info("cut ", r.cut, " log(s) past ", kMaxLogBytes >> 20, " MiB (their tails kept in <log>.1)");
-        if (r.dropped > 0) {
-          log::warn("cut ", r.dropped, " log(s) past ", kMaxLogBytes >> 20,
-                    " MiB without keeping their tails: the copy failed (a full disk?)");
-        }
-      });
+      auto cap = [runDir = options_.runDir, stop = stopLogCap_] { return capLogs(runDir, kMaxLogBytes, stop.get()); };
+      logCapper_.run(std::move(cap), [](const LogCapResult& r) { reportLogCap(r); });
     }
     scheduleLogCap();
   });
+}
+
+void Agent::reportLogCap(const LogCapResult& result) {
+  const auto cap = kMaxLogBytes >> 20;
+  if (result.cut > 0) log::info("cut ", result.cut, " log(s) past ", cap, " MiB (their tails kept in <log>.1)");
+  if (result.dropped > 0) {
+    log::warn("cut ", result.dropped, " log(s) past ", cap,
+              " MiB without keeping their tails: the copy failed (a full disk?)");
+  }
 }
 
 int Agent::openBeatSocket(int generation) {
@@ -593,6 +597,7 @@ void Agent::finish(int exitCode, const std::string& reason) {
   killWorkers(reason);
   heartbeatTimer_.cancel();
   logCapTimer_.cancel();
+  stopLogCap_->store(true);  // a round still copying stops at its next file: the exit must not wait for it
   graceTimer_.cancel();
   schedulerNotice_.cancel();
   readDeadlineTimer_.cancel();

@@ -33,6 +33,7 @@
 #include <utility>  // before Asio: its headers miss it with this GCC
 #include <boost/asio.hpp>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "varuna/common/protocol.h"
+#include "agent/run_dir.h"
 #include "agent/scheduler_notice.h"
 #include "loop/background_worker.h"
 #include "loop/framed_connection.h"
@@ -111,6 +113,7 @@ class Agent {
   void waitSignals();
   void scheduleHeartbeat();
   void scheduleLogCap();
+  static void reportLogCap(const LogCapResult& result);
   // The read deadline: fires lostManager after the last frame from the manager.
   void scheduleReadDeadline();
   void finish(int exitCode, const std::string& reason);
@@ -128,6 +131,7 @@ class Agent {
   // capLogs every kLogCapInterval, on logCapper_'s thread.
   static constexpr std::chrono::seconds kLogCapInterval{10};
   boost::asio::steady_timer logCapTimer_;
+  std::shared_ptr<std::atomic<bool>> stopLogCap_ = std::make_shared<std::atomic<bool>>(false);
   BackgroundWorker logCapper_;
   boost::asio::steady_timer graceTimer_;
   boost::asio::steady_timer readDeadlineTimer_;

@@ -251,9 +251,9 @@ int runOnce(MainOptions options, const std::string& joinCredential, int& verdict
     auto client = proto::ControlClient::connect(options.manager, std::chrono::seconds(10));
     fd = client.release();
   } catch (const std::exception& e) {
-    failStart(options, verdictFd, strCat("varuna_agent on ", options.agent.host, ": ", e.what(),
-                                         " (is run_varuna reachable from this host? check --manager_ip and "
-                                         "firewalls)\n"));
+    failStart(options, verdictFd,
+              strCat("varuna_agent on ", options.agent.host, ": ", e.what(),
+                     " (is run_varuna reachable from this host? check --manager_ip and firewalls)\n"));
     return 1;
   }
   boost::asio::ip::tcp::socket socket(io);
@@ -273,8 +273,9 @@ int runOnce(MainOptions options, const std::string& joinCredential, int& verdict
     return kExitConfigError;
   }
   if (!secured.stream) {
-    failStart(options, verdictFd, strCat("varuna_agent on ", options.agent.host, ": the TLS handshake with the manager at ",
-                                         options.manager, " did not complete: ", secured.why, "\n"));
+    failStart(options, verdictFd,
+              strCat("varuna_agent on ", options.agent.host, ": the TLS handshake with the manager at ",
+                     options.manager, " did not complete: ", secured.why, "\n"));
     return 1;
   }
   writeConnectionFile(options.agent.runDir, options.manager, options.agent);
@@ -299,16 +300,28 @@ int runOnce(MainOptions options, const std::string& joinCredential, int& verdict
 int run(const MainOptions& options, const std::string& joinCredential, int verdictFd) {
   constexpr int kMaxUnservedJoins = 5;
   int unservedJoins = 0;
+  // The end: logged, and the verdict if it is still owed (daemon mode).
+  const auto end = [&](int code, const std::string& why) {
+    log::error("varuna_agent on ", options.agent.host, ": ", why);
+    log::flush();
+    if (verdictFd >= 0) report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": ", why, "\n"));
+    return code;
+  };
   for (int round = 0;; ++round) {
     Reached reached = Reached::kNothing;
-    // The file again each round: run_varuna (or the scheduler's secret
-    // store) renews it, and the one read at start may have expired since.
-    const std::string credential =
-        round > 0 && !options.joinTokenFile.empty() ? rereadJoinCredential(options, joinCredential) : joinCredential;
-    const int code = runOnce(options, credential, verdictFd, reached);
+    int code = 1;
+    try {
+      // The file again each round: run_varuna (or the scheduler's secret
+      // store) renews it, and the one read at start may have expired since.
+      const std::string credential = round > 0 && !options.joinTokenFile.empty()
+                                         ? rereadJoinCredential(options, joinCredential)
+                                         : joinCredential;
+      code = runOnce(options, credential, verdictFd, reached);
+    } catch (const std::exception& e) {  // a thread or a file that could not be made: an end, not an abort
+      return end(1, strCat("stopped: ", e.what()));
+    }
     if (options.join.empty() || reached == Reached::kNothing || code != 1) {
-      if (verdictFd >= 0) report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": exited with code ", code,
-                               " before serving the manager; see its log\n"));
+      if (verdictFd >= 0) return end(code, strCat("exited with code ", code, " before serving the manager"));
       return code;
     }
     if (reached == Reached::kServed) {
@@ -317,9 +330,8 @@ int run(const MainOptions& options, const std::string& joinCredential, int verdi
       continue;
     }
     if (++unservedJoins > kMaxUnservedJoins) {
-      if (verdictFd >= 0) report(verdictFd, strCat("varuna_agent on ", options.agent.host, ": let in ", kMaxUnservedJoins + 1,
-                               " times, but the connection to the manager failed each time; see its log\n"));
-      return code;
+      return end(code, strCat("let in ", kMaxUnservedJoins + 1,
+                              " times, but the connection to the manager failed each time; giving up"));
     }
     const auto pause = std::chrono::seconds(1 << std::min(unservedJoins, 4));
     log::warn("joined, but the connection to the manager failed: joining again in ", pause.count(), " s (",
@@ -339,6 +351,9 @@ void setEnvironmentFromStdin() {
     if (!pair.is_array() || pair.size() != 2 || !pair[0].is_string() || !pair[1].is_string()) {
       throw ConfigError("--env_stdin: every entry must be a [name, value] pair of strings");
     }
+    // A credential or the plaintext switch is never the env file's (run_varuna
+    // refuses such a line; an older or a forged one is ignored here).
+    if (isControlPlaneVariable(pair[0].get<std::string>())) continue;
     ::setenv(pair[0].get<std::string>().c_str(), pair[1].get<std::string>().c_str(), 1);
   }
 }

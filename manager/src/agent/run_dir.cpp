@@ -143,65 +143,92 @@ size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation) {
 
 namespace {
 
-// Appends `length` bytes of `in` from `offset` to `out`: copy_file_range (the
-// kernel copies, no buffer in this process), or read and write where the
-// filesystem or the kernel cannot.
-bool copyRange(int in, int out, off_t offset, uint64_t length) {
-  while (length > 0) {
-    const ssize_t n = ::copy_file_range(in, &offset, out, nullptr, length, 0);
-    if (n > 0) {
-      length -= static_cast<uint64_t>(n);
-      continue;
-    }
-    if (n == 0) return true;  // the file shrank under us: what there was is copied
-    if (errno == EINTR) continue;
-    if (errno != EXDEV && errno != ENOSYS && errno != EINVAL && errno != EOPNOTSUPP) return false;
-    char buffer[1 << 16];
-    while (length > 0) {
-      const ssize_t got = ::pread(in, buffer, std::min<uint64_t>(sizeof(buffer), length), offset);
-      if (got == 0) return true;
-      if (got < 0 && errno == EINTR) continue;
-      if (got < 0 || ::write(out, buffer, static_cast<size_t>(got)) != got) return false;
-      offset += got;
-      length -= static_cast<uint64_t>(got);
-    }
+// Writes all of `data` (a short write or a signal is not an error).
+bool writeAll(int fd, const char* data, size_t size) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    data += n;
+    size -= static_cast<size_t>(n);
   }
   return true;
 }
 
-// Copies the last `maxBytes` of `from` (a regular file, not a link) to `to`
-// (made or replaced, 0600, not through a link), then truncates `from`,
-// whether or not the copy succeeded: on a full disk the copy fails, and the
-// log must stop growing all the same.
-LogCut copyThenTruncate(const fs::path& from, const fs::path& to, uint64_t maxBytes) {
-  // O_NONBLOCK: a FIFO swapped in after the caller's lstat must not block
-  // the open; fstat then checks what was opened.
-  const int in = ::open(from.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+// Appends `length` bytes of `in` from `offset` to `out` by reading and writing.
+bool readWriteRange(int in, int out, off_t offset, uint64_t length) {
+  char buffer[1 << 16];
+  while (length > 0) {
+    const ssize_t got = ::pread(in, buffer, std::min<uint64_t>(sizeof(buffer), length), offset);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return false;
+    if (got == 0) return true;  // the file shrank under us: what there was is copied
+    if (!writeAll(out, buffer, static_cast<size_t>(got))) return false;
+    offset += got;
+    length -= static_cast<uint64_t>(got);
+  }
+  return true;
+}
+
+// Appends `length` bytes of `in` from `offset` to `out`: copy_file_range (the
+// kernel copies, no buffer in this process), or read and write where the
+// filesystem or the kernel cannot (some return 0 at once instead of an error).
+bool copyRange(int in, int out, off_t offset, uint64_t length) {
+  bool copiedAny = false;
+  while (length > 0) {
+    const ssize_t n = ::copy_file_range(in, &offset, out, nullptr, length, 0);
+    if (n > 0) {
+      length -= static_cast<uint64_t>(n);
+      copiedAny = true;
+      continue;
+    }
+    if (n == 0 && copiedAny) return true;  // the file shrank under us: what there was is copied
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno != EXDEV && errno != ENOSYS && errno != EINVAL && errno != EOPNOTSUPP) return false;
+    return readWriteRange(in, out, offset, length);  // the kernel advanced `offset` past what it copied
+  }
+  return true;
+}
+
+}  // namespace
+
+LogCut cutLog(const fs::path& log, uint64_t maxBytes) {
+  // Opened without following a link, then checked by what was opened: a
+  // FIFO or a device swapped in after the caller's lstat is refused before
+  // anything is read from it (O_NONBLOCK keeps a device's open from waiting).
+  const int in = ::open(log.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (in < 0) return LogCut::kNone;
   struct stat st {};
   if (::fstat(in, &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) <= maxBytes) {
     ::close(in);
     return LogCut::kNone;
   }
-  ::unlink(to.c_str());  // a link planted under the name goes, never followed
-  const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  const fs::path copy(log.string() + ".1");
+  ::unlink(copy.c_str());  // a link planted under the name goes, never followed
+  const int out = ::open(copy.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   const uint64_t kept = std::min(size, maxBytes);  // the newest lines: the ones a reader wants
   bool copied = out >= 0 && copyRange(in, out, static_cast<off_t>(size - kept), kept);
   if (out >= 0) copied = ::close(out) == 0 && copied;
-  if (!copied) ::unlink(to.c_str());  // no half copy passed off as the log's tail
+  if (!copied) ::unlink(copy.c_str());  // no half copy passed off as the log's tail
+  // Cut whether or not the copy succeeded: on a full disk the copy fails,
+  // and the log must stop growing all the same.
   const bool cut = ::ftruncate(in, 0) == 0;
   ::close(in);
   if (!cut) return LogCut::kNone;
   return copied ? LogCut::kCopied : LogCut::kDropped;
 }
 
+namespace {
+
+// lstat first: most rounds find every log small, and a link or a FIFO is
+// passed over without being opened.
 LogCut cutIfLarge(const fs::path& log, uint64_t maxBytes) {
   struct stat st {};
   if (::lstat(log.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) <= maxBytes) {
     return LogCut::kNone;
   }
-  return copyThenTruncate(log, fs::path(log.string() + ".1"), maxBytes);
+  return cutLog(log, maxBytes);
 }
 
 void count(LogCapResult& result, LogCut cut) {
@@ -211,12 +238,13 @@ void count(LogCapResult& result, LogCut cut) {
 
 }  // namespace
 
-LogCapResult capLogs(const fs::path& runDir, uint64_t maxBytes) {
+LogCapResult capLogs(const fs::path& runDir, uint64_t maxBytes, const std::atomic<bool>* stop) {
   LogCapResult result;
   count(result, cutIfLarge(runDir / "agent.log", maxBytes));
   std::error_code ec;
   fs::directory_iterator it(runDir / "logs", ec);
   for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    if (stop && stop->load()) break;  // the agent is exiting: it must not wait for more copies
     if (logGeneration(it->path().filename().string()) >= 0) count(result, cutIfLarge(it->path(), maxBytes));
   }
   return result;

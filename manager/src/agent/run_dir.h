@@ -4,6 +4,7 @@
 // Called by varuna_agent's main before anything is written there.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 
@@ -35,15 +36,22 @@ size_t pruneWorkerLogs(const std::filesystem::path& logDir, int generation);
 // O_APPEND (a worker, the agent's own output) goes on at its start. Lines
 // written between the copy and the cut are lost; where the copy fails (a
 // full disk) the log is cut all the same, without a copy: the disk matters
-// more than the old lines. Never follows a link, never blocks on a FIFO
-// planted under a log's name; nothing throws. The copy runs in the kernel
-// (copy_file_range) where it can: the agent calls this off its event loop.
+// more than the old lines. Never follows a link, never reads a FIFO or a
+// device planted under a log's name; nothing throws. The copy runs in the
+// kernel (copy_file_range) where it can: the agent calls this off its event
+// loop. `stop`, when set, ends the walk between two files (an exiting agent).
+// A worker's log removed by pruneWorkerLogs meanwhile may leave its <name>.1
+// behind until the next launch prunes it.
 inline constexpr uint64_t kMaxLogBytes = 64ull << 20;
 enum class LogCut { kNone, kCopied, kDropped };
 struct LogCapResult {
   size_t cut = 0;      // copied to <name>.1, then cut
   size_t dropped = 0;  // cut without a copy (the copy failed)
 };
-LogCapResult capLogs(const std::filesystem::path& runDir, uint64_t maxBytes = kMaxLogBytes);
+LogCapResult capLogs(const std::filesystem::path& runDir, uint64_t maxBytes = kMaxLogBytes,
+                     const std::atomic<bool>* stop = nullptr);
+// One log: cut (as above) if it is a regular file past `maxBytes`, checked on
+// the descriptor opened, not on the name.
+LogCut cutLog(const std::filesystem::path& log, uint64_t maxBytes);
 
 }  // namespace varuna

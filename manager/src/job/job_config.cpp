@@ -25,16 +25,14 @@ namespace {
 bool isLoopbackAddress(const std::string& text) {
   sockaddr_in v4{};
   v4.sin_family = AF_INET;
-  if (::inet_pton(AF_INET, text.c_str(), &v4.sin_addr) == 1) return tls::isLoopback(reinterpret_cast<const sockaddr&>(v4));
+  if (::inet_pton(AF_INET, text.c_str(), &v4.sin_addr) == 1) {
+    return tls::isLoopback(reinterpret_cast<const sockaddr&>(v4));
+  }
   sockaddr_in6 v6{};
   v6.sin6_family = AF_INET6;
   return ::inet_pton(AF_INET6, text.c_str(), &v6.sin6_addr) == 1 &&
          tls::isLoopback(reinterpret_cast<const sockaddr&>(v6));
 }
-
-}  // namespace
-
-namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;

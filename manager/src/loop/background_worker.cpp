@@ -1,13 +1,28 @@
 #include "loop/background_worker.h"
 
 #include <pthread.h>
+#include <signal.h>
 
 #include "varuna/common/log.h"
 
 namespace varuna {
 
 BackgroundWorker::BackgroundWorker(boost::asio::io_context& loop, std::string name)
-    : loop_(loop), name_(std::move(name)), thread_([this] { threadMain(); }) {}
+    : loop_(loop), name_(std::move(name)) {
+  // Every signal blocked in the thread from its first instruction (it
+  // inherits the mask): SIGCHLD, SIGTERM and the rest go to the loop's
+  // thread, where Asio's signal_set waits, and never interrupt a job.
+  sigset_t all, previous;
+  ::sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &previous);
+  try {
+    thread_ = std::thread([this] { threadMain(); });
+  } catch (...) {
+    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    throw;
+  }
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+}
 
 BackgroundWorker::~BackgroundWorker() {
   alive_->store(false);

@@ -5,8 +5,9 @@
 // is posted back to the loop's io_context, where its completion runs; so the
 // loop only ever sees finished results, in the order the jobs were queued.
 //
-// Owned by the ManagerDaemon; run() and pending() are called on the loop
-// thread only. A job's work runs on the worker's thread and must not touch
+// Owned by the ManagerDaemon (and by the agent, for its log cap); run() and
+// pending() are called on the loop thread only. Its thread blocks every
+// signal: they are the loop's. A job's work runs on the worker's thread and must not touch
 // the loop's state (it gets copies); its completion runs on the loop thread.
 // work() reports its errors in its result: an exception it throws anyway is
 // logged and that job's completion is not run (pending() still drops).
@@ -70,7 +71,7 @@ class BackgroundWorker {
   std::condition_variable wake_;
   std::deque<std::function<void()>> queue_;
   bool stopping_ = false;
-  std::thread thread_;  // last: started once everything above exists
+  std::thread thread_;  // last: started (in the constructor's body) once everything above exists
 };
 
 }  // namespace varuna
