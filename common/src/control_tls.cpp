@@ -114,15 +114,6 @@ bool attachSocket(SSL* ssl, int fd) {
   return true;
 }
 
-bool isLoopback(const sockaddr& address) {
-  if (address.sa_family == AF_INET) {
-    return (ntohl(reinterpret_cast<const sockaddr_in&>(address).sin_addr.s_addr) >> 24) == 127;
-  }
-  if (address.sa_family != AF_INET6) return false;
-  const in6_addr& v6 = reinterpret_cast<const sockaddr_in6&>(address).sin6_addr;
-  return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
-}
-
 bool plaintextRequested() {
   const char* value = std::getenv(kPlaintextEnv);
   return value && std::strcmp(value, "1") == 0;

@@ -1,7 +1,5 @@
 #include "varuna/manager/job_config.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -15,24 +13,11 @@
 #include "varuna/common/errors.h"
 #include "varuna/common/agent_beat.h"
 #include "varuna/common/control_tls.h"
+#include "varuna/common/loopback.h"
 #include "varuna/common/launch_contract.h"
 
 namespace varuna {
 namespace {
-
-// A numeric address on this machine (127.0.0.0/8, ::1, ::ffff:127.x); a
-// name, even one that starts "127.", is not.
-bool isLoopbackAddress(const std::string& text) {
-  sockaddr_in v4{};
-  v4.sin_family = AF_INET;
-  if (::inet_pton(AF_INET, text.c_str(), &v4.sin_addr) == 1) {
-    return tls::isLoopback(reinterpret_cast<const sockaddr&>(v4));
-  }
-  sockaddr_in6 v6{};
-  v6.sin6_family = AF_INET6;
-  return ::inet_pton(AF_INET6, text.c_str(), &v6.sin6_addr) == 1 &&
-         tls::isLoopback(reinterpret_cast<const sockaddr&>(v6));
-}
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -269,7 +254,7 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable) {
     throw ConfigError(strCat("--metrics_port must be 0..65535 (0: any free port; leave it out for no metrics), got ",
                              config.metricsPort));
   }
-  if (config.insecurePlaintextControl && !isLoopbackAddress(config.managerIp)) {
+  if (config.insecurePlaintextControl && !tls::isLoopbackAddress(config.managerIp)) {
     throw ConfigError(strCat("--insecure_plaintext_control needs a loopback --manager_ip (127.0.0.1 or ::1), got '",
                              config.managerIp, "': over a network the control plane must be TLS (drop the flag)"));
   }

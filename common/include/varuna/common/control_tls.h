@@ -27,6 +27,7 @@
 #include <optional>
 #include <string>
 
+#include "varuna/common/loopback.h"
 #include "varuna/common/protocol.h"
 
 struct sockaddr;
@@ -38,9 +39,7 @@ namespace varuna::tls {
 // "1" in a process's environment: its control connections are plaintext.
 inline constexpr const char* kPlaintextEnv = "VARUNA_INSECURE_PLAINTEXT_CONTROL";
 bool plaintextRequested();
-// Whether `address` is this machine's: 127.0.0.0/8, ::1 or an IPv4-mapped
-// 127.x. Plaintext goes to no other peer.
-bool isLoopback(const sockaddr& address);
+// isLoopback(sockaddr), where plaintext may go: loopback.h.
 
 // What a peer's PSK identity says. `hint` tells the manager which key to
 // derive where the role alone does not: "secret" for a notifier holding the
