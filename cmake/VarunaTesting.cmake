@@ -30,3 +30,22 @@ function(varuna_add_test)
     set_tests_properties(${T_NAME} PROPERTIES SKIP_RETURN_CODE ${T_SKIP_RETURN_CODE})
   endif()
 endfunction()
+
+# varuna_tests_one_thread_each(): every test of the calling folder runs its
+# processes with one intra-op thread (OMP_NUM_THREADS=1) unless the test sets
+# its own. A test starts up to 4 worker processes and CTest runs two tests at
+# once on a 2-core machine: with torch's default of a thread per core, 16
+# threads share 2 cores and OpenMP's spin-waits eat the time (the example
+# job of python_hf_test: 26 s alone, 20 s with one thread each). The tests'
+# figures do not depend on it: each compares with a reference computed under
+# the same setting. Call at the end of a folder's CMakeLists.txt (before CMake
+# 3.28 set_tests_properties reaches only the calling folder's tests).
+function(varuna_tests_one_thread_each)
+  get_property(_tests DIRECTORY PROPERTY TESTS)
+  foreach(_test IN LISTS _tests)
+    get_test_property(${_test} ENVIRONMENT _env)
+    if(NOT _env MATCHES "OMP_NUM_THREADS=")
+      set_property(TEST ${_test} APPEND PROPERTY ENVIRONMENT "OMP_NUM_THREADS=1")
+    endif()
+  endforeach()
+endfunction()

@@ -17,14 +17,26 @@ per-replica --batch-size). --replica_batch_size gives that share instead.
 If a worker fails, the others get --grace seconds to notice (they exit by
 themselves with a clear error) before they are killed; the launcher exits with
 the first failing worker's code.
+
+--preload torch,varuna (for a program `python SCRIPT ...` only) imports those
+modules once in the launcher and forks every worker from it, as torch's
+DataLoader forks its workers, instead of starting a fresh interpreter each:
+importing torch costs each worker about 4 s of CPU. The workers run SCRIPT as
+__main__ with their own arguments and environment. Nothing may initialise CUDA
+before the fork (importing torch does not).
 """
 import argparse
+import atexit
+import importlib
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
 
 def free_port() -> int:
@@ -56,6 +68,101 @@ def rendezvous_environment(rank, local_rank, world_size, master_addr, master_por
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
+def block_checkpoint_signal():
+    """SIGUSR1 blocked until the runtime installs its handler
+    (installCheckpointSignalHandler unblocks it): a checkpoint request during
+    start-up waits instead of killing the worker."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+
+class ForkedWorker:
+    """A worker forked from this launcher (--preload) running `script` as
+    __main__, with the part of Popen's interface the launcher uses."""
+
+    def __init__(self, script, argv, env):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            os._exit(self._run(script, argv, env))
+
+    @staticmethod
+    def _run(script, argv, env):
+        """In the child: what `python script argv...` would do; its exit code."""
+        code = 0
+        try:
+            block_checkpoint_signal()
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = [script] + argv
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as end:
+            if isinstance(end.code, int) or end.code is None:
+                code = end.code or 0
+            else:
+                print(end.code, file=sys.stderr)
+                code = 1
+        except BaseException as error:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+            # Where the interpreter leaves it (atexit handlers look: varuna's
+            # leaves without waiting for its peers after a failure).
+            sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+            sys.last_exc = error
+            traceback.print_exception(type(error), error, ForkedWorker._from_script(error.__traceback__, script))
+            code = 1
+        # What an interpreter does on its way out: join its threads, run atexit.
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return code
+
+    @staticmethod
+    def _from_script(tb, script):
+        """The traceback from the script's own frame on (the launcher's and
+        runpy's frames before it are not the program's)."""
+        start, path = tb, os.path.abspath(script)
+        while start is not None and os.path.abspath(start.tb_frame.f_code.co_filename) != path:
+            start = start.tb_next
+        return start or tb
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def preload(modules, program):
+    """Imports `modules` (comma-separated) here for ForkedWorker; False when
+    the program is not `python SCRIPT` or the launcher is not one thread of
+    Python (a fork copies only the calling thread)."""
+    names = [m for m in modules.split(",") if m]
+    if not names:
+        return False
+    if len(program) < 2 or not os.path.basename(program[0]).startswith("python") or program[1].startswith("-"):
+        sys.exit("varuna_launch: --preload needs a program of the form `python SCRIPT [args...]`, not %s"
+                 % " ".join(program))
+    for name in names:
+        importlib.import_module(name)
+    if threading.active_count() > 1:
+        print("varuna_launch: --preload: importing %s started Python threads; starting fresh interpreters instead"
+              % modules, file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def clustered_map(stages: int, replicas: int) -> str:
     return "".join(",".join(str(r * stages + s) for r in range(replicas)) + ";" for s in range(stages))
 
@@ -71,6 +178,8 @@ def main() -> int:
     parser.add_argument("--resume_step", type=int, default=None)
     parser.add_argument("--master_port", type=int, default=0, help="0: pick a free port")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds survivors get to exit after a failure")
+    parser.add_argument("--preload", default="", metavar="MODULE[,MODULE]",
+                        help="import these once here and fork each worker from this process (python SCRIPT only)")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="-- program [args...]")
     args = parser.parse_args()
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
@@ -90,6 +199,7 @@ def main() -> int:
     world = args.nstages * args.replicas
     port = args.master_port or free_port()
     stage_map = clustered_map(args.nstages, args.replicas)
+    forked = preload(args.preload, program)
     print(f"varuna_launch: {args.nstages} stages x {args.replicas} replicas, stage_to_rank_map {stage_map}, "
           f"global batch {per_replica * args.replicas} ({per_replica} per replica), port {port}", flush=True)
     procs = []
@@ -97,12 +207,11 @@ def main() -> int:
         env = dict(os.environ, **rendezvous_environment(rank, rank, world, "127.0.0.1", port))
         # After the program's own arguments, as run_varuna's agent does: the
         # program may be an interpreter and its script (python train.py).
-        cmd = list(program) + launcher_argv(rank, rank, stage_map, args.chunk_size, per_replica, args.resume_step)
-        # SIGUSR1 blocked until the runtime installs its handler
-        # (installCheckpointSignalHandler unblocks it): a checkpoint request
-        # during start-up waits instead of killing the worker.
-        procs.append(subprocess.Popen(cmd, env=env,
-                                      preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})))
+        argv = launcher_argv(rank, rank, stage_map, args.chunk_size, per_replica, args.resume_step)
+        if forked:
+            procs.append(ForkedWorker(program[1], program[2:] + argv, env))
+        else:
+            procs.append(subprocess.Popen(list(program) + argv, env=env, preexec_fn=block_checkpoint_signal))
 
     def forward(signum, _frame):
         for p in procs:

@@ -146,7 +146,7 @@ class JobSampler(threading.Thread):
             if self._sizes.get(path) == size:
                 continue
             self._sizes[path] = size
-            gen = int(re.match(r"g(\d+)_rank0\.log$", path.name).group(1))
+            gen = generation_of_rank0_log(path)
             records = rank0_steps_of(path)
             if len(records) >= len(self.losses.get(gen, ())):
                 self.losses[gen] = records
@@ -216,6 +216,12 @@ def notify_preempt_from(cluster, m, host, *extra):
 # ------------------------------------------------------------------- losses
 
 _STEP_LINE = re.compile(r"^step (\d+) loss (\S+) grad_norm ")
+_RANK0_LOG = re.compile(r"g(\d+)_rank0\.log$")  # an agent's log of rank 0 of a generation
+
+
+def generation_of_rank0_log(path):
+    """The generation whose rank-0 log `path` is."""
+    return int(_RANK0_LOG.match(path.name).group(1))
 
 
 def rank0_steps_of(path):
@@ -239,7 +245,7 @@ def losses_by_generation(job):
     """{generation: [(step, loss)]} from every rank-0 log of the job."""
     out = {}
     for path in LOG_ROOT.joinpath(job).glob("*/logs/g*_rank0.log"):
-        gen = int(re.match(r"g(\d+)_rank0\.log$", path.name).group(1))
+        gen = generation_of_rank0_log(path)
         out.setdefault(gen, [])
     for gen in out:
         out[gen] = rank0_steps(job, gen)
@@ -256,7 +262,8 @@ def assert_repeated_steps_agree(job, launches, by_gen=None):
     step-to-step spread. So, as local_job_test's preemption case: relative
     difference under min(1e-3, spread / 10). `by_gen`, {generation: [(step,
     loss)]}, where the logs were collected as they grew (JobSampler), else
-    read now. Returns (repeated steps, worst)."""
+    read now. Returns ({step: how many times it was trained} of the steps
+    trained more than once, worst)."""
     by_gen = losses_by_generation(job) if by_gen is None else by_gen
     width = {e["generation"]: (e["plan"]["stages"], e["plan"]["replicas"]) for e in launches}
     seen = {}  # step -> [(generation, loss)]
@@ -270,11 +277,11 @@ def assert_repeated_steps_agree(job, launches, by_gen=None):
                    for a, b in zip(steps, steps[1:]) if b == a + 1)
     spread = jumps[len(jumps) // 2] if jumps else 1e-2
     bound = min(1e-3, spread / 10)
-    worst, worst_at, repeated, exact = 0.0, None, 0, 0
+    worst, worst_at, repeated, exact = 0.0, None, {}, 0
     for step, values in sorted(seen.items()):
         if len(values) < 2:
             continue
-        repeated += 1
+        repeated[step] = len(values)
         ref = values[0][1]
         for gen, loss in values[1:]:
             diff = abs(loss - ref) / max(abs(ref), 1e-6)
@@ -283,7 +290,7 @@ def assert_repeated_steps_agree(job, launches, by_gen=None):
                 worst, worst_at = diff, (step, values)
     log("losses: %d steps logged, %d trained more than once (%d repeats printed identically), worst relative "
         "difference %.2e (bound %.1e; median step-to-step change %.1e); generations and plans: %s"
-        % (len(seen), repeated, exact, worst, bound, spread,
+        % (len(seen), len(repeated), exact, worst, bound, spread,
            {g: "%dx%d" % width[g] if g in width else "?" for g in sorted(by_gen)}))
     assert worst < bound, "step %s was trained with different losses: %s (generation, loss)" % worst_at
     return repeated, worst

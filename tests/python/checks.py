@@ -11,12 +11,20 @@ SOURCE = os.environ.get("VARUNA_SOURCE_DIR",
                         os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def launch(script, stages, replicas, micro, global_batch, worker_args, timeout=300):
+# What the launcher imports once and forks its workers from (varuna_launch.py
+# --preload): a test job's worker then starts in a fraction of a second rather
+# than spending 4-8 s of CPU on imports, which was most of these tests' time.
+PRELOAD = "torch,varuna"
+
+
+def launch(script, stages, replicas, micro, global_batch, worker_args, timeout=300, preload=PRELOAD):
     """Runs `script` (with worker_args) as a stages x replicas job started by
-    scripts/varuna_launch.py on loopback; returns the CompletedProcess."""
+    scripts/varuna_launch.py on loopback; returns the CompletedProcess.
+    `preload`: varuna_launch.py's --preload ("" for a fresh interpreter per
+    worker, as a test of the process itself needs)."""
     cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
            "--replicas", str(replicas), "--chunk_size", str(micro), "--batch_size", str(global_batch),
-           "--grace", "30", "--", sys.executable, script] + [str(a) for a in worker_args]
+           "--grace", "30", "--preload", preload, "--", sys.executable, script] + [str(a) for a in worker_args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 

@@ -66,7 +66,7 @@ def run_job(out, stages, replicas, global_batch, *worker_args, resume_step=None,
     """A job of frontend_faults_worker.py under scripts/varuna_launch.py."""
     cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
            "--replicas", str(replicas), "--chunk_size", str(micro), "--batch_size", str(global_batch),
-           "--grace", "30"]
+           "--grace", "30", "--preload", checks.PRELOAD]
     if resume_step is not None:
         cmd += ["--resume_step", str(resume_step)]
     cmd += ["--", sys.executable, WORKER, "--out", out, "--global_batch", str(global_batch)]

@@ -41,7 +41,8 @@ failures = checks.failures
 def run_job(out, stages, replicas, *worker_args, expect_ok=True):
     cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
            "--replicas", str(replicas), "--chunk_size", str(MICRO), "--batch_size", str(GLOBAL_BATCH),
-           "--grace", "30", "--", sys.executable, os.path.join(HERE, "frontend_worker.py"), "--out", out,
+           "--grace", "30", "--preload", checks.PRELOAD, "--", sys.executable, os.path.join(HERE, "frontend_worker.py"),
+           "--out", out,
            "--global_batch", str(GLOBAL_BATCH)] + [str(a) for a in worker_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if expect_ok and proc.returncode != 0:

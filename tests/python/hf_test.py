@@ -39,6 +39,7 @@ import hf_models as hm  # noqa: E402
 import varuna  # noqa: E402
 
 GLOBAL_BATCH, MICRO, STEPS, SEED = 8, 2, 3, 11
+PRELOAD = checks.PRELOAD + ",transformers.modeling_utils"  # the models' import, once per job
 LAYOUTS = {"gpt2": [(1, 1), (2, 2), (4, 1)], "llama": [(2, 2)], "bert": [(2, 2), (4, 1)]}
 failures = checks.failures
 
@@ -84,7 +85,7 @@ def run_layout(kind, stages, replicas, *worker_args):
     what = "%s %dx%d%s" % (kind, stages, replicas, "".join(" " + str(a) for a in worker_args))
     with tempfile.TemporaryDirectory() as out:
         proc = checks.launch(os.path.abspath(__file__), stages, replicas, MICRO, GLOBAL_BATCH,
-                             ["--worker", "--out", out, "--kind", kind] + list(worker_args))
+                             ["--worker", "--out", out, "--kind", kind] + list(worker_args), preload=PRELOAD)
         if proc.returncode != 0:
             failures.append("%s failed (%d): %s" % (what, proc.returncode, proc.stderr[-3000:]))
             return None
@@ -176,7 +177,7 @@ def test_meta_built_llama_equals_the_initialised_model():
 def test_the_example_trains_every_model():
     example = os.path.join(checks.SOURCE, "examples", "python", "train_hf.py")
     for kind in hm.KINDS:
-        proc = checks.launch(example, 2, 1, 4, 16, ["--model", kind, "--steps", "25"])
+        proc = checks.launch(example, 2, 1, 4, 16, ["--model", kind, "--steps", "25"], preload=PRELOAD)
         lines = [line.split() for line in proc.stdout.splitlines() if line.startswith(("step ", "eval loss"))]
         if proc.returncode != 0 or not lines or lines[-1][:2] != ["eval", "loss"]:
             failures.append("train_hf.py --model %s failed (%d): %s" % (kind, proc.returncode, proc.stderr[-2000:]))
