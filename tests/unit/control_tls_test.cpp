@@ -44,18 +44,19 @@ struct TlsListener {
   std::atomic<int> framesAfterHello{0};
   std::thread loop;
 
-  explicit TlsListener(const std::string& name) {
+  // `acksPerHello`: how many Acks an admitted peer gets at once (a burst).
+  explicit TlsListener(const std::string& name, int acksPerHello = 1) {
     events = std::make_unique<EventLog>((test::scratchDir(name) / "events.jsonl").string());
     REQUIRE_FALSE(listener.listen(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0)));
     listener.start(
         kSecret, *events,
-        [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+        [this, acksPerHello](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
           std::lock_guard<std::mutex> lock(mutex);
           hellos.push_back(hello);
           identities.push_back(connection->stream().authenticatedIdentity());
           admitted.push_back(connection);  // as the daemon's router would: taken over, read on
           connection->start([this](const proto::Message&) { ++framesAfterHello; }, [](const std::string&) {});
-          connection->send(proto::Ack{true, ""});
+          for (int i = 0; i < acksPerHello; ++i) connection->send(proto::Ack{true, std::to_string(i)});
         },
         [] { return size_t{0}; });
     loop = std::thread([this] {
@@ -344,6 +345,36 @@ TEST_CASE("control tls: a tap on the wire sees neither the credential nor the me
   CHECK(wire.find("\"hello\"") == std::string::npos);
   CHECK(wire.find("step_report") == std::string::npos);
   CHECK(wire.find("\"ok\"") == std::string::npos);
+}
+
+TEST_CASE("control tls: a burst of frames reaches the agent's side whole, none waiting for more bytes",
+          "[tls]") {
+  // TlsStream reads ahead (one recv takes every record the socket holds):
+  // records already inside OpenSSL must be read without waiting for the
+  // socket, which has nothing more to say once the burst is sent.
+  constexpr int kBurst = 300;
+  TlsListener server("tls-burst", kBurst);
+  asio::io_context io;
+  asio::ip::tcp::socket socket(io);
+  socket.connect(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), server.listener.port()));
+  auto context = makeControlTlsContext(false);
+  const auto hello = workerHello("h1", 1, 2);
+  auto connection = std::make_shared<FramedConnection>(TlsStream::client(
+      std::move(socket), *context, {tls::formatIdentity(tls::identityOf(hello)), tls::pskKey(hello.token)}));
+  int acks = 0;
+  bool inOrder = true;
+  connection->start(
+      [&](const proto::Message& message) {
+        const auto* ack = std::get_if<proto::Ack>(&message);
+        inOrder = inOrder && ack && ack->ok && ack->error == std::to_string(acks);
+        if (++acks == kBurst) io.stop();
+      },
+      [&](const std::string&) { io.stop(); });
+  connection->send(hello);
+  io.run_for(20s);
+  CHECK(acks == kBurst);
+  CHECK(inOrder);
+  connection->close("test over");
 }
 
 TEST_CASE("control tls: a server with a certificate instead of the key gets nothing", "[tls][security]") {

@@ -35,6 +35,11 @@ TlsStream::TlsStream(asio::ip::tcp::socket socket, asio::ssl::context& context, 
     return;
   }
   server ? SSL_set_accept_state(ssl_) : SSL_set_connect_state(ssl_);
+  // One recv() takes whatever the socket holds rather than a record's 5-byte
+  // header and then its body: a read that finds a message costs one system
+  // call, not two. What it takes beyond the record waits inside OpenSSL
+  // (SSL_has_pending), which asyncReadSome looks at before it waits.
+  SSL_set_read_ahead(ssl_, 1);
 }
 
 TlsStream::~TlsStream() {
@@ -58,35 +63,40 @@ std::unique_ptr<TlsStream> TlsStream::client(asio::ip::tcp::socket socket, asio:
   return stream;
 }
 
-void TlsStream::drive(std::function<int()> call, Done done) {
-  if (!socket_.is_open()) return done(-1, asio::error::operation_aborted);
+void TlsStream::drive(std::function<int()> call, Done done, bool waited) {
+  if (!socket_.is_open()) return done(-1, asio::error::operation_aborted, waited);
   ERR_clear_error();
   errno = 0;  // what SSL_ERROR_SYSCALL reports is this call's
   const int result = call();
-  if (result > 0) return done(result, {});
+  if (result > 0) return done(result, {}, waited);
   const int error = SSL_get_error(ssl_, result);
   if (error == SSL_ERROR_WANT_READ || error == SSL_ERROR_WANT_WRITE) {
-    const auto wait = error == SSL_ERROR_WANT_READ ? asio::socket_base::wait_read : asio::socket_base::wait_write;
-    socket_.async_wait(wait, [this, call = std::move(call), done = std::move(done)](
-                                 const boost::system::error_code& ec) mutable {
-      if (ec) return done(-1, ec);
-      drive(std::move(call), std::move(done));
-    });
+    waitThen(error == SSL_ERROR_WANT_READ ? asio::socket_base::wait_read : asio::socket_base::wait_write,
+             std::move(call), std::move(done));
     return;
   }
-  if (error == SSL_ERROR_ZERO_RETURN) return done(-1, asio::error::eof);
+  if (error == SSL_ERROR_ZERO_RETURN) return done(-1, asio::error::eof, waited);
   if (error == SSL_ERROR_SYSCALL && errno != 0) {
-    return done(-1, boost::system::error_code(errno, boost::system::system_category()));
+    return done(-1, boost::system::error_code(errno, boost::system::system_category()), waited);
   }
-  if (error == SSL_ERROR_SYSCALL) return done(-1, asio::error::eof);
+  if (error == SSL_ERROR_SYSCALL) return done(-1, asio::error::eof, waited);
   // What the other end refused in TLS; only a handshake's failure is why
   // the connection was not let in (handshakeFailure()).
   const std::string detail = tls::lastError();
   if (state_ == State::kRunning && failure_.empty()) failure_ = detail;
-  done(-1, make_error_code(boost::system::errc::protocol_error));
+  done(-1, make_error_code(boost::system::errc::protocol_error), waited);
 }
 
-void TlsStream::complete(Handler handler, const boost::system::error_code& ec, size_t bytes) {
+void TlsStream::waitThen(asio::socket_base::wait_type wait, std::function<int()> call, Done done) {
+  socket_.async_wait(wait, [this, call = std::move(call), done = std::move(done)](
+                               const boost::system::error_code& ec) mutable {
+    if (ec) return done(-1, ec, true);
+    drive(std::move(call), std::move(done), true);
+  });
+}
+
+void TlsStream::complete(Handler handler, const boost::system::error_code& ec, size_t bytes, bool waited) {
+  if (waited) return handler(ec, bytes);  // already a handler of the loop: no second trip through it
   asio::post(socket_.get_executor(), [handler = std::move(handler), ec, bytes] { handler(ec, bytes); });
 }
 
@@ -113,7 +123,7 @@ void TlsStream::afterHandshake(Ready then) {
       // Through the loop: a handshake that completes at once still reports as a handler.
       asio::post(socket_.get_executor(), [this] {
         drive([this] { return SSL_do_handshake(ssl_); },
-              [this](int, const boost::system::error_code& ec) { onHandshake(ec); });
+              [this](int, const boost::system::error_code& ec, bool) { onHandshake(ec); }, false);
       });
       return;
   }
@@ -140,29 +150,36 @@ void TlsStream::onHandshake(boost::system::error_code ec) {
 
 void TlsStream::asyncReadSome(char* data, size_t size, Handler handler) {
   afterHandshake([this, data, size, handler = std::move(handler)](const boost::system::error_code& ec) mutable {
-    if (ec) return complete(std::move(handler), ec, 0);
-    drive([this, data, size] { return SSL_read(ssl_, data, static_cast<int>(size)); },
-          [this, handler = std::move(handler)](int result, const boost::system::error_code& readError) mutable {
-            complete(std::move(handler), readError, readError ? 0 : static_cast<size_t>(result));
-          });
+    if (ec) return complete(std::move(handler), ec, 0, false);
+    auto read = [this, data, size] { return SSL_read(ssl_, data, static_cast<int>(size)); };
+    auto done = [this, handler = std::move(handler)](int result, const boost::system::error_code& readError,
+                                                     bool waited) mutable {
+      complete(std::move(handler), readError, readError ? 0 : static_cast<size_t>(result), waited);
+    };
+    // Nothing inside OpenSSL: the next byte can only come from the socket,
+    // so wait for it rather than try a read that finds nothing (a system
+    // call, and a record buffer taken and given back, per message).
+    if (SSL_has_pending(ssl_) == 0) return waitThen(asio::socket_base::wait_read, std::move(read), std::move(done));
+    drive(std::move(read), std::move(done), false);
   });
 }
 
 void TlsStream::asyncWrite(const char* data, size_t size, Handler handler) {
   afterHandshake([this, data, size, handler = std::move(handler)](const boost::system::error_code& ec) mutable {
-    if (ec) return complete(std::move(handler), ec, 0);
-    writeRest(data, size, 0, std::move(handler));
+    if (ec) return complete(std::move(handler), ec, 0, false);
+    writeRest(data, size, 0, std::move(handler), false);
   });
 }
 
-void TlsStream::writeRest(const char* data, size_t size, size_t written, Handler handler) {
-  if (written == size) return complete(std::move(handler), {}, size);
+void TlsStream::writeRest(const char* data, size_t size, size_t written, Handler handler, bool waited) {
+  if (written == size) return complete(std::move(handler), {}, size, waited);
   drive([this, data, size, written] { return SSL_write(ssl_, data + written, static_cast<int>(size - written)); },
-        [this, data, size, written, handler = std::move(handler)](int result,
-                                                                  const boost::system::error_code& ec) mutable {
-          if (ec) return complete(std::move(handler), ec, written);
-          writeRest(data, size, written + static_cast<size_t>(result), std::move(handler));
-        });
+        [this, data, size, written, handler = std::move(handler)](int result, const boost::system::error_code& ec,
+                                                                  bool waitedNow) mutable {
+          if (ec) return complete(std::move(handler), ec, written, waitedNow);
+          writeRest(data, size, written + static_cast<size_t>(result), std::move(handler), waitedNow);
+        },
+        waited);
 }
 
 std::optional<tls::PskIdentity> TlsStream::authenticatedIdentity() const {

@@ -54,7 +54,9 @@ class TlsStream final : public ByteStream {
  private:
   using Ready = std::function<void(const boost::system::error_code&)>;
   // One OpenSSL call's outcome: its result (> 0 worked) and the error.
-  using Done = std::function<void(int result, const boost::system::error_code& ec)>;
+  // `waited`: it runs as a handler of the loop (after a wait), not inside
+  // the call that started the operation.
+  using Done = std::function<void(int result, const boost::system::error_code& ec, bool waited)>;
   TlsStream(boost::asio::ip::tcp::socket socket, boost::asio::ssl::context& context, bool server);
   // Calls `then` once the handshake is done (with its error if it failed),
   // starting it if nobody has.
@@ -62,10 +64,14 @@ class TlsStream final : public ByteStream {
   void onHandshake(boost::system::error_code ec);
   // Runs `call` (SSL_read, SSL_write, SSL_do_handshake) now and again each
   // time the socket is ready as OpenSSL asked, until it works or fails.
-  void drive(std::function<int()> call, Done done);
-  void writeRest(const char* data, size_t size, size_t written, Handler handler);
-  // `handler` with (ec, bytes), as a handler of the io_context (never inline).
-  void complete(Handler handler, const boost::system::error_code& ec, size_t bytes);
+  // `waited` as Done's.
+  void drive(std::function<int()> call, Done done, bool waited);
+  // Waits until the socket is ready for `wait`, then drives `call`.
+  void waitThen(boost::asio::socket_base::wait_type wait, std::function<int()> call, Done done);
+  void writeRest(const char* data, size_t size, size_t written, Handler handler, bool waited);
+  // `handler` with (ec, bytes) as a handler of the io_context, never inside
+  // the call that started the operation: at once when `waited`, else posted.
+  void complete(Handler handler, const boost::system::error_code& ec, size_t bytes, bool waited);
 
   enum class State { kNotStarted, kRunning, kDone, kFailed };
   boost::asio::ip::tcp::socket socket_;
