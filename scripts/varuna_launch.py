@@ -22,14 +22,19 @@ the first failing worker's code.
 modules once in the launcher and forks every worker from it, as torch's
 DataLoader forks its workers, instead of starting a fresh interpreter each:
 importing torch costs each worker about 4 s of CPU. The workers run SCRIPT as
-__main__ with their own arguments and environment. Nothing may initialise CUDA
-before the fork (importing torch does not).
+__main__ with their own arguments and environment, in this launcher's own
+interpreter; they share its hash seed and the state of anything the preloaded
+modules set up (seed random generators in the program, as training does).
+Nothing may initialise CUDA before the fork (importing torch does not). With
+the job token in the environment it starts fresh interpreters instead.
 """
 import argparse
 import atexit
+import ctypes
 import importlib
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -85,75 +90,114 @@ class ForkedWorker:
         self.returncode = None
         self.pid = os.fork()
         if self.pid == 0:
-            os._exit(self._run(script, argv, env))
+            code = 1
+            try:
+                code = self._run(script, argv, env)
+            finally:  # whatever happens, the child never returns into the launcher's code
+                os._exit(code & 0xFF)
 
     @staticmethod
     def _run(script, argv, env):
         """In the child: what `python script argv...` would do; its exit code."""
-        code = 0
+        code, interrupted = 0, False
         try:
             block_checkpoint_signal()
             os.environ.clear()
             os.environ.update(env)
             sys.argv = [script] + argv
-            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            sys.path[0] = os.path.dirname(os.path.realpath(script))
             runpy.run_path(script, run_name="__main__")
         except SystemExit as end:
-            if isinstance(end.code, int) or end.code is None:
-                code = end.code or 0
-            else:
-                print(end.code, file=sys.stderr)
-                code = 1
+            code = ForkedWorker._exit_code(end)
         except BaseException as error:  # noqa: BLE001 - as the interpreter reports an uncaught exception
             # Where the interpreter leaves it (atexit handlers look: varuna's
             # leaves without waiting for its peers after a failure).
+            error.with_traceback(ForkedWorker._from_script(error.__traceback__, script))
             sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
             sys.last_exc = error
-            traceback.print_exception(type(error), error, ForkedWorker._from_script(error.__traceback__, script))
+            sys.excepthook(type(error), error, error.__traceback__)
+            code, interrupted = 1, isinstance(error, KeyboardInterrupt)
+        try:
+            # What an interpreter does on its way out: join its threads, run atexit.
+            for thread in threading.enumerate():
+                if thread is not threading.main_thread() and not thread.daemon:
+                    thread.join()
+            atexit._run_exitfuncs()
+        except SystemExit as end:
+            code = ForkedWorker._exit_code(end)
+        except BaseException:  # noqa: BLE001 - a failure on the way out is still an exit
+            traceback.print_exc()
             code = 1
-        # What an interpreter does on its way out: join its threads, run atexit.
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
+        ctypes.CDLL(None).fflush(None)  # C and C++ output (printf, std::cout) too: os._exit skips it
+        if interrupted:  # as Python does: ends by the signal, so the launcher sees "killed by signal 2"
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         return code
+
+    @staticmethod
+    def _exit_code(end):
+        """The status sys.exit(...) gives (a message: printed, status 1)."""
+        if end.code is None or isinstance(end.code, int):
+            return end.code or 0
+        print(end.code, file=sys.stderr)
+        return 1
 
     @staticmethod
     def _from_script(tb, script):
         """The traceback from the script's own frame on (the launcher's and
         runpy's frames before it are not the program's)."""
-        start, path = tb, os.path.abspath(script)
-        while start is not None and os.path.abspath(start.tb_frame.f_code.co_filename) != path:
+        start, path = tb, os.path.realpath(script)
+        while start is not None and os.path.realpath(start.tb_frame.f_code.co_filename) != path:
             start = start.tb_next
         return start or tb
 
     def poll(self):
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                # Reaped by the poll this one interrupted (a signal handler's):
+                # that one stores the code.
+                return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def send_signal(self, signum):
         if self.returncode is None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass  # exited and reaped meanwhile
 
     def kill(self):
         self.send_signal(signal.SIGKILL)
 
 
 def preload(modules, program):
-    """Imports `modules` (comma-separated) here for ForkedWorker; False when
-    the program is not `python SCRIPT` or the launcher is not one thread of
-    Python (a fork copies only the calling thread)."""
+    """Imports `modules` (comma-separated) here for ForkedWorker. Refuses a
+    program that is not `python SCRIPT` run by this launcher's own
+    interpreter; False (fresh interpreters instead) where a fork would not do
+    what a fresh start does: when the importing started Python threads (a
+    fork copies only the calling thread), or when the environment holds the
+    job token (the runtime scrubs its copy of the environment, but a forked
+    worker's /proc/<pid>/environ is the launcher's, token included)."""
     names = [m for m in modules.split(",") if m]
     if not names:
         return False
     if len(program) < 2 or not os.path.basename(program[0]).startswith("python") or program[1].startswith("-"):
         sys.exit("varuna_launch: --preload needs a program of the form `python SCRIPT [args...]`, not %s"
                  % " ".join(program))
+    interpreter = shutil.which(program[0])
+    if interpreter is None or os.path.abspath(interpreter) != os.path.abspath(sys.executable):
+        sys.exit("varuna_launch: --preload runs the workers in the launcher's own interpreter (%s), not %s: start "
+                 "varuna_launch.py with that Python, or leave out --preload" % (sys.executable, program[0]))
+    if {"VARUNA_JOB_TOKEN", "VARUNA_JOB_TOKEN_FD"} & set(os.environ):
+        print("varuna_launch: --preload: the environment holds the job token; starting fresh interpreters instead",
+              file=sys.stderr, flush=True)
+        return False
     for name in names:
         importlib.import_module(name)
     if threading.active_count() > 1:

@@ -262,8 +262,8 @@ def assert_repeated_steps_agree(job, launches, by_gen=None):
     step-to-step spread. So, as local_job_test's preemption case: relative
     difference under min(1e-3, spread / 10). `by_gen`, {generation: [(step,
     loss)]}, where the logs were collected as they grew (JobSampler), else
-    read now. Returns ({step: how many times it was trained} of the steps
-    trained more than once, worst)."""
+    read now. Returns ({step: how many generations trained it} of the steps
+    trained by more than one, worst)."""
     by_gen = losses_by_generation(job) if by_gen is None else by_gen
     width = {e["generation"]: (e["plan"]["stages"], e["plan"]["replicas"]) for e in launches}
     seen = {}  # step -> [(generation, loss)]
@@ -281,7 +281,9 @@ def assert_repeated_steps_agree(job, launches, by_gen=None):
     for step, values in sorted(seen.items()):
         if len(values) < 2:
             continue
-        repeated[step] = len(values)
+        generations = len({gen for gen, _ in values})
+        if generations >= 2:
+            repeated[step] = generations
         ref = values[0][1]
         for gen, loss in values[1:]:
             diff = abs(loss - ref) / max(abs(ref), 1e-6)

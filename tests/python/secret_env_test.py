@@ -52,7 +52,8 @@ def test_the_token_leaves_the_environment_once_read():
     os.environ["VARUNA_JOB_TOKEN"] = TOKEN  # what run_varuna's agent hands a worker
     try:
         with tempfile.TemporaryDirectory() as out:
-            # A fresh interpreter: /proc/<pid>/environ is what the process was started with.
+            # A fresh interpreter, as run_varuna's agent starts one (varuna_launch.py
+            # would not fork with the token set anyway).
             proc = checks.launch(os.path.abspath(__file__), 1, 1, 2, 4, ["--worker", "--out", out], preload="")
             if proc.returncode != 0:
                 raise AssertionError("the worker failed (%d): %s" % (proc.returncode, checks.output_of(proc)))

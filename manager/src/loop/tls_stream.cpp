@@ -159,7 +159,9 @@ void TlsStream::asyncReadSome(char* data, size_t size, Handler handler) {
     // Nothing inside OpenSSL: the next byte can only come from the socket,
     // so wait for it rather than try a read that finds nothing (a system
     // call, and a record buffer taken and given back, per message).
-    if (SSL_has_pending(ssl_) == 0) return waitThen(asio::socket_base::wait_read, std::move(read), std::move(done));
+    if (SSL_has_pending(ssl_) == 0 && socket_.is_open()) {
+      return waitThen(asio::socket_base::wait_read, std::move(read), std::move(done));
+    }
     drive(std::move(read), std::move(done), false);
   });
 }
