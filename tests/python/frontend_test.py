@@ -21,14 +21,12 @@ started by scripts/varuna_launch.py on loopback:
     frontend_test.py [name ...]
 """
 import os
-import subprocess
 import sys
 import tempfile
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.environ.get("VARUNA_SOURCE_DIR", os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 import frontend_model  # noqa: E402
 import checks  # noqa: E402
@@ -39,12 +37,8 @@ failures = checks.failures
 
 
 def run_job(out, stages, replicas, *worker_args, expect_ok=True):
-    cmd = [sys.executable, os.path.join(SOURCE, "scripts", "varuna_launch.py"), "--nstages", str(stages),
-           "--replicas", str(replicas), "--chunk_size", str(MICRO), "--batch_size", str(GLOBAL_BATCH),
-           "--grace", "30", "--preload", checks.PRELOAD, "--", sys.executable, os.path.join(HERE, "frontend_worker.py"),
-           "--out", out,
-           "--global_batch", str(GLOBAL_BATCH)] + [str(a) for a in worker_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = checks.launch(os.path.join(HERE, "frontend_worker.py"), stages, replicas, MICRO, GLOBAL_BATCH,
+                         ["--out", out, "--global_batch", GLOBAL_BATCH] + list(worker_args))
     if expect_ok and proc.returncode != 0:
         raise AssertionError("job %sx%s %s failed (%d):\n%s" % (stages, replicas, worker_args, proc.returncode,
                                                                proc.stdout[-3000:] + proc.stderr[-3000:]))

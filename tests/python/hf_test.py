@@ -20,7 +20,9 @@ varuna.hf.cut_between_blocks(model), varuna.Varuna(model, ...):
                    materialising and initialising (its own _init_weights) only
                    its pieces, equals the model initialised the same way whole
   the example      examples/python/train_hf.py, launched as its docstring
-                   says, trains each model (the loss falls) and evaluates
+                   says (its workers forked from a launcher that preloaded
+                   torch and transformers), trains each model (the loss
+                   falls) and evaluates
 
     hf_test.py [name ...]
     hf_test.py --worker --out DIR --kind K [--optimizer O] [--meta]   (one rank)
