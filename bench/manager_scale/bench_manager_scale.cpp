@@ -9,7 +9,8 @@
 // this process then plays every agent and every worker over real TCP
 // connections to the manager, on one thread and one Asio event loop, with the
 // simulated cluster the tests share (tests/support/sim_cluster.h):
-//  - agents: Hello, a heartbeat a second; LaunchWorkers -> one worker
+//  - agents: Hello, a heartbeat a second (left out after a relay, as
+//    varuna_agent leaves it out); LaunchWorkers -> one worker
 //    connection per rank; CheckpointAndExit / KillWorkers -> the host's worker
 //    connections close and WorkerExited (75 / signal 9) goes out per rank;
 //  - workers: Hello, then Heartbeat{rank, step} at --heartbeat_hz, spread
@@ -88,6 +89,9 @@ struct Options {
   double seconds = 20;
   double warmupS = 5;
   double heartbeatHz = 10;
+  // How often each agent relays (run_varuna gives its agents a twentieth of
+  // heartbeat_timeout_s, at most 500 ms: 500 for this bench's 30 s).
+  int beatRelayMs = 500;
   int pingWorkers = 100;
   double startupTimeoutS = 120;
   std::string runVaruna;
@@ -210,9 +214,10 @@ class Bench {
 
  private:
   // The load: heartbeats at --heartbeat_hz from each worker's hello (to its
-  // agent, which relays them every 250 ms, as varuna_agent does; with
+  // agent, which relays them every --beat_relay_ms, as varuna_agent does; with
   // --direct_beats each to the manager), one step report a second per rank
-  // from the rendezvous, one agent heartbeat a second; a checkpoint order is
+  // from the rendezvous, one agent heartbeat a second when no relay went out
+  // since the last; a checkpoint order is
   // answered at once (exit 75).
   static sim::SimOptions simOptions(const Options& options) {
     sim::SimOptions sim;
@@ -221,6 +226,7 @@ class Bench {
     sim.workerHeartbeat = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(1000.0 / options.heartbeatHz)));
     sim.beatsThroughAgent = !options.directBeats;
     sim.reportsThroughAgent = !options.directReports;
+    sim.agentBeatForward = std::chrono::milliseconds(options.beatRelayMs);
     sim.step = std::chrono::seconds(1);
     sim.checkpointDelay = std::chrono::milliseconds(0);
     sim.agentGrace = std::chrono::seconds(5);
@@ -649,6 +655,10 @@ int main(int argc, char** argv) {
   auto* seconds = app.add_option("--seconds", options.seconds, "measurement window")->check(CLI::PositiveNumber);
   auto* warmup = app.add_option("--warmup_s", options.warmupS, "load before the window")->check(CLI::NonNegativeNumber);
   app.add_option("--heartbeat_hz", options.heartbeatHz, "heartbeats per worker per second")->check(CLI::PositiveNumber);
+  app.add_option("--beat_relay_ms", options.beatRelayMs,
+                 "each agent relays its workers' beats and step reports this often (default 500, what run_varuna "
+                 "gives its agents at this bench's heartbeat_timeout_s of 30)")
+      ->check(CLI::Range(10, 10000));
   app.add_option("--ping_workers", options.pingWorkers, "workers that ping once a second (latency samples)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--startup_timeout_s", options.startupTimeoutS, "for the agents, then the workers, to connect")
@@ -719,9 +729,10 @@ int main(int argc, char** argv) {
   if (!clean) status = 1;
 
   char line[1024];
+  const std::string relayed = strCat("relayed by their agents every ", options.beatRelayMs, " ms");
   std::printf("\nrun_varuna with %d simulated workers on %d hosts, %.0f heartbeats/s each (%s), %s, over %.1f s:\n",
               r.workers, options.hosts, options.heartbeatHz,
-              options.directBeats ? "each to the manager" : "relayed by their agents every 250 ms",
+              options.directBeats ? "each to the manager" : relayed.c_str(),
               options.plaintext ? "control plane in plaintext" : "control plane in TLS 1.3", r.windowS);
   std::printf("  messages to the manager   %.0f /s (%s, %s, pings, agent heartbeats)\n", rate,
               options.directBeats ? "heartbeats" : "relayed beats",

@@ -63,7 +63,8 @@ VARUNA_WIRE(Ping, "ping", required("sequence", &Ping::sequence), required("sent_
 VARUNA_WIRE(Pong, "pong", required("sequence", &Pong::sequence), required("sent_ns", &Pong::sentNs))
 VARUNA_WIRE(Joined, "joined", required("credential", &Joined::credential), required("env", &Joined::env),
             optional("grace_ms", &Joined::graceMs, int64_t{0}),
-            optional("lost_manager_ms", &Joined::lostManagerMs, int64_t{0}))
+            optional("lost_manager_ms", &Joined::lostManagerMs, int64_t{0}),
+            optional("beat_relay_ms", &Joined::beatRelayMs, int64_t{0}))
 VARUNA_WIRE(Ack, "ack", required("ok", &Ack::ok), required("error", &Ack::error))
 VARUNA_WIRE(Welcome, "welcome", required("generation", &Welcome::generation),
             required("lost_manager_grace_ms", &Welcome::lostManagerGraceMs),

@@ -180,9 +180,9 @@ def test_a_host_joins_beside_the_machine_list_with_the_jobs_timing_and_leaves():
         wait_for("state.json marks 127.0.0.2 joined, 127.0.0.1 not (%s)" % m.state().get("hosts"),
                  lambda: m.state().get("hosts", {}).get("127.0.0.2", {}).get("joined") is True
                  and "joined" not in m.state().get("hosts", {}).get("127.0.0.1", {}), 30)
-        # heartbeat_timeout_s 10 (the default) + agent_grace_s 4.
-        assert "grace 4000 ms (the job's), manager lost after 14000 ms without a word (the job's)" in \
-            tasks[0].output(), tasks[0].output()
+        # heartbeat_timeout_s 10 (the default) + agent_grace_s 4; relays every twentieth of the 10 s.
+        assert "grace 4000 ms (the job's), manager lost after 14000 ms without a word (the job's), " \
+            "heartbeats relayed every 500 ms" in tasks[0].output(), tasks[0].output()
         m.wait_step(grown["resume_step"] + 10)
 
         tasks[0].proc.send_signal(signal.SIGTERM)

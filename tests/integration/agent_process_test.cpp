@@ -440,6 +440,55 @@ for step in range(40):
   }
 }
 
+TEST_CASE("agent: relays every --beat_relay_ms; while relays flow its own heartbeat is left out, then comes back",
+          "[agent]") {
+  AgentUnderTest t("agent-relay-interval", "30", "", {"--beat_relay_ms", "100"});
+  // Each worker beats every 20 ms for 5 s, then sleeps.
+  const std::string worker = R"(
+import os, socket, struct, time
+s = socket.socket(fileno=os.dup(int(os.environ["VARUNA_AGENT_BEAT_FD"])))
+rank = int(os.environ["RANK"])
+end = time.monotonic() + 5
+step = 0
+while time.monotonic() < end:
+    s.send(struct.pack("=iiqq", rank, 0, step, time.monotonic_ns()))
+    step += 1
+    time.sleep(0.02)
+time.sleep(120)
+)";
+  t.launch({"/usr/bin/python3", "-c", worker});
+  int relays = 0, heartbeats = 0;
+  std::optional<std::chrono::steady_clock::time_point> firstRelay;
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  // Over the first 4 s of relays: how many relays, how many of the agent's heartbeats.
+  while (std::chrono::steady_clock::now() < deadline &&
+         (!firstRelay || std::chrono::steady_clock::now() < *firstRelay + 4s)) {
+    auto message = t.link->receive(100ms);
+    if (!message) continue;
+    if (std::get_if<proto::WorkerBeats>(&*message)) {
+      if (!firstRelay) firstRelay = std::chrono::steady_clock::now();
+      ++relays;
+    } else if (const auto* beat = std::get_if<proto::Heartbeat>(&*message)) {
+      if (firstRelay && beat->rank == -1) ++heartbeats;
+    }
+  }
+  REQUIRE(firstRelay);
+  // 4 s at 100 ms: about 40 (the default 250 ms could not give 20).
+  CHECK(relays >= 25);
+  // About 4 heartbeat ticks, each after a relay: left out (one spared for a
+  // worker that stalled a whole second on a loaded machine).
+  CHECK(heartbeats <= 1);
+  // The workers fall silent: the agent's heartbeat is back within a few ticks.
+  bool heartbeatBack = false;
+  const auto silentDeadline = std::chrono::steady_clock::now() + 15s;
+  while (!heartbeatBack && std::chrono::steady_clock::now() < silentDeadline) {
+    auto message = t.link->receive(500ms);
+    const auto* beat = message ? std::get_if<proto::Heartbeat>(&*message) : nullptr;
+    heartbeatBack = beat && beat->rank == -1;
+  }
+  CHECK(heartbeatBack);
+}
+
 namespace {
 
 // varuna_agent started on `runDir` against a manager that is never reached;

@@ -431,7 +431,9 @@ void SimCluster::tickAgent(Agent& agent, TimePoint now) {
   }
   static const std::string heartbeat = proto::encode(proto::Heartbeat{-1, 0});
   for (; now >= agent.nextHeartbeat && agent.state == Agent::State::kUp; agent.nextHeartbeat += options_.agentHeartbeat) {
-    send(*agent.peer, heartbeat);
+    // As varuna_agent: a relay since the last heartbeat stands for it.
+    if (!agent.relayedSinceHeartbeat) send(*agent.peer, heartbeat);
+    agent.relayedSinceHeartbeat = false;
   }
   relayBeats(agent, now);
   if (agent.state == Agent::State::kUp) wakeAgentsBy(agent.nextHeartbeat);
@@ -446,6 +448,7 @@ void SimCluster::relayBeats(Agent& agent, TimePoint now) {
     agent.pendingBeats.clear();
     agent.pendingReports.clear();
     send(*agent.peer, proto::encode(relay));
+    agent.relayedSinceHeartbeat = true;
     ++relays_;
     agent.nextBeatForward = now == TimePoint::max() ? clock_.now() + options_.agentBeatForward
                                                      : now + options_.agentBeatForward;

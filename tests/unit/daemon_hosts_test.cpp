@@ -194,7 +194,10 @@ TEST_CASE("daemon: the manager heartbeats its agents and hands them the lost-man
   }));
   const auto commands = f.launcher->commands();
   REQUIRE(commands.size() == 2);
-  for (const auto& command : commands) CHECK_THAT(command, Catch::Contains(" --lost_manager_ms 6500 "));
+  for (const auto& command : commands) {
+    CHECK_THAT(command, Catch::Contains(" --lost_manager_ms 6500 "));
+    CHECK_THAT(command, Catch::Contains(" --beat_relay_ms 200 "));  // a twentieth of the 4 s heartbeat timeout
+  }
 }
 
 TEST_CASE("daemon: with many agents each hears a heartbeat a second, not all of them in the same tick",

@@ -218,6 +218,20 @@ TEST_CASE("--keep_checkpoints: default 3, CLI and JSON, >= 0, handed to every wo
   CHECK(env[3] == std::pair<std::string, std::string>{"VARUNA_KEEP_CHECKPOINTS", "7"});
 }
 
+TEST_CASE("agents relay their workers' beats every twentieth of the heartbeat timeout, within 100..500 ms", "[config]") {
+  const auto relayAt = [](double heartbeatTimeoutS) {
+    JobConfig c;
+    c.heartbeatTimeoutS = heartbeatTimeoutS;
+    return agentBeatRelayInterval(c).count();
+  };
+  CHECK(relayAt(JobConfig{}.heartbeatTimeoutS) == 500);  // the default 10 s
+  CHECK(relayAt(4) == 200);
+  CHECK(relayAt(3) == 150);
+  CHECK(relayAt(1) == 100);    // never faster than 10 a second
+  CHECK(relayAt(0.5) == 100);
+  CHECK(relayAt(3600) == 500);  // never slower than 2 a second
+}
+
 TEST_CASE("--master_port: 0 (the default) is a random port below the ephemeral range, others 1024..65000",
           "[config][security]") {
   CHECK(JobConfig{}.masterPort == 0);

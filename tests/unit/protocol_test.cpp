@@ -24,6 +24,7 @@ std::vector<Message> samples() {
   return {Hello{kVersion, "secret", "worker", "10.0.0.4", 3, 2},
           Hello{kVersion, "vj1.2000000000.ab", "join", "node-7", -1, -1, 8},
           Joined{"1b6c", {{"NCCL_DEBUG", "WARN"}, {"EMPTY", ""}}},
+          Joined{"1b6c", {}, 5000, 15000, 500},
           Heartbeat{2, 17},
           StepReport{1, 1, 0, 9, 2.5, 0.25, 0.0125},
           WorkerExited{"10.0.0.5", 3, -1, 9, 4},

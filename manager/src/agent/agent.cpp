@@ -237,7 +237,9 @@ void Agent::scheduleHeartbeat() {
   heartbeatTimer_.expires_after(options_.heartbeatInterval);
   heartbeatTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || exiting_ || !manager_->open()) return;
-    manager_->send(proto::Heartbeat{-1, 0});
+    // A relay since the last tick told the manager this agent is there.
+    if (!relayedSinceHeartbeat_) manager_->send(proto::Heartbeat{-1, 0});
+    relayedSinceHeartbeat_ = false;
     scheduleHeartbeat();
   });
 }
@@ -351,6 +353,7 @@ void Agent::relayBeats() {
     proto::WorkerBeats relay{beatGeneration_, {}, std::move(pendingReports_)};
     for (const auto& [rank, beat] : pendingBeats_) relay.beats.push_back(beat);
     manager_->send(relay);
+    relayedSinceHeartbeat_ = true;
   }
   pendingBeats_.clear();
   pendingReports_.clear();

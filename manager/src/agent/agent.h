@@ -65,7 +65,9 @@ struct AgentOptions {
   std::chrono::milliseconds heartbeatInterval{1000};
   std::chrono::milliseconds killWait{3000};  // SIGTERM -> SIGKILL
   // How often the workers' heartbeats are relayed (when any came): well
-  // under any heartbeat timeout the manager can be given (>= 1 s in practice).
+  // under the manager's heartbeat timeout (--beat_relay_ms: run_varuna
+  // passes a twentieth of it). A relay is a frame from this agent too, so
+  // the agent's own heartbeat is left out while relays flow.
   std::chrono::milliseconds beatForwardInterval{250};
   // A SIGTERM is the scheduler's preemption notice: the host goes this long
   // after it (scheduler_notice.h). 0: a SIGTERM stops the agent at once.
@@ -151,6 +153,7 @@ class Agent {
   std::vector<proto::StepReport> pendingReports_;
   uint64_t droppedReports_ = 0;  // over kMaxPendingReports (logged once)
   boost::asio::steady_timer beatForwardTimer_;
+  bool relayedSinceHeartbeat_ = false;  // the next heartbeat is left out
   std::map<pid_t, Worker> workers_;
   SchedulerNotice schedulerNotice_;
   bool noticeAcknowledged_ = false;

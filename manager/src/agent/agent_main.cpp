@@ -35,9 +35,11 @@ struct MainOptions {
   std::string program;
   double graceS = 5;
   int64_t lostManagerMs = 15000;
+  int64_t beatRelayMs = 250;
   bool daemonize = false;
   std::string logLevel = "info";
-  bool graceSet = false, lostManagerSet = false;  // given on the command line: a join does not override them
+  // Given on the command line: a join does not override them.
+  bool graceSet = false, lostManagerSet = false, beatRelaySet = false;
   // --join: the host came by itself (join.h); empty: run_varuna started it.
   std::string join;
   std::string joinTokenFile;
@@ -135,6 +137,9 @@ int joinFirst(MainOptions& options, const std::string& joinCredential, int verdi
       options.agent.lostManager = std::chrono::milliseconds(joined.lostManagerMs);
       lostFrom = "the job's";
     }
+    if (joined.beatRelayMs > 0 && !options.beatRelaySet) {
+      options.agent.beatForwardInterval = std::chrono::milliseconds(joined.beatRelayMs);
+    }
     for (const auto& [name, value] : joined.env) {
       // The plaintext switch and credentials are this agent's own business.
       if (isControlPlaneVariable(name)) {
@@ -146,7 +151,8 @@ int joinFirst(MainOptions& options, const std::string& joinCredential, int verdi
     // The timing in force and whose it is (tests/e2e/join_test.py reads this line).
     log::info("joined the job at ", options.manager, " as host ", options.agent.host, " (", options.slots,
               " slots); grace ", options.agent.grace.count(), " ms (", graceFrom, "), manager lost after ",
-              options.agent.lostManager.count(), " ms without a word (", lostFrom, ")");
+              options.agent.lostManager.count(), " ms without a word (", lostFrom, "), heartbeats relayed every ",
+              options.agent.beatForwardInterval.count(), " ms");
     return 0;
   } catch (const ConfigError& e) {
     log::error("join refused: ", e.what());
@@ -388,6 +394,10 @@ int main(int argc, char** argv) {
                  "kill the workers and exit when no frame at all (the manager heartbeats every second) came "
                  "from the manager this long, even if the connection is up (a silent partition; default 15000)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--beat_relay_ms", options.beatRelayMs,
+                 "relay the workers' heartbeats and step reports to the manager this often (run_varuna passes a "
+                 "twentieth of its heartbeat_timeout_s, within 100..500; default 250)")
+      ->check(CLI::Range(int64_t{10}, int64_t{10000}));
   std::string sigtermNotice = "0";
   app.add_option("--sigterm_notice_s", sigtermNotice,
                  "take a SIGTERM as the scheduler's preemption notice (Slurm's GraceTime, Kubernetes' "
@@ -432,6 +442,8 @@ int main(int argc, char** argv) {
     options.graceSet = app.count("--grace_s") > 0;
     options.lostManagerSet = app.count("--lost_manager_ms") > 0;
     options.agent.lostManager = std::chrono::milliseconds(options.lostManagerMs);
+    options.beatRelaySet = app.count("--beat_relay_ms") > 0;
+    options.agent.beatForwardInterval = std::chrono::milliseconds(options.beatRelayMs);
     options.agent.sigtermNotice = parseSigtermNotice(sigtermNotice);
     const bool defaultRunDir = options.agent.runDir.empty();
     if (defaultRunDir) options.agent.runDir = defaultAgentRunDir(options.agent.job, options.agent.host);

@@ -249,7 +249,8 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
   absences_.forget(host);
   observer_.hostBack(host);  // whatever the job held against an earlier host of that name is over
   connection->send(proto::Joined{agentCredential(host), settings_.agentEnvironment,
-                                 settings_.joinedAgentGrace.count(), settings_.joinedAgentLostManager.count()});
+                                 settings_.joinedAgentGrace.count(), settings_.joinedAgentLostManager.count(),
+                                 settings_.joinedAgentBeatRelay.count()});
   connection->closeAfterSending("joined");
   log::info("host ", host, " joined (", hello.slots, " slots, from ", connection->peer(), "); waiting for its agent");
   events_.write("host_joined", {{"host", host}, {"slots", hello.slots}, {"peer", connection->peer()}});

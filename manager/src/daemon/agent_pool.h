@@ -68,7 +68,7 @@ class AgentPool {
     std::chrono::milliseconds helloWait{10000};  // after a reported start-up, the wait for its hello
     // What a joined agent is told (Joined), as run_varuna's command line
     // tells the agents it starts: --grace_s and --lost_manager_ms.
-    std::chrono::milliseconds joinedAgentGrace{5000}, joinedAgentLostManager{15000};
+    std::chrono::milliseconds joinedAgentGrace{5000}, joinedAgentLostManager{15000}, joinedAgentBeatRelay{250};
     RetryPolicy retry;
   };
 

@@ -1,17 +1,16 @@
 #include "daemon/manager_daemon_impl.h"
 
 #include <unistd.h>
-
 #include <algorithm>
 #include <filesystem>
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 #include "varuna/common/machine_list.h"
-#include "daemon/job_setup.h"
-#include "daemon/launch_message.h"
 #include "varuna/common/time_util.h"
 #include "varuna/common/worker_exit.h"
+#include "daemon/job_setup.h"
+#include "daemon/launch_message.h"
 
 namespace varuna {
 namespace {
@@ -64,9 +63,10 @@ AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string addre
   settings.agentEnvironment = env;
   settings.heartbeatTimeout = millis(std::max(config.heartbeatTimeoutS, 3.0));
   settings.helloWait = kHelloDeadline;
-  // A joined agent's timing, as agentCommand's --grace_s and --lost_manager_ms.
+  // A joined agent's timing, as agentCommand's --grace_s, --lost_manager_ms and --beat_relay_ms.
   settings.joinedAgentGrace = millis(config.agentGraceS);
   settings.joinedAgentLostManager = millis(std::max(config.heartbeatTimeoutS, 3.0) + config.agentGraceS);
+  settings.joinedAgentBeatRelay = agentBeatRelayInterval(config);
   settings.retry = {config.hostRetryS > 0 ? millis(config.hostRetryS) : std::chrono::milliseconds(0),
                     millis(config.hostRetryMaxS)};
   return settings;
@@ -268,8 +268,8 @@ std::string ManagerDaemon::Impl::agentCommand(const std::string& host) const {
                 config_.agentSigtermNoticeS > 0 ? strCat(" --sigterm_notice_s ", config_.agentSigtermNoticeS) : "",
                 // Not hearing from the manager this long, the agent takes it as gone: as long as the
                 // manager waits for a silent agent, plus the grace.
-                " --lost_manager_ms ", lostManagerAfter().count(),
-                " --log_level ", shellQuote(config_.logLevel),
+                " --lost_manager_ms ", lostManagerAfter().count(), " --beat_relay_ms ",
+                agentBeatRelayInterval(config_).count(), " --log_level ", shellQuote(config_.logLevel),
                 config_.insecurePlaintextControl ? " --insecure_plaintext_control" : "");
 }
 

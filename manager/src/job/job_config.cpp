@@ -1,5 +1,6 @@
 #include "varuna/manager/job_config.h"
 
+#include <algorithm>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -454,6 +455,11 @@ bool isControlPlaneVariable(std::string_view name) {
     if (name == reserved) return true;
   }
   return false;
+}
+
+std::chrono::milliseconds agentBeatRelayInterval(const JobConfig& config) {
+  const auto twentieth = std::chrono::milliseconds(static_cast<int64_t>(config.heartbeatTimeoutS * 1000 / 20));
+  return std::clamp(twentieth, std::chrono::milliseconds(100), std::chrono::milliseconds(500));
 }
 
 int randomRendezvousPort() {

@@ -212,8 +212,9 @@ struct Joined {
   std::string credential;
   std::vector<std::pair<std::string, std::string>> env;
   // The job's agent timing (run_varuna's --agent_grace_s and heartbeat
-  // timeout): how long the agent keeps its workers without the manager; 0: its own.
-  int64_t graceMs = 0, lostManagerMs = 0;
+  // timeout): how long the agent keeps its workers without the manager, and
+  // how often it relays their heartbeats; 0: its own.
+  int64_t graceMs = 0, lostManagerMs = 0, beatRelayMs = 0;
   bool operator==(const Joined&) const = default;
 };
 // In the refusal of a join whose host name has an agent already: the joiner

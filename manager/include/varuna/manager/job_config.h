@@ -5,6 +5,7 @@
 // by name (and file:line for the env file), with the fix.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -85,6 +86,13 @@ void validateJobConfig(JobConfig& config, const std::string& selfExecutable);
 
 // The job as JSON (for state.json and `run_varuna status`).
 nlohmann::json toJson(const JobConfig& config);
+
+// How often an agent relays its workers' heartbeats (and step reports) to
+// the manager (varuna_agent --beat_relay_ms): a twentieth of the heartbeat
+// timeout, within 100..500 ms (500 at the default 10 s). Slower relays are
+// fewer frames for the manager (at 10 000 workers most of what it reads);
+// the relay's delay stays a small part of the timeout a silent rank has.
+std::chrono::milliseconds agentBeatRelayInterval(const JobConfig& config);
 
 // A rendezvous port for a job that set none (--master_port 0): random, so
 // nobody on rank 0's host can count on taking it first; in 20000..32668,
