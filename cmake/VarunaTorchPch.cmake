@@ -15,9 +15,10 @@
 #
 # The manager never includes libtorch: only targets that link the worker or
 # libtorch directly get the header (varuna_reuse_torch_pch below). A target
-# with precompiled headers of its own keeps them: the Python module, built with
-# hidden visibility, which a header precompiled without it would not match
-# (gcc would not say so; clang refuses). Sanitizer builds (VARUNA_SANITIZE)
+# with precompiled headers of its own keeps them, and one built with hidden
+# visibility (the Python module, a unity build: python/CMakeLists.txt) gets
+# none: a header precompiled without it would not match (gcc would not say
+# so; clang refuses). Sanitizer builds (VARUNA_SANITIZE)
 # compile without it: their flags would not match it either.
 option(VARUNA_TORCH_PCH "Precompile libtorch's headers once for every target that compiles against them" ON)
 
@@ -48,7 +49,8 @@ function(varuna_reuse_torch_pch dir)
       continue()
     endif()
     get_target_property(own ${target} PRECOMPILE_HEADERS)
-    if(own)
+    get_target_property(visibility ${target} CXX_VISIBILITY_PRESET)
+    if(own OR visibility STREQUAL "hidden")
       continue()
     endif()
     get_target_property(links ${target} LINK_LIBRARIES)
