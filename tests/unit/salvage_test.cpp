@@ -16,12 +16,12 @@ using namespace std::chrono_literals;
 
 namespace {
 
-struct Harness {
+struct SalvageHarness {
   std::optional<int64_t> latest = 10;
   TimePoint now{};
   MorphController controller;
 
-  explicit Harness(std::vector<Machine> machines = {{"a", 2, 1}, {"b", 2, 2}}, ControllerOptions options = defaults())
+  explicit SalvageHarness(std::vector<Machine> machines = {{"a", 2, 1}, {"b", 2, 2}}, ControllerOptions options = defaults())
       : controller(options, std::move(machines), [this] { return latest; }) {
     controller.start(now);
   }
@@ -161,7 +161,7 @@ TEST_CASE("salvage choice: survivors the exchange failed under finish the step f
 }
 
 TEST_CASE("a split exchange: the controller's order carries the result to the finishing writer", "[salvage]") {
-  Harness h;
+  SalvageHarness h;
   find<action::SalvageStop>(h.controller.hostLost("b", h.now));
   const std::vector<double> result = {12.0, 3.5, 1.0};
   CHECK(h.controller.salvageReady(SalvageReport{0, 0, 41, {}, -1, result}, h.now).empty());
@@ -183,7 +183,7 @@ TEST_CASE("salvage choice: writers spread over hosts, a leaving host only when n
 // --- the controller's rounds ------------------------------------------------------------------
 
 TEST_CASE("a host lost: the survivors report, one per stage writes, the job relaunches from that step", "[salvage]") {
-  Harness h;
+  SalvageHarness h;
   auto actions = h.controller.hostLost("b", h.now);
   CHECK(find<action::SalvageStop>(actions).reason == "host b was lost");
   CHECK(h.controller.phase() == Phase::kSalvaging);
@@ -202,7 +202,7 @@ TEST_CASE("a host lost: the survivors report, one per stage writes, the job rela
 }
 
 TEST_CASE("a survivor's report may be the first sign of the loss", "[salvage]") {
-  Harness h;
+  SalvageHarness h;
   const auto actions = h.controller.salvageReady(2, 0, 12, h.now);  // before the manager saw anything
   CHECK(find<action::SalvageStop>(actions).reason == "rank 2 lost a peer");
   CHECK(h.controller.workerExited(1, -1, h.now).empty());  // the lost one
@@ -212,7 +212,7 @@ TEST_CASE("a survivor's report may be the first sign of the loss", "[salvage]") 
 }
 
 TEST_CASE("a stage lost with all its replicas falls back to the latest checkpoint", "[salvage]") {
-  Harness h;
+  SalvageHarness h;
   h.controller.workerExited(0, -1, h.now);  // stage 0, both replicas
   h.controller.workerExited(2, -1, h.now);
   h.controller.salvageReady(1, 1, 33, h.now);
@@ -231,7 +231,7 @@ TEST_CASE("a stage lost with all its replicas falls back to the latest checkpoin
 
 TEST_CASE("salvage rounds are bounded: missing reports, slow writes", "[salvage]") {
   SECTION("a survivor that never reports is not waited for past the deadline") {
-    Harness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
+    SalvageHarness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
     h.controller.hostLost("d", h.now);
     h.controller.salvageReady(0, 0, 5, h.now);
     h.controller.salvageReady(1, 1, 5, h.now);
@@ -243,7 +243,7 @@ TEST_CASE("salvage rounds are bounded: missing reports, slow writes", "[salvage]
     CHECK(has<action::Launch>(h.controller.workerExited(2, -1, h.now + 22s)));
   }
   SECTION("without the missing report no stage is whole: abandoned") {
-    Harness h;
+    SalvageHarness h;
     h.controller.hostLost("b", h.now);
     h.controller.salvageReady(0, 0, 5, h.now);
     const auto actions = h.controller.tick(h.now + 20s);
@@ -251,7 +251,7 @@ TEST_CASE("salvage rounds are bounded: missing reports, slow writes", "[salvage]
     CHECK(has<action::KillAll>(actions));
   }
   SECTION("a writer that never finishes: the write round gets the checkpoint timeout (30 s here)") {
-    Harness h;
+    SalvageHarness h;
     h.controller.hostLost("b", h.now);
     h.controller.salvageReady(0, 0, 5, h.now);
     h.controller.salvageReady(1, 1, 5, h.now + 3s);
@@ -260,7 +260,7 @@ TEST_CASE("salvage rounds are bounded: missing reports, slow writes", "[salvage]
     CHECK(find<action::SalvageAbandoned>(actions).reason == "the salvage writes did not finish within 30 s");
   }
   SECTION("the writes done, a rank that does not leave is killed at the deadline; the salvage stands") {
-    Harness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
+    SalvageHarness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
     h.controller.hostLost("d", h.now);
     h.controller.salvageReady(0, 0, 5, h.now);
     h.controller.salvageReady(1, 1, 5, h.now);
@@ -275,7 +275,7 @@ TEST_CASE("salvage rounds are bounded: missing reports, slow writes", "[salvage]
 
 TEST_CASE("a writer failing or lost abandons the salvage; a non-writer lost does not", "[salvage]") {
   SECTION("a writer exits with a storage error") {
-    Harness h;
+    SalvageHarness h;
     h.controller.hostLost("b", h.now);
     h.controller.salvageReady(0, 0, 5, h.now);
     h.controller.salvageReady(1, 1, 5, h.now);
@@ -284,7 +284,7 @@ TEST_CASE("a writer failing or lost abandons the salvage; a non-writer lost does
           "writer rank 1 exited with code 74 (checkpoint storage failed)");
   }
   SECTION("a writer's host is lost") {
-    Harness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
+    SalvageHarness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
     h.controller.hostLost("d", h.now);  // rank 3
     h.controller.salvageReady(0, 0, 5, h.now);
     h.controller.salvageReady(1, 1, 5, h.now);
@@ -294,7 +294,7 @@ TEST_CASE("a writer failing or lost abandons the salvage; a non-writer lost does
     CHECK(find<action::SalvageAbandoned>(actions).reason == "host b of salvage writer rank 1 was lost");
   }
   SECTION("a non-writer's host is lost") {
-    Harness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
+    SalvageHarness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
     h.controller.hostLost("d", h.now);
     h.controller.salvageReady(0, 0, 5, h.now);
     h.controller.salvageReady(1, 1, 5, h.now);
@@ -307,7 +307,7 @@ TEST_CASE("a writer failing or lost abandons the salvage; a non-writer lost does
 }
 
 TEST_CASE("a notice too short for the on-demand checkpoint: the remaining machines salvage", "[salvage]") {
-  Harness h;
+  SalvageHarness h;
   h.controller.preemptNotice("b", h.now, h.now + 5s);
   CHECK(h.controller.phase() == Phase::kCheckpointing);
   const auto actions = h.controller.tick(h.now + 5s);
@@ -319,7 +319,7 @@ TEST_CASE("a notice too short for the on-demand checkpoint: the remaining machin
 }
 
 TEST_CASE("during a salvage other faults do not start a second round", "[salvage]") {
-  Harness h;
+  SalvageHarness h;
   h.controller.hostLost("b", h.now);
   CHECK(h.controller.workerExited(2, -1, h.now).empty());  // b's, reported late
   CHECK(h.controller.preemptNotice("a", h.now).empty());
@@ -331,7 +331,7 @@ TEST_CASE("during a salvage other faults do not start a second round", "[salvage
 
 TEST_CASE("a rank that hangs during the salvage is not waited for, and is killed once the writes are done",
           "[salvage]") {
-  Harness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
+  SalvageHarness h({{"a", 1, 1}, {"b", 1, 2}, {"c", 1, 3}, {"d", 1, 4}});
   h.controller.hostLost("d", h.now);  // rank 3
   h.controller.salvageReady(0, 0, 5, h.now);
   h.controller.salvageReady(1, 1, 5, h.now);
@@ -348,7 +348,7 @@ TEST_CASE("a rank that hangs during the salvage is not waited for, and is killed
 TEST_CASE("a stop asked for during a salvage (or a checkpoint that becomes one) stops once it is written",
           "[salvage]") {
   SECTION("SIGTERM, then a loss during the stop's checkpoint") {
-    Harness h;
+    SalvageHarness h;
     CHECK(has<action::Checkpoint>(h.controller.stop("SIGTERM", h.now)));
     CHECK(has<action::SalvageStop>(h.controller.hostLost("b", h.now)));
     h.controller.salvageReady(0, 0, 5, h.now);
@@ -359,7 +359,7 @@ TEST_CASE("a stop asked for during a salvage (or a checkpoint that becomes one) 
     CHECK(h.controller.phase() == Phase::kFinished);
   }
   SECTION("SIGTERM during the salvage; a second one kills at once") {
-    Harness h;
+    SalvageHarness h;
     h.controller.hostLost("b", h.now);
     CHECK(h.controller.stop("SIGTERM", h.now).empty());  // the salvage goes on
     h.controller.salvageReady(0, 0, 5, h.now);
@@ -369,9 +369,9 @@ TEST_CASE("a stop asked for during a salvage (or a checkpoint that becomes one) 
 }
 
 TEST_CASE("a crash counts towards --max_failures even when a survivor's report came first", "[salvage]") {
-  auto options = Harness::defaults();
+  auto options = SalvageHarness::defaults();
   options.maxFailures = 0;
-  Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+  SalvageHarness h({{"a", 2, 1}, {"b", 2, 2}}, options);
   CHECK(has<action::SalvageStop>(h.controller.salvageReady(0, 0, 5, h.now)));  // not counted: an echo
   const auto actions = h.controller.workerExited(1, -1, h.now);  // the crash itself
   CHECK(find<action::Stop>(actions).exitCode == 1);
@@ -379,16 +379,16 @@ TEST_CASE("a crash counts towards --max_failures even when a survivor's report c
 }
 
 TEST_CASE("salvage choice: a report of a stage outside the plan is ignored", "[salvage]") {
-  Harness h;
+  SalvageHarness h;
   CHECK(h.controller.salvageReady(0, 7, 5, h.now).empty());
   CHECK(h.controller.phase() == Phase::kRunning);
   CHECK_FALSE(chooseSalvage({{0, 0, 5, "a"}, {1, 5, 5, "a"}}, 2, {}));
 }
 
 TEST_CASE("salvage off: a sudden loss kills and rolls back as before", "[salvage]") {
-  auto options = Harness::defaults();
+  auto options = SalvageHarness::defaults();
   options.salvage = false;
-  Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+  SalvageHarness h({{"a", 2, 1}, {"b", 2, 2}}, options);
   const auto actions = h.controller.hostLost("b", h.now);
   CHECK(has<action::KillAll>(actions));
   CHECK_FALSE(has<action::SalvageStop>(actions));
@@ -398,10 +398,10 @@ TEST_CASE("salvage off: a sudden loss kills and rolls back as before", "[salvage
 TEST_CASE("a loss before the generation got past its checkpoint: nothing to salvage, relaunched at once",
           "[salvage]") {
   bool progressed = false;
-  auto options = Harness::defaults();
+  auto options = SalvageHarness::defaults();
   options.generationProgressed = [&progressed] { return progressed; };
   SECTION("no rank finished a step since the resume: no salvage round, no wait for reports") {
-    Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+    SalvageHarness h({{"a", 2, 1}, {"b", 2, 2}}, options);
     const auto actions = h.controller.hostLost("b", h.now);
     CHECK_FALSE(has<action::SalvageStop>(actions));
     CHECK(has<action::KillAll>(actions));
@@ -415,13 +415,13 @@ TEST_CASE("a loss before the generation got past its checkpoint: nothing to salv
     CHECK_FALSE(h.controller.lastLaunchSalvaged());
   }
   SECTION("a survivor's report is the first sign: the same") {
-    Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+    SalvageHarness h({{"a", 2, 1}, {"b", 2, 2}}, options);
     const auto actions = h.controller.salvageReady(2, 0, 10, h.now);
     CHECK_FALSE(has<action::SalvageStop>(actions));
     CHECK(has<action::KillAll>(actions));
   }
   SECTION("a step finished past it: the salvage runs as before") {
-    Harness h({{"a", 2, 1}, {"b", 2, 2}}, options);
+    SalvageHarness h({{"a", 2, 1}, {"b", 2, 2}}, options);
     progressed = true;
     CHECK(has<action::SalvageStop>(h.controller.hostLost("b", h.now)));
   }
