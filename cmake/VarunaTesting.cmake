@@ -17,7 +17,7 @@ function(varuna_add_test)
   add_executable(${T_NAME} ${T_SOURCES})
   # Four test files compiled as one (a unity build): Catch2's, Asio's and
   # libtorch's templates instantiated once per four files, not per file.
-  set_target_properties(${T_NAME} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 4)
+  set_target_properties(${T_NAME} PROPERTIES UNITY_BUILD ${VARUNA_UNITY_BUILD} UNITY_BUILD_BATCH_SIZE 4)
   if(T_OWN_MAIN)
     target_link_libraries(${T_NAME} PRIVATE ${T_LIBS} varuna_warnings)
   else()

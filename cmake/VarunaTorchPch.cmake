@@ -1,11 +1,11 @@
 # One precompiled header of libtorch's C++ API, shared by every target that
 # compiles against libtorch (the worker, its tests, the examples and
-# benchmarks; the Python module has its own, see below).
+# benchmarks; not the Python module, see below).
 #
 # Parsing libtorch's headers is about half of each such translation unit's
 # compile time (gcc -ftime-report on worker/src/pipeline/varuna_step.cpp:
 # parsing 47 %, template instantiation 30 %, code generation 23 %), and 52
-# translation units do it. With the header precompiled, that file takes 18.3 s
+# translation units did it (before the unity builds: VARUNA_UNITY_BUILD). With the header precompiled, that file takes 18.3 s
 # of CPU instead of 36.8 s, and a clean-clone set-up and build on a 2-core VM
 # took 17 minutes instead of about 22 (2026-11-27). gcc uses a precompiled header only when the flags that
 # shape code generation match (-fPIC among them), so every target that reuses

@@ -431,9 +431,10 @@ void SimCluster::tickAgent(Agent& agent, TimePoint now) {
   }
   static const std::string heartbeat = proto::encode(proto::Heartbeat{-1, 0});
   for (; now >= agent.nextHeartbeat && agent.state == Agent::State::kUp; agent.nextHeartbeat += options_.agentHeartbeat) {
-    // As varuna_agent: a relay since the last heartbeat stands for it.
-    if (!agent.relayedSinceHeartbeat) send(*agent.peer, heartbeat);
-    agent.relayedSinceHeartbeat = false;
+    // As varuna_agent: a relay this recent stands for the heartbeat.
+    const auto window = std::min<Duration>(options_.agentBeatForward, std::chrono::milliseconds(500)) +
+                        std::chrono::milliseconds(100);
+    if (now - agent.lastRelay >= window) send(*agent.peer, heartbeat);
   }
   relayBeats(agent, now);
   if (agent.state == Agent::State::kUp) wakeAgentsBy(agent.nextHeartbeat);
@@ -448,7 +449,7 @@ void SimCluster::relayBeats(Agent& agent, TimePoint now) {
     agent.pendingBeats.clear();
     agent.pendingReports.clear();
     send(*agent.peer, proto::encode(relay));
-    agent.relayedSinceHeartbeat = true;
+    agent.lastRelay = now == TimePoint::max() ? clock_.now() : now;
     ++relays_;
     agent.nextBeatForward = now == TimePoint::max() ? clock_.now() + options_.agentBeatForward
                                                      : now + options_.agentBeatForward;

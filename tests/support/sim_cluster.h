@@ -8,7 +8,8 @@
 //
 // What a simulated agent does, as varuna_agent does it:
 //  - hello {role agent, host, the host's agent credential}, then Heartbeat{-1} every
-//    `agentHeartbeat`;
+//    `agentHeartbeat` unless it relayed in the last `agentBeatForward` (at most
+//    500 ms) + 100 ms;
 //  - LaunchWorkers: kills what still runs of an earlier launch (reported as
 //    signal 9), then starts one simulated worker per rank;
 //  - CheckpointAndExit: each worker exits 75 after `checkpointDelay` (none

@@ -25,7 +25,7 @@ struct SimCluster::Agent {
   std::map<int, proto::WorkerBeat> pendingBeats;  // the newest beat of each worker since the last relay
   std::vector<proto::StepReport> pendingReports;  // every step report since then (reportsThroughAgent)
   TimePoint nextBeatForward;
-  bool relayedSinceHeartbeat = false;  // its next heartbeat is left out
+  TimePoint lastRelay{};  // a heartbeat due within a relay interval (+100 ms) of it is left out
   std::optional<TimePoint> killWorkersAt;  // lost the manager: its grace
   bool expectClose = false;  // the manager's close follows an order (Shutdown, a refusal)
 };

@@ -237,9 +237,14 @@ void Agent::scheduleHeartbeat() {
   heartbeatTimer_.expires_after(options_.heartbeatInterval);
   heartbeatTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || exiting_ || !manager_->open()) return;
-    // A relay since the last tick told the manager this agent is there.
-    if (!relayedSinceHeartbeat_) manager_->send(proto::Heartbeat{-1, 0});
-    relayedSinceHeartbeat_ = false;
+    // A relay this recent told the manager this agent is there; the next
+    // relay (or this tick's successor) will again. Without one, the manager
+    // hears nothing from a relaying agent for up to a heartbeat interval plus
+    // this window (1.6 s at the default 500 ms: under the 2 s after which its
+    // workers' silence is taken for the agent's).
+    const auto window = std::min(options_.beatForwardInterval, std::chrono::milliseconds(500)) +
+                        std::chrono::milliseconds(100);
+    if (std::chrono::steady_clock::now() - lastRelay_ >= window) manager_->send(proto::Heartbeat{-1, 0});
     scheduleHeartbeat();
   });
 }
@@ -350,10 +355,21 @@ void Agent::drainBeats() {
 
 void Agent::relayBeats() {
   if ((!pendingBeats_.empty() || !pendingReports_.empty()) && manager_->open()) {
-    proto::WorkerBeats relay{beatGeneration_, {}, std::move(pendingReports_)};
-    for (const auto& [rank, beat] : pendingBeats_) relay.beats.push_back(beat);
-    manager_->send(relay);
-    relayedSinceHeartbeat_ = true;
+    // The beats in the first frame; the reports, in order, at most
+    // kReportsPerRelay a frame (a frame must stay under the protocol's 1 MiB).
+    size_t next = 0;
+    do {
+      const size_t end = std::min(pendingReports_.size(), next + kReportsPerRelay);
+      proto::WorkerBeats relay{beatGeneration_, {}, {}};
+      relay.reports.assign(std::make_move_iterator(pendingReports_.begin() + static_cast<ptrdiff_t>(next)),
+                           std::make_move_iterator(pendingReports_.begin() + static_cast<ptrdiff_t>(end)));
+      if (next == 0) {
+        for (const auto& [rank, beat] : pendingBeats_) relay.beats.push_back(beat);
+      }
+      manager_->send(relay);
+      next = end;
+    } while (next < pendingReports_.size());
+    lastRelay_ = std::chrono::steady_clock::now();
   }
   pendingBeats_.clear();
   pendingReports_.clear();

@@ -150,10 +150,15 @@ class Agent {
   uint64_t beatEpoch_ = 0;  // one per beat socket: a read of an earlier one is dropped
   std::map<int, proto::WorkerBeat> pendingBeats_;
   static constexpr size_t kMaxPendingReports = 100000;
+  // A report is at most about 200 bytes of JSON: 2 000 keep a frame far under 1 MiB.
+  static constexpr size_t kReportsPerRelay = 2000;
   std::vector<proto::StepReport> pendingReports_;
   uint64_t droppedReports_ = 0;  // over kMaxPendingReports (logged once)
   boost::asio::steady_timer beatForwardTimer_;
-  bool relayedSinceHeartbeat_ = false;  // the next heartbeat is left out
+  // The last relay's time: a heartbeat tick within one relay interval (and a
+  // margin) of it sends nothing, so the manager hears from this agent at least
+  // every heartbeat interval plus that, relays or not.
+  std::chrono::steady_clock::time_point lastRelay_{};
   std::map<pid_t, Worker> workers_;
   SchedulerNotice schedulerNotice_;
   bool noticeAcknowledged_ = false;

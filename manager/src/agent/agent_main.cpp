@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -137,8 +138,8 @@ int joinFirst(MainOptions& options, const std::string& joinCredential, int verdi
       options.agent.lostManager = std::chrono::milliseconds(joined.lostManagerMs);
       lostFrom = "the job's";
     }
-    if (joined.beatRelayMs > 0 && !options.beatRelaySet) {
-      options.agent.beatForwardInterval = std::chrono::milliseconds(joined.beatRelayMs);
+    if (joined.beatRelayMs > 0 && !options.beatRelaySet) {  // as --beat_relay_ms allows
+      options.agent.beatForwardInterval = std::chrono::milliseconds(std::clamp<int64_t>(joined.beatRelayMs, 10, 1000));
     }
     for (const auto& [name, value] : joined.env) {
       // The plaintext switch and credentials are this agent's own business.
@@ -396,8 +397,8 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--beat_relay_ms", options.beatRelayMs,
                  "relay the workers' heartbeats and step reports to the manager this often (run_varuna passes a "
-                 "twentieth of its heartbeat_timeout_s, within 100..500; default 250)")
-      ->check(CLI::Range(int64_t{10}, int64_t{10000}));
+                 "twentieth of its heartbeat_timeout_s, within 100..500; default 250; at most 1000)")
+      ->check(CLI::Range(int64_t{10}, int64_t{1000}));
   std::string sigtermNotice = "0";
   app.add_option("--sigterm_notice_s", sigtermNotice,
                  "take a SIGTERM as the scheduler's preemption notice (Slurm's GraceTime, Kubernetes' "

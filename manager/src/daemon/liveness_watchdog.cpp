@@ -70,9 +70,10 @@ std::vector<LivenessWatchdog::SilentRank> LivenessWatchdog::silentRanks(const st
 bool LivenessWatchdog::silenceIsTheAgents(const SilentRank& silent, std::optional<TimePoint> agentLastHeard,
                                           TimePoint now) {
   if (!agentLastHeard || !silent.lastHeard) return false;  // no agent connected, or a rank that never said hello
-  // An agent sends a frame at least every second (its heartbeat; relays
-  // every 250 ms while its workers beat). Heard from no later than this
-  // after the rank's last beat: it fell silent with the rank.
+  // An agent sends a frame at least every 1.6 s (its heartbeat every second,
+  // left out while its relays, every --beat_relay_ms of at most 500 ms, come
+  // more often). Heard from no later than this after the rank's last beat: it
+  // fell silent with the rank.
   constexpr auto kSameSilence = std::chrono::milliseconds(1000);
   constexpr auto kAgentSilent = std::chrono::milliseconds(2000);
   return *agentLastHeard - *silent.lastHeard <= kSameSilence || now - *agentLastHeard > kAgentSilent;
