@@ -216,8 +216,8 @@ class Bench {
   // The load: heartbeats at --heartbeat_hz from each worker's hello (to its
   // agent, which relays them every --beat_relay_ms, as varuna_agent does; with
   // --direct_beats each to the manager), one step report a second per rank
-  // from the rendezvous, one agent heartbeat a second when no relay went out
-  // since the last; a checkpoint order is
+  // from the rendezvous, one agent heartbeat a second unless a relay went out
+  // just before (proto::relayStandsForHeartbeat); a checkpoint order is
   // answered at once (exit 75).
   static sim::SimOptions simOptions(const Options& options) {
     sim::SimOptions sim;
@@ -658,7 +658,7 @@ int main(int argc, char** argv) {
   app.add_option("--beat_relay_ms", options.beatRelayMs,
                  "each agent relays its workers' beats and step reports this often (default 500, what run_varuna "
                  "gives its agents at this bench's heartbeat_timeout_s of 30)")
-      ->check(CLI::Range(10, 10000));
+      ->check(CLI::Range(10, 1000));  // as varuna_agent's
   app.add_option("--ping_workers", options.pingWorkers, "workers that ping once a second (latency samples)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--startup_timeout_s", options.startupTimeoutS, "for the agents, then the workers, to connect")

@@ -432,9 +432,7 @@ void SimCluster::tickAgent(Agent& agent, TimePoint now) {
   static const std::string heartbeat = proto::encode(proto::Heartbeat{-1, 0});
   for (; now >= agent.nextHeartbeat && agent.state == Agent::State::kUp; agent.nextHeartbeat += options_.agentHeartbeat) {
     // As varuna_agent: a relay this recent stands for the heartbeat.
-    const auto window = std::min<Duration>(options_.agentBeatForward, std::chrono::milliseconds(500)) +
-                        std::chrono::milliseconds(100);
-    if (now - agent.lastRelay >= window) send(*agent.peer, heartbeat);
+    if (now - agent.lastRelay >= proto::relayStandsForHeartbeat(options_.agentBeatForward)) send(*agent.peer, heartbeat);
   }
   relayBeats(agent, now);
   if (agent.state == Agent::State::kUp) wakeAgentsBy(agent.nextHeartbeat);

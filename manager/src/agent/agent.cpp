@@ -237,14 +237,12 @@ void Agent::scheduleHeartbeat() {
   heartbeatTimer_.expires_after(options_.heartbeatInterval);
   heartbeatTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || exiting_ || !manager_->open()) return;
-    // A relay this recent told the manager this agent is there; the next
-    // relay (or this tick's successor) will again. Without one, the manager
-    // hears nothing from a relaying agent for up to a heartbeat interval plus
-    // this window (1.6 s at the default 500 ms: under the 2 s after which its
-    // workers' silence is taken for the agent's).
-    const auto window = std::min(options_.beatForwardInterval, std::chrono::milliseconds(500)) +
-                        std::chrono::milliseconds(100);
-    if (std::chrono::steady_clock::now() - lastRelay_ >= window) manager_->send(proto::Heartbeat{-1, 0});
+    // A relay this recent told the manager this agent is there (at most 1.6 s
+    // without a frame: under the 2 s after which the manager takes its
+    // workers' silence for the agent's).
+    if (std::chrono::steady_clock::now() - lastRelay_ >= proto::relayStandsForHeartbeat(options_.beatForwardInterval)) {
+      manager_->send(proto::Heartbeat{-1, 0});
+    }
     scheduleHeartbeat();
   });
 }

@@ -67,7 +67,7 @@ class AgentPool {
     std::chrono::milliseconds heartbeatTimeout{10000};  // an agent silent this long is closed
     std::chrono::milliseconds helloWait{10000};  // after a reported start-up, the wait for its hello
     // What a joined agent is told (Joined), as run_varuna's command line
-    // tells the agents it starts: --grace_s and --lost_manager_ms.
+    // tells the agents it starts: --grace_s, --lost_manager_ms and --beat_relay_ms.
     std::chrono::milliseconds joinedAgentGrace{5000}, joinedAgentLostManager{15000}, joinedAgentBeatRelay{250};
     RetryPolicy retry;
   };

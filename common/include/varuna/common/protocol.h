@@ -8,6 +8,8 @@
 // docs/protocol.md describes every message.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -72,6 +74,13 @@ struct StepReport {
   double loss = 0, stepSeconds = 0, computeSecondsPerMicrobatch = 0;
   bool operator==(const StepReport&) const = default;
 };
+// A relay of its workers' beats is a frame from the agent, so it stands for
+// the agent's own heartbeat this long after it (the relay interval, at most
+// 500 ms, plus 100 ms of timer slack): a relaying agent is heard from at least
+// every heartbeat interval plus this (1.6 s), relays or not.
+inline std::chrono::milliseconds relayStandsForHeartbeat(std::chrono::milliseconds relayInterval) {
+  return std::min(relayInterval, std::chrono::milliseconds(500)) + std::chrono::milliseconds(100);
+}
 struct WorkerBeats {
   int generation = 0;  // of the launch whose workers beat
   std::vector<WorkerBeat> beats;
