@@ -5,6 +5,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "protocol_canonical.h"
 #include "protocol_wire.h"
 #include "varuna/common/secrets.h"
 
@@ -105,49 +106,6 @@ Message fromJson(const json& j) {
   return decodeByType(j.at("type").get<std::string>(), j);
 }
 
-// Heartbeats are most of what the manager reads (10 Hz from every worker).
-// Their canonical encoding (what encode() writes: keys sorted, no spaces) is
-// matched here without building a JSON document, which costs several
-// allocations per frame. Anything else (spaces, another key order, numbers
-// with a fraction, exponent, leading zero, -0 or more than 18 digits, a rank
-// outside int) is left to the full parser, so the result never differs.
-bool consume(std::string_view& s, std::string_view literal) {
-  if (s.substr(0, literal.size()) != literal) return false;
-  s.remove_prefix(literal.size());
-  return true;
-}
-
-bool consumeInteger(std::string_view& s, int64_t& out) {
-  size_t i = s.size() > 0 && s[0] == '-' ? 1 : 0;
-  const size_t first = i;
-  int64_t value = 0;
-  for (; i < s.size() && s[i] >= '0' && s[i] <= '9'; ++i) {
-    if (i - first == 18) return false;  // 19+ digits may not fit: the parser decides
-    value = value * 10 + (s[i] - '0');
-  }
-  const size_t digits = i - first;
-  if (digits == 0 || (s[first] == '0' && (digits > 1 || first == 1))) return false;
-  out = first == 1 ? -value : value;
-  s.remove_prefix(i);
-  return true;
-}
-
-std::optional<Heartbeat> canonicalHeartbeat(std::string_view body) {
-  int64_t rank = 0, step = 0;
-  if (!consume(body, "{\"rank\":") || !consumeInteger(body, rank) || !consume(body, ",\"step\":") ||
-      !consumeInteger(body, step) || !consume(body, ",\"type\":\"heartbeat\",\"waiting\":")) {
-    return std::nullopt;
-  }
-  bool waiting = false;
-  if (body == "true}") {
-    waiting = true;
-  } else if (body != "false}") {
-    return std::nullopt;
-  }
-  if (rank < std::numeric_limits<int>::min() || rank > std::numeric_limits<int>::max()) return std::nullopt;
-  return Heartbeat{static_cast<int>(rank), step, waiting};
-}
-
 // Length of the valid UTF-8 sequence at the start of `s`, 0 if it is not one.
 size_t utf8SequenceLength(std::string_view s) {
   const auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
@@ -209,7 +167,8 @@ std::string encode(const Message& message) {
 }
 
 Message decodeBody(std::string_view body) {
-  if (auto heartbeat = canonicalHeartbeat(body)) return *heartbeat;
+  if (auto heartbeat = canonical::heartbeat(body)) return *heartbeat;
+  if (auto beats = canonical::workerBeats(body)) return *std::move(beats);
   try {
     return fromJson(json::parse(body));
   } catch (const ProtocolError&) {

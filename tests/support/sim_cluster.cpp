@@ -129,6 +129,8 @@ void SimCluster::startAgent(const std::string& host, const std::string& managerA
         // Agents' beats spread over the period whatever their number (golden-ratio phases).
         const double phase = std::fmod(0.6180339887 * static_cast<double>(agentsConnected_++), 1.0);
         a->nextHeartbeat = clock_.now() + std::chrono::duration_cast<Duration>(options_.agentHeartbeat * phase);
+        // Relays phased too, as varuna_agent's (protocol.h, firstRelayDelay).
+        a->nextBeatForward = clock_.now() + proto::firstRelayDelay(options_.agentBeatForward, phase);
         wakeAgentsBy(a->nextHeartbeat);
         answer(true, "");
         if (callbacks_.onAgentUp) callbacks_.onAgentUp(a->host);
@@ -447,10 +449,14 @@ void SimCluster::relayBeats(Agent& agent, TimePoint now) {
     agent.pendingBeats.clear();
     agent.pendingReports.clear();
     send(*agent.peer, proto::encode(relay));
-    agent.lastRelay = now == TimePoint::max() ? clock_.now() : now;
+    const TimePoint sent = now == TimePoint::max() ? clock_.now() : now;
+    agent.lastRelay = sent;
     ++relays_;
-    agent.nextBeatForward = now == TimePoint::max() ? clock_.now() + options_.agentBeatForward
-                                                     : now + options_.agentBeatForward;
+    // The next point of the agent's own grid, as varuna_agent's timer, which
+    // fires every interval whether or not anything is pending: its phase
+    // stays, however long it had nothing to relay.
+    const auto interval = std::chrono::duration_cast<Duration>(options_.agentBeatForward);
+    if (agent.nextBeatForward <= sent) agent.nextBeatForward += ((sent - agent.nextBeatForward) / interval + 1) * interval;
     return;
   }
   wakeAgentsBy(agent.nextBeatForward);

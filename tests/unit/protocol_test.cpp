@@ -2,6 +2,7 @@
 #include <cmath>
 #include <limits>
 
+#include "protocol_canonical.h"
 #include "varuna/common/protocol.h"
 
 using namespace varuna::proto;
@@ -241,6 +242,62 @@ TEST_CASE("heartbeats decode the same through the fast path and the JSON parser"
   CHECK(decode(encode(Heartbeat{12, 34}).substr(4)) == Message(Heartbeat{12, 34}));
   CHECK(decode(encode(Heartbeat{12, 34, true}).substr(4)) == Message(Heartbeat{12, 34, true}));
   CHECK(decode(R"({"rank":1,"step":2,"type":"heartbeat"})") == Message(Heartbeat{1, 2, false}));  // before "waiting"
+}
+
+TEST_CASE("worker_beats decode the same through the fast path and the JSON parser", "[protocol]") {
+  // What encode() writes takes the fast path (protocol_canonical.h); a
+  // trailing space takes the same body through the parser. The two are
+  // compared re-encoded (NaN != NaN as a double, "null" == "null" as text).
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<WorkerBeats> relays = {
+      WorkerBeats{3, {}, {}},
+      WorkerBeats{7, {{0, 12, false}, {5, -1, true}, {2147483647, 999999999999999999, false}}, {}},
+      WorkerBeats{1, {}, {{4, 1, 0, 9, 2.5, 0.25, 0.0125}, {5, 2, 1, 10, nan, inf, -inf}}},
+      WorkerBeats{-1, {{1, 2, true}}, {{-3, 0, 0, -7, 1e-300, 1.7976931348623157e308, 5e-324},
+                                        {0, 0, 0, 0, -0.0, 0.1 + 0.2, 1.0 / 3.0}}}};
+  for (const auto& relay : relays) {
+    const std::string body = encode(relay).substr(4);
+    INFO(body);
+    CHECK(varuna::proto::canonical::workerBeats(body).has_value());
+    CHECK(encode(decodeBody(body)) == encode(relay));
+    CHECK(encode(decodeBody(body)) == encode(decodeBody(body + " ")));
+  }
+  const std::string head = R"({"beats":[[1,2,true]],"generation":4,"reports":[[1,0,0,)";
+  const std::string tail = R"(]],"type":"worker_beats"})";
+  const std::vector<std::string> reportTails = {
+      "5,1.5,0.5,0.25",  "5,-0,0.5,0.25",  "5,-0.0,1,2",      "5,01,1,2",    "5,1.,1,2",   "5,.5,1,2",
+      "5,1e400,1,2",     "5,1E-2,1e+2,3", "5,null,null,null", "5,nan,1,2",   "5,inf,1,2",  "5,+1,1,2",
+      "5.0,1,1,2",       "-0,1,1,2",      "5,1,1",            "5,1,1,2,3",   "5,\"1\",1,2", "99999999999999999999,1,1,2",
+      "5,1 ,1,2",        "5,true,1,2",    "5,12345678901234567890123,1,2"};
+  std::vector<std::string> bodies;
+  for (const auto& r : reportTails) bodies.push_back(head + r + tail);
+  for (const char* b : {R"({"beats":[],"generation":2,"type":"worker_beats"})",
+                               R"({"beats":[[1,2]],"generation":2,"reports":[],"type":"worker_beats"})",
+                               R"({"beats":[[1,2,1]],"generation":2,"reports":[],"type":"worker_beats"})",
+                               R"({"beats":[[2147483648,2,true]],"generation":2,"reports":[],"type":"worker_beats"})",
+                               R"({"beats":[[1,2,true],],"generation":2,"reports":[],"type":"worker_beats"})",
+                               R"({"beats":[],"generation":2,"reports":[],"type":"worker_beats","x":1})",
+                               R"({"generation":2,"beats":[],"reports":[],"type":"worker_beats"})",
+                               R"({"beats":[],"generation":2,"reports":[],"type":"heartbeat"})",
+                               R"({"beats":[],"generation":2,"reports":[]})"}) {
+    bodies.push_back(b);
+  }
+  const auto decoded = [](const std::string& body) -> std::string {
+    try {
+      return encode(decodeBody(body));
+    } catch (const ProtocolError&) {
+      return "refused";
+    }
+  };
+  for (const auto& body : bodies) {
+    INFO(body);
+    CHECK(decoded(body) == decoded(body + " "));
+  }
+  // Some of them are refused either way, some taken; both kinds are there.
+  CHECK(decoded(head + "5,01,1,2" + tail) == "refused");
+  CHECK(decoded(head + "5,1E-2,1e+2,3" + tail) != "refused");
+  CHECK(std::signbit(std::get<WorkerBeats>(decodeBody(head + "5,-0.0,1,2" + tail)).reports[0].loss));
 }
 
 TEST_CASE("checkpoint_failed: malformed bodies are refused, long or invalid error texts are bounded", "[protocol]") {

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <thread>
 
 #include "agent/run_dir.h"
@@ -32,6 +33,12 @@ namespace {
 
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
+
+// Uniform in [0, 1), different in every agent (the phase of its relays).
+double randomFraction() {
+  std::mt19937_64 generator{std::random_device{}()};
+  return std::uniform_real_distribution<double>(0.0, 1.0)(generator);
+}
 
 bool processAlive(pid_t pid) { return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM); }
 
@@ -214,7 +221,7 @@ void Agent::start() {
   manager_->send(proto::Hello{proto::kVersion, options_.credential, "agent", options_.host, -1, -1});
   scheduleHeartbeat();
   scheduleLogCap();
-  scheduleBeatForward();
+  scheduleBeatForward(proto::firstRelayDelay(options_.beatForwardInterval, randomFraction()));
   lastFrame_ = std::chrono::steady_clock::now();
   scheduleReadDeadline();
 }
@@ -373,12 +380,12 @@ void Agent::relayBeats() {
   pendingReports_.clear();
 }
 
-void Agent::scheduleBeatForward() {
-  beatForwardTimer_.expires_after(options_.beatForwardInterval);
+void Agent::scheduleBeatForward(std::chrono::milliseconds delay) {
+  beatForwardTimer_.expires_after(delay);
   beatForwardTimer_.async_wait([this](const boost::system::error_code& ec) {
     if (ec || exiting_) return;
     relayBeats();
-    scheduleBeatForward();
+    scheduleBeatForward(options_.beatForwardInterval);
   });
 }
 

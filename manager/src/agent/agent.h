@@ -108,7 +108,9 @@ class Agent {
   void drainBeats();
   // Sends what is pending in one WorkerBeats frame.
   void relayBeats();
-  void scheduleBeatForward();
+  // The first relay at a random point of the interval (protocol.h,
+  // firstRelayDelay), then one every interval.
+  void scheduleBeatForward(std::chrono::milliseconds delay);
   void signalWorkers(int signal, bool wholeGroup);
   void killWorkers(const std::string& reason);
   void reapChildren();

@@ -2,38 +2,46 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <numeric>
+#include <map>
 
 #include "varuna/common/stage_map.h"
 
 namespace varuna {
 
 void SlowMachineDetector::reset(const Plan& plan) {
-  hostOf_.clear();
-  samples_.clear();
-  stageOf_.clear();
-  overBefore_.clear();
+  ranks_.clear();
+  placedRanks_ = 0;
   ranksWithFullWindow_ = 0;
   const auto map = StageToRankMap::parse(plan.stageToRankMap);
   for (const auto& p : plan.placement) {
-    hostOf_[p.rank] = p.host;
-    stageOf_[p.rank] = map.stageOf(p.rank);
+    if (p.rank < 0) continue;
+    if (static_cast<size_t>(p.rank) >= ranks_.size()) ranks_.resize(static_cast<size_t>(p.rank) + 1);
+    RankWindow& r = ranks_[static_cast<size_t>(p.rank)];
+    if (!r.placed) ++placedRanks_;
+    r.placed = true;
+    r.host = p.host;
+    r.stage = map.stageOf(p.rank);
   }
 }
 
 std::optional<std::vector<SlowMachine>> SlowMachineDetector::add(const proto::StepReport& report) {
-  if (!hostOf_.count(report.rank) || report.computeSecondsPerMicrobatch <= 0) return std::nullopt;
-  auto& values = samples_[report.rank];
-  values.push_back(report.computeSecondsPerMicrobatch);
-  if (static_cast<int>(values.size()) == window_) ++ranksWithFullWindow_;  // O(1) per report at 1000 ranks
-  if (ranksWithFullWindow_ < hostOf_.size()) return std::nullopt;
+  if (report.rank < 0 || static_cast<size_t>(report.rank) >= ranks_.size()) return std::nullopt;
+  RankWindow& r = ranks_[static_cast<size_t>(report.rank)];
+  if (!r.placed || report.computeSecondsPerMicrobatch <= 0) return std::nullopt;
+  r.sum += report.computeSecondsPerMicrobatch;
+  if (++r.count == window_) ++ranksWithFullWindow_;
+  if (ranksWithFullWindow_ < placedRanks_) return std::nullopt;
+  return verdict();
+}
+
+std::vector<SlowMachine> SlowMachineDetector::verdict() {
   std::map<int, std::vector<std::pair<int, double>>> byStage;  // stage -> (rank, mean)
-  for (const auto& [rank, values] : samples_) {
-    const double mean = std::accumulate(values.begin(), values.end(), 0.0) / static_cast<double>(values.size());
-    byStage[stageOf_.at(rank)].emplace_back(rank, mean);
+  for (size_t rank = 0; rank < ranks_.size(); ++rank) {
+    const RankWindow& r = ranks_[rank];
+    if (r.count > 0) byStage[r.stage].emplace_back(static_cast<int>(rank), r.sum / static_cast<double>(r.count));
   }
   std::vector<SlowMachine> slow;
-  std::set<int> over;
+  std::vector<bool> over(ranks_.size(), false);
   for (const auto& [stage, ranks] : byStage) {
     if (ranks.size() < 2) continue;  // nothing to compare with
     std::vector<double> means;
@@ -43,13 +51,18 @@ std::optional<std::vector<SlowMachine>> SlowMachineDetector::add(const proto::St
     const double median = n % 2 ? means[n / 2] : 0.5 * (means[n / 2 - 1] + means[n / 2]);
     for (const auto& [rank, mean] : ranks) {
       if (mean <= (1.0 + threshold_) * median) continue;
-      over.insert(rank);
-      if (overBefore_.count(rank)) slow.push_back({hostOf_.at(rank), rank, stage, mean, median});
+      over[static_cast<size_t>(rank)] = true;
+      const RankWindow& r = ranks_[static_cast<size_t>(rank)];
+      if (r.overBefore) slow.push_back({r.host, rank, stage, mean, median});
     }
   }
-  samples_.clear();
+  for (size_t rank = 0; rank < ranks_.size(); ++rank) {
+    RankWindow& r = ranks_[rank];
+    r.sum = 0;
+    r.count = 0;
+    r.overBefore = over[rank];
+  }
   ranksWithFullWindow_ = 0;
-  overBefore_ = std::move(over);
   return slow;
 }
 

@@ -81,6 +81,16 @@ struct StepReport {
 inline std::chrono::milliseconds relayStandsForHeartbeat(std::chrono::milliseconds relayInterval) {
   return std::min(relayInterval, std::chrono::milliseconds(500)) + std::chrono::milliseconds(100);
 }
+// When an agent relays first: `phase` (in [0, 1): random in varuna_agent,
+// spread evenly in SimCluster) of one interval after it starts, then every
+// interval. Agents that start together (srun, a job array, run_varuna's
+// launch of every host at once) would otherwise relay in lockstep, and the
+// manager would take every host's frame in one burst per interval, with
+// every other message (a ping, a notice) queued behind it.
+inline std::chrono::milliseconds firstRelayDelay(std::chrono::milliseconds relayInterval, double phase) {
+  const double clamped = std::clamp(phase, 0.0, 1.0);
+  return std::chrono::milliseconds(static_cast<int64_t>(static_cast<double>(relayInterval.count()) * clamped));
+}
 struct WorkerBeats {
   int generation = 0;  // of the launch whose workers beat
   std::vector<WorkerBeat> beats;
