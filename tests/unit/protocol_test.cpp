@@ -340,3 +340,17 @@ TEST_CASE("boundedText: valid UTF-8, cut at a character boundary, marked when cu
   CHECK(boundedText("\xed\xa0\x80") == "???");
   CHECK(boundedText("\xf0\x9f\x92\xbe") == "\xf0\x9f\x92\xbe");
 }
+
+TEST_CASE("an agent's relay stands for its heartbeat; its first relay comes at its phase", "[protocol]") {
+  using std::chrono::milliseconds;
+  // At most 500 ms of the interval count, plus 100 ms of timer slack.
+  CHECK(relayStandsForHeartbeat(milliseconds(100)) == milliseconds(200));
+  CHECK(relayStandsForHeartbeat(milliseconds(500)) == milliseconds(600));
+  CHECK(relayStandsForHeartbeat(milliseconds(1000)) == milliseconds(600));
+  // Agents started together relay spread over the interval, not together.
+  CHECK(firstRelayDelay(milliseconds(500), 0.0) == milliseconds(0));
+  CHECK(firstRelayDelay(milliseconds(500), 0.5) == milliseconds(250));
+  CHECK(firstRelayDelay(milliseconds(500), 0.999) == milliseconds(499));
+  CHECK(firstRelayDelay(milliseconds(500), -1.0) == milliseconds(0));  // clamped to the interval
+  CHECK(firstRelayDelay(milliseconds(500), 7.0) == milliseconds(500));
+}
