@@ -5,7 +5,13 @@
 
 #include <ATen/autocast_mode.h>
 
+#include "varuna/worker/varuna.h"
+
 namespace varuna {
+
+// The reduced type a mixed-precision mode computes in (fp32 has none: its
+// scope is disabled).
+inline at::ScalarType autocastType(Precision p) { return p == Precision::kBf16 ? at::kBFloat16 : at::kHalf; }
 
 class AutocastScope {
  public:

@@ -43,8 +43,6 @@ CutShape decodeShape(const torch::Tensor& header) {
   return shape;
 }
 
-at::ScalarType autocastType(Precision p) { return p == Precision::kBf16 ? at::kBFloat16 : at::kHalf; }
-
 }  // namespace
 
 void Varuna::Impl::checkMessageLimits(int microbatches) const {

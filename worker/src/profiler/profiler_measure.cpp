@@ -49,8 +49,6 @@ std::string formatMs(double seconds) {
   return text;
 }
 
-at::ScalarType autocastType(Precision p) { return p == Precision::kBf16 ? at::kBFloat16 : at::kHalf; }
-
 std::shared_ptr<torch::optim::Optimizer> makeOptimizer(const std::string& name, std::vector<torch::Tensor> params) {
   if (name == "adam") return std::make_shared<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-4));
   if (name == "adamw") return std::make_shared<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
