@@ -3,16 +3,18 @@
 the batch scripts and the containers' shell commands parse (bash -n / sh -n),
 every run_varuna and varuna_agent option they use is one the built binaries
 accept (their --help), the manifests are valid YAML with what the deployment
-relies on. (No Slurm or Kubernetes cluster runs here: docs/deployment.md.)
+relies on and pass Kubernetes' own schema, strictly. (No Slurm or Kubernetes cluster runs here: docs/deployment.md.)
 
     VARUNA_BUILD_DIR=build .venv/bin/python tests/python/scheduler_examples_test.py
 """
+import copy
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import kubernetes_validate
 import yaml
 
 SOURCE = Path(__file__).resolve().parents[2]
@@ -20,6 +22,9 @@ BIN = Path(os.environ.get("VARUNA_BUILD_DIR", SOURCE / "build")) / "bin"
 SLURM = SOURCE / "config" / "slurm"
 KUBERNETES = SOURCE / "config" / "kubernetes"
 PROGRAMS = ("run_varuna", "varuna_agent")
+# The oldest Kubernetes the manifests are written for (docs/deployment.md):
+# a field newer than it fails the schema check.
+KUBERNETES_VERSION = "1.30.0"
 
 
 def accepted_options(program):
@@ -68,8 +73,26 @@ def test_slurm_scripts(accepted):
     assert "--sigterm_notice_s auto" in agents and "--join_token_file" in agents
 
 
+def check_schema(documents):
+    """Every manifest against Kubernetes' own OpenAPI schema (the pinned
+    kubernetes-validate carries it), strictly: a misspelt or misplaced field
+    (which a cluster would reject, or worse, drop silently) fails here."""
+    for document in documents:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+    # The validator is live: the same Deployment with one field misspelt is refused.
+    broken = copy.deepcopy(next(d for d in documents if d["kind"] == "Deployment"))
+    pod = broken["spec"]["template"]["spec"]
+    pod["terminationGracePeriodSecond"] = pod.pop("terminationGracePeriodSeconds", 30)
+    try:
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+        raise SystemExit("a misspelt field passed the schema check")
+    except kubernetes_validate.ValidationError:
+        pass
+
+
 def test_kubernetes_manifests(accepted):
     documents = [d for d in yaml.safe_load_all((KUBERNETES / "varuna.yaml").read_text()) if d]
+    check_schema(documents)
     kinds = {(d["kind"], d["metadata"]["name"]) for d in documents}
     assert kinds == {("Service", "varuna-manager"), ("Deployment", "varuna-manager"), ("Service", "varuna-hosts"),
                      ("StatefulSet", "varuna-host")}, kinds
