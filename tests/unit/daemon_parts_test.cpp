@@ -4,6 +4,8 @@
 // Their wiring into the real daemon is daemon_sequences_test's.
 #include <catch2/catch.hpp>
 
+#include <limits>
+
 #include <filesystem>
 #include <fstream>
 
@@ -171,6 +173,35 @@ TEST_CASE("the registry counts ranks without a hello through connects, repeats, 
   workers.orderAllOut(1, "test");
   CHECK(workers.unconnected() == 0);
   CHECK(workers.size() == 0);
+}
+
+TEST_CASE("the registry finds a rank while it is expected, never after it is forgotten or the launch is over") {
+  const Plan plan = twoRankPlan();
+  WorkerRegistry workers;
+  CHECK(workers.find(0) == nullptr);
+  workers.expect(plan);
+  REQUIRE(workers.find(0) != nullptr);
+  REQUIRE(workers.find(1) != nullptr);
+  CHECK(workers.find(0) != workers.find(1));
+  CHECK(workers.find(2) == nullptr);
+  CHECK(workers.find(-1) == nullptr);
+  CHECK(workers.find(std::numeric_limits<int>::max()) == nullptr);
+  workers.connect(1, nullptr, t0);
+  CHECK(workers.find(1)->lastSeen == t0);
+  CHECK(workers.find(1) == &workers.all().at(1));  // the node the watchdog walks
+  workers.forget(1);
+  CHECK(workers.find(1) == nullptr);
+  CHECK(workers.find(0) != nullptr);
+  workers.connect(1, nullptr, t0 + 1s);  // a hello after a forget (ordered out elsewhere): found again
+  REQUIRE(workers.find(1) != nullptr);
+  CHECK(workers.find(1)->lastSeen == t0 + 1s);
+  workers.orderRankOut(0, 1, "test");
+  CHECK(workers.find(0) == nullptr);
+  workers.connect(std::numeric_limits<int>::max(), nullptr, t0);  // past the index: still found, in the tree
+  CHECK(workers.find(std::numeric_limits<int>::max()) != nullptr);
+  workers.clear();
+  CHECK(workers.find(1) == nullptr);
+  CHECK(workers.find(std::numeric_limits<int>::max()) == nullptr);
 }
 
 TEST_CASE("the hang check walks the running ranks only once the job has stalled, and names those not waiting") {

@@ -6,21 +6,32 @@ namespace varuna {
 
 void WorkerRegistry::expect(const Plan& plan) {
   clear();
-  for (const auto& p : plan.placement) workers_[p.rank] = WorkerState{};
+  for (const auto& p : plan.placement) insert(p.rank);
+}
+
+WorkerState& WorkerRegistry::insert(int rank) {
+  auto [it, inserted] = workers_.try_emplace(rank);
+  if (inserted && rank >= 0 && rank < kMaxIndexedRank) {
+    if (static_cast<size_t>(rank) >= byRank_.size()) byRank_.resize(static_cast<size_t>(rank) + 1, nullptr);
+    byRank_[static_cast<size_t>(rank)] = &it->second;  // a map's nodes stay where they are
+  }
+  return it->second;
 }
 
 WorkerState* WorkerRegistry::find(int rank) {
-  auto it = workers_.find(rank);
-  return it == workers_.end() ? nullptr : &it->second;
+  return const_cast<WorkerState*>(static_cast<const WorkerRegistry*>(this)->find(rank));
 }
 
 const WorkerState* WorkerRegistry::find(int rank) const {
+  if (rank >= 0 && rank < kMaxIndexedRank) {
+    return static_cast<size_t>(rank) < byRank_.size() ? byRank_[static_cast<size_t>(rank)] : nullptr;
+  }
   auto it = workers_.find(rank);
   return it == workers_.end() ? nullptr : &it->second;
 }
 
 bool WorkerRegistry::connect(int rank, const std::shared_ptr<FramedConnection>& connection, TimePoint now) {
-  WorkerState& worker = workers_[rank];
+  WorkerState& worker = insert(rank);
   // A second hello of a connected rank (its process reconnected while the
   // old connection still looks open, e.g. half-open after a link cut): the
   // newer connection is the one that counts; the old one must not feed
@@ -37,6 +48,7 @@ bool WorkerRegistry::connect(int rank, const std::shared_ptr<FramedConnection>& 
 
 void WorkerRegistry::erase(std::map<int, WorkerState>::iterator it) {
   if (it->second.connected) --connected_;
+  if (it->first >= 0 && static_cast<size_t>(it->first) < byRank_.size()) byRank_[static_cast<size_t>(it->first)] = nullptr;
   workers_.erase(it);
 }
 
