@@ -17,6 +17,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -25,19 +26,46 @@
 
 namespace varuna::proto {
 
+// A value of the member's type. An integer member takes a JSON integer within
+// its range only: nlohmann would cast a float or an out-of-range integer
+// ("step": 1e300) with a plain conversion, undefined behaviour on a value
+// any authenticated peer chooses.
+template <typename M>
+void readValue(const nlohmann::json& v, M& out) {
+  if constexpr (std::is_integral_v<M> && !std::is_same_v<M, bool>) {
+    const bool fits = v.is_number_unsigned()
+                          ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<M>::max())
+                          : v.is_number_integer() && v.get<int64_t>() >= static_cast<int64_t>(std::numeric_limits<M>::min()) &&
+                                v.get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<M>::max());
+    if (!fits) {
+      throw ProtocolError(std::string("malformed message: ") + (v.is_number() ? v.dump() : v.type_name()) +
+                          " where an integer within the field's range belongs");
+    }
+    out = static_cast<M>(v.is_number_unsigned() ? static_cast<int64_t>(v.get<uint64_t>()) : v.get<int64_t>());
+  } else {
+    v.get_to(out);
+  }
+}
+template <typename M>
+M readValue(const nlohmann::json& v) {
+  M out{};
+  readValue(v, out);
+  return out;
+}
+
 // Nested values.
 inline void to_json(nlohmann::json& j, const WorkerSpec& w) { j = {{"rank", w.rank}, {"local_rank", w.localRank}}; }
 inline void from_json(const nlohmann::json& j, WorkerSpec& w) {
-  j.at("rank").get_to(w.rank);
-  j.at("local_rank").get_to(w.localRank);
+  readValue(j.at("rank"), w.rank);
+  readValue(j.at("local_rank"), w.localRank);
 }
 // [rank, step, waiting]: a host's worth of beats in one small frame.
 inline void to_json(nlohmann::json& j, const WorkerBeat& b) { j = {b.rank, b.step, b.waiting}; }
 inline void from_json(const nlohmann::json& j, WorkerBeat& b) {
   if (!j.is_array() || j.size() != 3) throw ProtocolError("worker_beats: each beat must be [rank, step, waiting]");
-  j.at(0).get_to(b.rank);
-  j.at(1).get_to(b.step);
-  j.at(2).get_to(b.waiting);
+  readValue(j.at(0), b.rank);
+  readValue(j.at(1), b.step);
+  readValue(j.at(2), b.waiting);
 }
 
 // [rank, stage, replica, step, loss, step_seconds, compute_seconds_per_microbatch]:
@@ -57,10 +85,10 @@ inline void from_json(const nlohmann::json& j, StepReport& r) {
     throw ProtocolError("worker_beats: each report must be [rank, stage, replica, step, loss, step_seconds, "
                         "compute_seconds_per_microbatch]");
   }
-  j.at(0).get_to(r.rank);
-  j.at(1).get_to(r.stage);
-  j.at(2).get_to(r.replica);
-  j.at(3).get_to(r.step);
+  readValue(j.at(0), r.rank);
+  readValue(j.at(1), r.stage);
+  readValue(j.at(2), r.replica);
+  readValue(j.at(3), r.step);
   r.loss = numberOrNan(j.at(4));
   r.stepSeconds = numberOrNan(j.at(5));
   r.computeSecondsPerMicrobatch = numberOrNan(j.at(6));
@@ -130,11 +158,11 @@ void write(nlohmann::json& j, const T& m, const Exchange<T>& f) {
 // Reading.
 template <typename T, typename M>
 void read(const nlohmann::json& j, T& m, const Required<T, M>& f) {
-  j.at(f.name).get_to(m.*(f.member));
+  readValue(j.at(f.name), m.*(f.member));
 }
 template <typename T, typename M>
 void read(const nlohmann::json& j, T& m, const Optional<T, M>& f) {
-  m.*(f.member) = j.contains(f.name) ? j.at(f.name).template get<M>() : f.fallback;
+  m.*(f.member) = j.contains(f.name) ? readValue<M>(j.at(f.name)) : f.fallback;
 }
 template <typename T>
 void read(const nlohmann::json& j, T& m, const Bounded<T>& f) {

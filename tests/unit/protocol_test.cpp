@@ -296,8 +296,32 @@ TEST_CASE("worker_beats decode the same through the fast path and the JSON parse
   }
   // Some of them are refused either way, some taken; both kinds are there.
   CHECK(decoded(head + "5,01,1,2" + tail) == "refused");
+  // An integer field takes JSON integers in its range only (the parser used
+  // to cast 1e20 or 5.0 into an int64_t: undefined behaviour for 1e20).
+  CHECK(decoded(head + "99999999999999999999,1,1,2" + tail) == "refused");
+  CHECK(decoded(head + "5.0,1,1,2" + tail) == "refused");
   CHECK(decoded(head + "5,1E-2,1e+2,3" + tail) != "refused");
   CHECK(std::signbit(std::get<WorkerBeats>(decodeBody(head + "5,-0.0,1,2" + tail)).reports[0].loss));
+}
+
+TEST_CASE("integer fields take JSON integers within their range, nothing else", "[protocol]") {
+  CHECK(decodeBody(R"({"type":"exit_now","generation":3,"reason":""})") == Message(ExitNow{3, ""}));
+  for (const char* generation : {"3.0", "3e0", "1e300", "-1e300", "2147483648", "-2147483649", "18446744073709551615",
+                                 "99999999999999999999", "true", "\"3\"", "null", "[3]"}) {
+    const std::string body = std::string(R"({"type":"exit_now","generation":)") + generation + R"(,"reason":""})";
+    INFO(body);
+    CHECK_THROWS_WITH(decodeBody(body), Catch::Contains("malformed message"));
+  }
+  CHECK(decodeBody(R"({"type":"exit_now","generation":2147483647,"reason":""})") == Message(ExitNow{2147483647, ""}));
+  CHECK(decodeBody(R"({"type":"exit_now","generation":-2147483648,"reason":""})") == Message(ExitNow{-2147483648, ""}));
+  // An int64_t field (a beat's step) to its own limits; a nested rank too.
+  CHECK(std::get<WorkerBeats>(decodeBody(R"({"beats":[[1,9223372036854775807,false]],"generation":1,"type":"worker_beats"})"))
+            .beats[0]
+            .step == std::numeric_limits<int64_t>::max());
+  CHECK_THROWS_WITH(decodeBody(R"({"beats":[[1,9223372036854775808,false]],"generation":1,"type":"worker_beats"})"),
+                    Catch::Contains("malformed message"));
+  CHECK_THROWS_WITH(decodeBody(R"({"beats":[[3e9,1,false]],"generation":1,"type":"worker_beats"})"),
+                    Catch::Contains("malformed message"));
 }
 
 TEST_CASE("checkpoint_failed: malformed bodies are refused, long or invalid error texts are bounded", "[protocol]") {
