@@ -1,5 +1,5 @@
 // Fast paths for the messages that are most of what run_varuna reads: a
-// worker's Heartbeat (10 Hz from every worker that beats directly) and an
+// worker's Heartbeat (from every worker that beats to it directly) and an
 // agent's WorkerBeats (a relay per host every few hundred milliseconds, with
 // its workers' beats and step reports). Their canonical encoding (what
 // encode() writes: keys sorted, no spaces) is matched here without building a

@@ -202,6 +202,19 @@ TEST_CASE("the registry finds a rank while it is expected, never after it is for
   workers.clear();
   CHECK(workers.find(1) == nullptr);
   CHECK(workers.find(std::numeric_limits<int>::max()) == nullptr);
+  // A host ordered out, every rank ordered out, a smaller launch.
+  workers.expect(plan);
+  workers.orderHostOut(plan.placement[1].host, plan, 1, "test");
+  CHECK(workers.find(1) == nullptr);
+  CHECK(workers.find(0) != nullptr);
+  workers.orderAllOut(1, "test");
+  CHECK(workers.find(0) == nullptr);
+  workers.expect(plan);
+  Plan smaller = plan;
+  smaller.placement.pop_back();
+  workers.expect(smaller);
+  CHECK(workers.find(0) != nullptr);
+  CHECK(workers.find(1) == nullptr);
 }
 
 TEST_CASE("the hang check walks the running ranks only once the job has stalled, and names those not waiting") {

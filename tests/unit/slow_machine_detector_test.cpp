@@ -1,6 +1,8 @@
 // Slow-machine verdicts: per stage, each replica against the stage median.
 #include <catch2/catch.hpp>
 
+#include <limits>
+
 #include "varuna/manager/slow_machine_detector.h"
 
 using namespace varuna;
@@ -81,4 +83,26 @@ TEST_CASE("reports of ranks outside the plan are ignored; reset starts a new win
   for (int rank = 0; rank < 5; ++rank) detector.add(report(rank, rank % 2, 0.01, 0));
   detector.reset(plan2x3());
   CHECK_FALSE(detector.add(report(5, 1, 0.01, 0)));  // the earlier five are forgotten
+}
+
+TEST_CASE("a non-finite compute time (a relayed null) is left out of the window", "[slow]") {
+  SlowMachineDetector detector(0.15, 2);
+  detector.reset(plan2x3());
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::optional<std::vector<SlowMachine>> verdict;
+  for (int window = 0; window < 2; ++window) {
+    for (int step = window * 2; step < window * 2 + 2; ++step) {
+      for (int rank = 0; rank < 6; ++rank) {
+        const int stage = rank % 2;
+        // Rank 3 is 30 % slower; rank 5 also sends a NaN and an infinity now and then.
+        CHECK_FALSE(detector.add(report(5, 1, step % 2 ? nan : std::numeric_limits<double>::infinity(), step)));
+        auto v = detector.add(report(rank, stage, rank == 3 ? 0.026 : (stage == 0 ? 0.010 : 0.020), step));
+        if (v) verdict = v;
+      }
+    }
+  }
+  REQUIRE(verdict);
+  REQUIRE(verdict->size() == 1);  // the NaNs neither counted as samples nor hid the slow machine
+  CHECK((*verdict)[0].rank == 3);
+  CHECK((*verdict)[0].stageMedianSeconds == Approx(0.020));
 }

@@ -29,6 +29,10 @@ struct WorkerState {
 class WorkerRegistry {
  public:
   using TimePoint = WorkerState::TimePoint;
+  WorkerRegistry() = default;
+  // byRank_ points into workers_: a copy would point into the original's.
+  WorkerRegistry(const WorkerRegistry&) = delete;
+  WorkerRegistry& operator=(const WorkerRegistry&) = delete;
 
   // A launch: every rank of `plan` expected, none connected yet.
   void expect(const Plan& plan);

@@ -1,6 +1,7 @@
 #include "varuna/manager/slow_machine_detector.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 
@@ -27,8 +28,11 @@ void SlowMachineDetector::reset(const Plan& plan) {
 std::optional<std::vector<SlowMachine>> SlowMachineDetector::add(const proto::StepReport& report) {
   if (report.rank < 0 || static_cast<size_t>(report.rank) >= ranks_.size()) return std::nullopt;
   RankWindow& r = ranks_[static_cast<size_t>(report.rank)];
-  if (!r.placed || report.computeSecondsPerMicrobatch <= 0) return std::nullopt;
-  r.sum += report.computeSecondsPerMicrobatch;
+  // A relayed non-finite figure arrives as NaN: it would spoil the window's
+  // mean and the median's sort. Only positive, finite times count.
+  const double seconds = report.computeSecondsPerMicrobatch;
+  if (!r.placed || !(seconds > 0) || !std::isfinite(seconds)) return std::nullopt;
+  r.sum += seconds;
   if (++r.count == window_) ++ranksWithFullWindow_;
   if (ranksWithFullWindow_ < placedRanks_) return std::nullopt;
   return verdict();
