@@ -452,21 +452,33 @@ void SimCluster::relayBeats(Agent& agent, TimePoint now) {
     const TimePoint sent = now == TimePoint::max() ? clock_.now() : now;
     agent.lastRelay = sent;
     ++relays_;
-    // The next point of the agent's own grid, as varuna_agent's timer, which
-    // fires every interval whether or not anything is pending: its phase
-    // stays, however long it had nothing to relay.
-    const auto interval = std::chrono::duration_cast<Duration>(options_.agentBeatForward);
-    if (agent.nextBeatForward <= sent) agent.nextBeatForward += ((sent - agent.nextBeatForward) / interval + 1) * interval;
+    advanceRelayGrid(agent, sent + Duration(1));  // past this relay
     return;
   }
+  wakeAgentsBy(agent.nextBeatForward);
+}
+
+void SimCluster::advanceRelayGrid(Agent& agent, TimePoint to) {
+  // varuna_agent's relay timer fires every interval whether or not anything
+  // is pending, so its phase stays however long it had nothing to relay: the
+  // next relay is at the first point of its grid at or after `to`.
+  const auto interval = std::chrono::duration_cast<Duration>(options_.agentBeatForward);
+  if (agent.nextBeatForward < to) agent.nextBeatForward += ((to - agent.nextBeatForward - Duration(1)) / interval + 1) * interval;
+}
+
+void SimCluster::queueForRelay(Agent& agent) {
+  // The first beat or report after an idle spell waits for the agent's next
+  // timer firing, not the next tick (which would bunch every agent's relay
+  // after a launch).
+  if (agent.pendingBeats.empty() && agent.pendingReports.empty()) advanceRelayGrid(agent, clock_.now());
   wakeAgentsBy(agent.nextBeatForward);
 }
 
 void SimCluster::sendStepReport(Worker& w, const proto::StepReport& report) {
   const auto agent = w.agent.lock();
   if (options_.reportsThroughAgent && agent && agent->state == Agent::State::kUp && agent->generation == w.generation) {
+    queueForRelay(*agent);
     agent->pendingReports.push_back(report);
-    wakeAgentsBy(std::max(agent->nextBeatForward, clock_.now()));
     return;
   }
   send(*w.peer, proto::encode(report));
@@ -477,8 +489,8 @@ void SimCluster::beat(Worker& w, bool waiting) {
   const bool agentThere = agent && agent->state != Agent::State::kGone && agent->generation == w.generation;
   if (options_.beatsThroughAgent && agentThere && w.directBeatSent) {
     if (agent->state != Agent::State::kUp) return;  // a stopped agent's queue: dropped as stale once it runs
+    queueForRelay(*agent);
     agent->pendingBeats[w.rank] = proto::WorkerBeat{w.rank, w.step, waiting};
-    wakeAgentsBy(std::max(agent->nextBeatForward, clock_.now()));
     ++relaysBeats_;
     return;
   }

@@ -287,6 +287,10 @@ class SimCluster {
   void tickAgent(Agent& agent, TimePoint now);
   // An agent's WorkerBeats, when beats are pending and its relay is due.
   void relayBeats(Agent& agent, TimePoint now);
+  // The agent's next relay: the first point of its grid at or after `to`.
+  void advanceRelayGrid(Agent& agent, TimePoint to);
+  // Before a beat or report joins the agent's queue: when it will go out.
+  void queueForRelay(Agent& agent);
   // A worker's heartbeat: through its agent, or to the manager (see above).
   void beat(Worker& worker, bool waiting);
   // Directly, or through its agent with reportsThroughAgent.
