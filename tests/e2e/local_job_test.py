@@ -9,7 +9,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -252,78 +251,6 @@ def test_an_agents_sigterm_is_a_preemption_notice_each_time_the_host_comes_back(
     hosts = [e["plan"]["hosts"] for e in m.events("launch")]
     assert hosts == [["127.0.0.1", "127.0.0.2"], ["127.0.0.1"]] * 2 + [["127.0.0.1", "127.0.0.2"]], hosts
     assert not m.events("kill_all"), m.events()
-    assert_nothing_left(m.job)
-
-
-def test_manager_killed_and_restarted_carries_on():
-    m = manager("restart", steps=300, train_args=["--checkpoint_every", "20"],
-                extra_args=["--agent_grace_s", "30"]).start()
-    m.wait_step(45)
-    m.kill(signal.SIGKILL)
-    m.proc.wait()
-    old = processes_of_job(m.job)
-    assert old, "agents and workers keep running within the grace period"
-    m.start()  # same command, same state folder
-    assert m.wait_exit() == 0, m.tail()
-    assert m.events("manager_restarted"), "the restart was not recognised"
-    launches = m.events("launch")
-    assert launches[-1]["generation"] == 2 and launches[-1]["resume_step"] >= 40, launches
-    for pid, _ in old:
-        assert not Path("/proc/%d" % pid).exists() or pid not in [p for p, _ in processes_of_job(m.job)]
-    assert_nothing_left(m.job)
-
-
-def test_a_rotated_secret_shuts_the_old_credentials_out():
-    """docs/deployment.md, "Security": rotating is deleting <state_dir>/token and
-    restarting run_varuna. Here the manager is killed while its agents and
-    workers run on (within their grace) holding credentials of the old
-    secret: the new manager starts every agent again with credentials of the
-    new secret, each stops its host's old agent and that agent's workers, and
-    the job resumes from its checkpoint. The old secret and a host's old
-    notifier credential are refused in the TLS handshake; the new ones are
-    not the old."""
-    m = manager("rotate", steps=100000, train_args=["--checkpoint_every", "20"],
-                extra_args=["--agent_grace_s", "30"]).start()
-    m.wait_step(45)
-    old_secret = (m.state_dir / "token").read_text().strip()
-    old_notifier = json.loads(m.connection_file("127.0.0.2").read_text())["token"]
-    m.kill(signal.SIGKILL)
-    m.proc.wait()
-    old = processes_of_job(m.job)
-    assert old, "agents and workers keep running within the grace period"
-    (m.state_dir / "token").unlink()  # the rotation
-    m.start()  # same command, same state folder
-    m.wait_event("launch", count=2)
-    m.wait_step(m.events("launch")[-1]["resume_step"] + 3)
-    new_secret = (m.state_dir / "token").read_text().strip()
-    assert len(new_secret) == len(old_secret) and new_secret != old_secret
-    launches = m.events("launch")
-    assert launches[-1]["generation"] >= 2 and launches[-1]["resume_step"] >= 40, launches
-    # Every process of the old secret is gone: a new agent stopped each old one
-    # (and its workers), or it exited when the manager refused its credential.
-    running = {pid for pid, _ in processes_of_job(m.job)}
-    assert not running & {pid for pid, _ in old}, (old, processes_of_job(m.job))
-    new_notifier = json.loads(m.connection_file("127.0.0.2").read_text())["token"]
-    assert new_notifier != old_notifier
-    address = m.events("manager_started")[-1]["address"]  # the restarted manager's
-    stale = m.workdir / "old-secret"
-    stale.write_text(old_secret + "\n")
-    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--manager", address, "--token_file", str(stale),
-                        "--host", "127.0.0.2"], capture_output=True, text=True, timeout=30)
-    assert r.returncode != 0 and "did not accept this credential" in r.stderr, (r.returncode, r.stderr)
-    stale_conn = m.workdir / "old-connection.json"
-    conn = json.loads(m.connection_file("127.0.0.2").read_text())
-    conn["token"] = old_notifier
-    stale_conn.write_text(json.dumps(conn))
-    stale_conn.chmod(0o600)
-    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--connection_file", str(stale_conn)],
-                       capture_output=True, text=True, timeout=30)
-    assert r.returncode != 0 and "did not accept this credential" in r.stderr, (r.returncode, r.stderr)
-    assert len(m.events("preempt_notice")) == 0, "a refused notice reached the job"
-    wait_for("the two refusals counted in state.json (rewritten every second)",
-             lambda: m.state()["connections"]["unauthenticated"] >= 2, 30)
-    m.kill(signal.SIGTERM)
-    assert m.wait_exit() == 0, m.tail()
     assert_nothing_left(m.job)
 
 
@@ -802,8 +729,6 @@ if __name__ == "__main__":
         test_host_added_to_machine_list_grows_the_job,
         test_preempted_host_comes_back_when_the_list_is_written_again,
         test_an_agents_sigterm_is_a_preemption_notice_each_time_the_host_comes_back,
-        test_manager_killed_and_restarted_carries_on,
-        test_a_rotated_secret_shuts_the_old_credentials_out,
         test_sigterm_checkpoints_and_stops,
         test_head_node_agents_and_workers_run_as_the_jobs_user,
         test_no_morphing_stops_on_the_first_failure,

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""run_varuna restarted on the same state folder, end to end on this machine
+(two loopback "hosts" started without SSH, the example trainer, real agents
+and workers): killed and restarted it carries on; restarted with its secret
+rotated, nothing of the old secret gets back in."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from varuna_e2e import (  # noqa: E402
+    BIN, Manager, assert_nothing_left, processes_of_job, run_tests, wait_for)
+
+ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-e2e-restart-")))
+shutil.rmtree(ROOT, ignore_errors=True)  # nothing of an earlier run may leak into this one
+ROOT.mkdir(parents=True)
+TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
+_port = [27000 + (os.getpid() % 100) * 40]
+
+
+def manager(name, machines=TWO_HOSTS, **kw):
+    _port[0] += 10
+    extra = list(kw.pop("extra_args", [])) + ["--master_port", str(_port[0])]
+    return Manager(ROOT / name, machines, job="e2e-" + name + "-" + str(os.getpid()), extra_args=extra, **kw)
+
+
+def test_manager_killed_and_restarted_carries_on():
+    m = manager("restart", steps=300, train_args=["--checkpoint_every", "20"],
+                extra_args=["--agent_grace_s", "30"]).start()
+    m.wait_step(45)
+    m.kill(signal.SIGKILL)
+    m.proc.wait()
+    old = processes_of_job(m.job)
+    assert old, "agents and workers keep running within the grace period"
+    m.start()  # same command, same state folder
+    assert m.wait_exit() == 0, m.tail()
+    assert m.events("manager_restarted"), "the restart was not recognised"
+    launches = m.events("launch")
+    assert launches[-1]["generation"] == 2 and launches[-1]["resume_step"] >= 40, launches
+    for pid, _ in old:
+        assert not Path("/proc/%d" % pid).exists() or pid not in [p for p, _ in processes_of_job(m.job)]
+    assert_nothing_left(m.job)
+
+
+def test_a_rotated_secret_shuts_the_old_credentials_out():
+    """docs/deployment.md, "Security": rotating is deleting <state_dir>/token and
+    restarting run_varuna. Here the manager is killed while its agents and
+    workers run on (within their grace) holding credentials of the old
+    secret. The new manager makes a new secret and starts every agent again
+    with credentials of it; each new agent stops its host's old agent and
+    that agent's workers, and the job resumes from its checkpoint. The old
+    secret and a host's old notifier credential (what a poller on the host
+    holds) are refused in the TLS handshake."""
+    m = manager("rotate", steps=100000, train_args=["--checkpoint_every", "20"],
+                extra_args=["--agent_grace_s", "30"]).start()
+    m.wait_step(45)
+    old_secret = (m.state_dir / "token").read_text().strip()
+    old_notifier = json.loads(m.connection_file("127.0.0.2").read_text())["token"]
+    m.kill(signal.SIGKILL)
+    m.proc.wait()
+    old = processes_of_job(m.job)
+    assert old, "agents and workers keep running within the grace period"
+    (m.state_dir / "token").unlink()  # the rotation
+    m.start()  # same command, same state folder
+    m.wait_event("launch", count=2)
+    m.wait_step(m.events("launch")[-1]["resume_step"] + 3)
+    new_secret = (m.state_dir / "token").read_text().strip()
+    assert len(new_secret) == len(old_secret) and new_secret != old_secret
+    launches = m.events("launch")
+    assert launches[-1]["generation"] >= 2 and launches[-1]["resume_step"] >= 40, launches
+    # No process of the old secret is left: the new agents stopped the old ones and their workers.
+    running = {pid for pid, _ in processes_of_job(m.job)}
+    assert not running & {pid for pid, _ in old}, (old, processes_of_job(m.job))
+    new_notifier = json.loads(m.connection_file("127.0.0.2").read_text())["token"]
+    assert new_notifier != old_notifier
+
+    def unauthenticated():
+        return m.state().get("connections", {}).get("unauthenticated", 0)
+    before = unauthenticated()
+    address = m.events("manager_started")[-1]["address"]  # the restarted manager's
+    stale = m.workdir / "old-secret"
+    stale.write_text(old_secret + "\n")
+    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--manager", address, "--token_file", str(stale),
+                        "--host", "127.0.0.2"], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "did not accept this credential" in r.stderr, (r.returncode, r.stderr)
+    stale_conn = m.workdir / "old-connection.json"
+    conn = json.loads(m.connection_file("127.0.0.2").read_text())
+    conn["token"] = old_notifier
+    stale_conn.write_text(json.dumps(conn))
+    stale_conn.chmod(0o600)
+    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--connection_file", str(stale_conn)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "did not accept this credential" in r.stderr, (r.returncode, r.stderr)
+    # Counted as handshakes without the job's credential (state.json is rewritten every second).
+    wait_for("the two refusals counted", lambda: unauthenticated() >= before + 2, 30)
+    assert len(m.events("preempt_notice")) == 0, "a refused notice reached the job"
+    m.kill(signal.SIGTERM)
+    assert m.wait_exit() == 0, m.tail()
+    assert_nothing_left(m.job)
+
+
+if __name__ == "__main__":
+    run_tests([
+        test_manager_killed_and_restarted_carries_on,
+        test_a_rotated_secret_shuts_the_old_credentials_out,
+    ])
