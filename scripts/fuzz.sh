@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 FLAGS=(-std=c++20 "${VARUNA_FUZZ_OPT:--O1}" -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
        -I"$ROOT/common/include" -I"$ROOT/manager/include")
 declare -A SOURCES=(
-  [protocol_fuzz]="$ROOT/common/src/protocol.cpp $ROOT/common/src/secrets.cpp $ROOT/common/src/errors.cpp"
+  [protocol_fuzz]="$ROOT/common/src/protocol.cpp $ROOT/common/src/protocol_canonical.cpp $ROOT/common/src/secrets.cpp $ROOT/common/src/errors.cpp"
   [machine_list_fuzz]="$ROOT/common/src/machine_list.cpp $ROOT/common/src/errors.cpp"
   [job_config_fuzz]="$ROOT/manager/src/job/job_config.cpp $ROOT/common/src/loopback.cpp $ROOT/common/src/launch_contract.cpp $ROOT/common/src/stage_map.cpp $ROOT/common/src/schedule.cpp $ROOT/common/src/schedule_chunked.cpp $ROOT/common/src/errors.cpp"
 )
