@@ -133,9 +133,8 @@ ControlClient ControlClient::connectAs(const std::string& address, std::chrono::
                                       const Hello& hello, const std::string& pskHint) {
   const auto deadline = Clock::now() + timeout;
   if (!tls::plaintextRequested()) {
-    auto client = connectTls(address, timeout,
-                             {tls::formatIdentity(tls::identityOf(hello, pskHint)), tls::pskKey(hello.token)});
-    client.sendFrame(encode(hello), deadline);
+    auto client = connectTls(address, timeout, tls::clientCredential(hello, pskHint));
+    client.sendFrame(encode(tls::wireHello(hello)), deadline);
     return client;
   }
   auto client = connect(address, timeout);
@@ -202,6 +201,13 @@ void ControlClient::failHandshake(bool server, const TlsResult& result) {
   }
   if (server) throw AuthenticationError(strCat("TLS handshake with ", address_, " failed: ",
                                                refusal.empty() ? detail : refusal));
+  if (clientPsk_ && clientPsk_->certificate) {
+    throw AuthenticationError(strCat("the manager at ", address_, " did not prove it is this job's manager or did not "
+                                     "accept this credential in the TLS handshake (",
+                                     clientPsk_->refusal.empty() ? detail : clientPsk_->refusal,
+                                     "): a stale credential (the job's CA was made anew), a manager of another job, "
+                                     "or a plaintext manager (--insecure_plaintext_control); nothing was sent"));
+  }
   if (certificate) {
     throw AuthenticationError(strCat("the manager at ", address_, " answered with a certificate, not the job's key: "
                                      "it is not this job's run_varuna; nothing was sent"));

@@ -1,9 +1,12 @@
 #include "varuna/common/control_tls.h"
 
+#include "varuna/common/certificate_credential.h"
+
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/ssl.h>
+#include <openssl/x509.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -52,7 +55,7 @@ unsigned int copyOut(const std::string& from, unsigned char* to, unsigned int ca
 unsigned int clientCallback(SSL* ssl, const char* /*hint*/, char* identity, unsigned int maxIdentity,
                             unsigned char* key, unsigned int maxKey) {
   const auto* psk = static_cast<const ClientPsk*>(SSL_get_ex_data(ssl, exDataIndex()));
-  if (!psk || psk->identity.size() + 1 > maxIdentity) return 0;
+  if (!psk || psk->certificate || psk->identity.size() + 1 > maxIdentity) return 0;  // a certificate: no PSK offered
   std::memcpy(identity, psk->identity.c_str(), psk->identity.size() + 1);
   return copyOut(psk->key, key, maxKey);
 }
@@ -75,6 +78,35 @@ unsigned int serverCallback(SSL* ssl, const char* identity, unsigned char* key, 
   // identity is kept only as "presented" until the handshake completes.
   psk->presented = parsed;
   return copyOut(*found, key, maxKey);
+}
+
+SSL* sslOf(X509_STORE_CTX* store) {
+  return static_cast<SSL*>(X509_STORE_CTX_get_ex_data(store, SSL_get_ex_data_X509_STORE_CTX_idx()));
+}
+
+// The client's check of the server's certificate (replacing OpenSSL's chain
+// building: the only certificate it accepts is the manager's, signed by the
+// job's root itself). A client holding a pre-shared key accepts none: a
+// server that ignores the PSK and offers a certificate instead fails.
+int verifyServer(X509_STORE_CTX* store, void* /*unused*/) {
+  auto* psk = static_cast<ClientPsk*>(SSL_get_ex_data(sslOf(store), exDataIndex()));
+  if (!psk || !psk->certificate) return 0;
+  if (!checkManagerCertificate(psk->certificate->root(), X509_STORE_CTX_get0_cert(store), psk->refusal)) return 0;
+  psk->managerVerified = true;
+  return 1;
+}
+
+// The manager's check of a client's chain (certificate_credential.h).
+int verifyClient(X509_STORE_CTX* store, void* /*unused*/) {
+  auto* psk = static_cast<ServerPsk*>(SSL_get_ex_data(sslOf(store), exDataIndex()));
+  if (!psk || !psk->ca) return 0;
+  const auto checked =
+      checkPeerChain(psk->ca->root(), X509_STORE_CTX_get0_cert(store), X509_STORE_CTX_get0_untrusted(store), psk->refusal);
+  if (!checked) return 0;
+  if (!psk->acceptHostCa || !psk->acceptHostCa(checked->hostCa, psk->refusal)) return 0;
+  psk->presented = checked->peer;
+  psk->presented->certified = true;
+  return 1;
 }
 
 // OpenSSL's socket BIO writes with plain send(): a peer that has gone would
@@ -167,12 +199,17 @@ void configureContext(SSL_CTX* context, bool server) {
   SSL_CTX_set_max_proto_version(context, TLS1_3_VERSION);
   SSL_CTX_set_ciphersuites(context, kCipherSuite);
   if (server) {
-    SSL_CTX_set_verify(context, SSL_VERIFY_NONE, nullptr);  // no certificates: the PSK authenticates both ends
+    // Pre-shared keys only, until useServerCertificate.
+    SSL_CTX_set_verify(context, SSL_VERIFY_NONE, nullptr);
+    // OpenSSL counts an external PSK as a resumption, and a resumption on a
+    // server that verifies peers needs a session context (any constant).
+    static constexpr unsigned char kSessionContext[] = "varuna-control";
+    SSL_CTX_set_session_id_context(context, kSessionContext, sizeof(kSessionContext) - 1);
+    SSL_CTX_set_cert_verify_callback(context, verifyClient, nullptr);
   } else {
-    // A server may ignore the PSK and authenticate with a certificate instead
-    // (TLS 1.3 allows it, and OpenSSL would go along): any certificate at all
-    // fails the handshake, so only a server that proved the key gets a byte.
-    SSL_CTX_set_verify(context, SSL_VERIFY_PEER, [](int, X509_STORE_CTX*) { return 0; });
+    // The server's certificate is checked by verifyServer alone.
+    SSL_CTX_set_verify(context, SSL_VERIFY_PEER, nullptr);
+    SSL_CTX_set_cert_verify_callback(context, verifyServer, nullptr);
   }
   SSL_CTX_set_num_tickets(context, 0);                    // every connection proves its credential afresh
   // A peer that closes without close_notify reads as the end of the stream,
@@ -189,11 +226,49 @@ void configureContext(SSL_CTX* context, bool server) {
   }
 }
 
+void useServerCertificate(SSL_CTX* context, const CertificateCredential& manager) {
+  if (SSL_CTX_use_certificate(context, manager.certificate()) != 1 ||
+      SSL_CTX_use_PrivateKey(context, manager.key()) != 1) {
+    throw Error(strCat("cannot use the manager's certificate: ", lastError()), 1);
+  }
+  // No PSK, then a certificate, or the handshake fails (a PSK handshake
+  // requests none).
+  SSL_CTX_set_verify(context, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+}
+
 bool provedKey(const SSL* ssl) {
+  const auto* psk = static_cast<const ClientPsk*>(SSL_get_ex_data(ssl, exDataIndex()));
+  if (psk && psk->certificate) return psk->managerVerified && SSL_get0_peer_certificate(ssl) != nullptr;
   return SSL_session_reused(const_cast<SSL*>(ssl)) == 1 && SSL_get0_peer_certificate(ssl) == nullptr;
 }
 
-void attachClient(SSL* ssl, ClientPsk* psk) { SSL_set_ex_data(ssl, exDataIndex(), psk); }
+ClientPsk clientCredential(const proto::Hello& hello, const std::string& hint) {
+  ClientPsk psk;
+  if (isCertificateCredential(hello.token)) {
+    psk.certificate = std::make_shared<const CertificateCredential>(
+        CertificateCredential::parse(hello.token, strCat(hello.role, "'s credential")));
+  } else {
+    psk.identity = formatIdentity(identityOf(hello, hint));
+    psk.key = pskKey(hello.token);
+  }
+  return psk;
+}
+
+proto::Hello wireHello(proto::Hello hello) {
+  if (isCertificateCredential(hello.token)) hello.token.clear();
+  return hello;
+}
+
+void attachClient(SSL* ssl, ClientPsk* psk) {
+  SSL_set_ex_data(ssl, exDataIndex(), psk);
+  if (!psk || !psk->certificate) return;
+  // The chain up to (not including) the root the manager holds.
+  const auto& credential = *psk->certificate;
+  bool loaded = SSL_use_certificate(ssl, credential.certificate()) == 1 && SSL_use_PrivateKey(ssl, credential.key()) == 1;
+  const auto issuers = credential.issuers();
+  for (size_t i = 0; loaded && i + 1 < issuers.size(); ++i) loaded = SSL_add1_chain_cert(ssl, issuers[i]) == 1;
+  if (!loaded) throw Error(strCat("cannot use the credential's certificate: ", lastError()), 1);
+}
 void attachServer(SSL* ssl, ServerPsk* psk) { SSL_set_ex_data(ssl, exDataIndex(), psk); }
 
 std::string lastError() {

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "sim_daemon_harness.h"
+#include "varuna/common/certificate_credential.h"
 #include "varuna/common/control_client.h"
 #include "varuna/manager/credentials.h"
 
@@ -119,18 +120,19 @@ TEST_CASE("daemon: connections without a hello are capped and closed at their de
 
 TEST_CASE("daemon: an oversized first frame is refused from its header", "[daemon]") {
   DaemonFixture f("daemon_first_frame");
-  // Inside TLS, from a peer with a credential (the host's agent's): its
-  // first frame is held to the hello's limit all the same.
-  std::string secret;
-  std::ifstream(f.dir / "state" / "token") >> secret;
-  const proto::Hello agent{proto::kVersion, credentials::agent(secret, "127.0.0.1"), "agent", "127.0.0.1", -1, -1};
+  // Inside TLS, from a peer with a credential (the host's CA, from the
+  // job's CA as run_varuna issues it): its first frame is held to the
+  // hello's limit all the same.
+  std::string ca;
+  std::ifstream(f.dir / "state" / "ca") >> ca;
+  const auto hostCa = tls::CertificateCredential::parse(ca).issue({"agent", "127.0.0.1", -1, -1, ""}, true);
+  const proto::Hello agent{proto::kVersion, hostCa.encode(), "agent", "127.0.0.1", -1, -1};
   proto::Hello huge = agent;
   huge.host.assign(1000000, 'h');  // under the protocol's 1 MiB, far over a hello
   std::atomic<bool> closed{false}, handshaken{false};
   std::thread peer([&, address = "127.0.0.1:" + std::to_string(f.daemon->port())] {
     try {
-      auto client = proto::ControlClient::connectTls(
-          address, 10s, {tls::formatIdentity(tls::identityOf(agent)), tls::pskKey(agent.token)});
+      auto client = proto::ControlClient::connectTls(address, 10s, tls::clientCredential(agent));
       handshaken = true;
       client.send(huge, 10s);
       client.receive(10s);

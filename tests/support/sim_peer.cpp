@@ -35,14 +35,14 @@ void SimPeer::onConnect(const boost::system::error_code& ec, const proto::Hello&
     // One client context for every simulated peer of the process.
     static const auto context = makeControlTlsContext(false);
     stream_ = TlsStream::client(std::move(socket_), *context,
-                                {tls::formatIdentity(tls::identityOf(hello)), tls::pskKey(hello.token)});
+                                tls::clientCredential(hello));
   } else if (!stream_) {
     boost::system::error_code ignored;
     socket_.set_option(tcp::no_delay(true), ignored);
     socket_.non_blocking(true, ignored);
   }
   open_ = true;
-  send(proto::encode(hello));
+  send(proto::encode(tls::wireHello(hello)));
   doRead();
   if (onConnected) onConnected();
 }

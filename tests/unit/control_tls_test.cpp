@@ -16,7 +16,9 @@
 #include <thread>
 
 #include "test_env.h"
+#include "varuna/common/certificate_credential.h"
 #include "varuna/common/control_client.h"
+#include "varuna/common/time_util.h"
 #include "varuna/manager/clock.h"
 #include "varuna/manager/credentials.h"
 #include "daemon/control_listener.h"
@@ -45,9 +47,20 @@ struct TlsListener {
   std::thread loop;
 
   // `acksPerHello`: how many Acks an admitted peer gets at once (a burst).
-  explicit TlsListener(const std::string& name, int acksPerHello = 1) {
+  // `ca`: the job's CA (certificates for agents, workers and notifiers),
+  // whose host CAs `acceptHostCa` vouches for (by default: listed hosts').
+  explicit TlsListener(const std::string& name, int acksPerHello = 1,
+                       std::shared_ptr<const tls::CertificateCredential> ca = nullptr,
+                       tls::AcceptHostCa acceptHostCa = nullptr) {
     events = std::make_unique<EventLog>((test::scratchDir(name) / "events.jsonl").string());
     REQUIRE_FALSE(listener.listen(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0)));
+    if (ca && !acceptHostCa) {
+      acceptHostCa = [](const tls::PskIdentity& hostCa, std::string& why) {
+        why = "a joined host's CA";
+        return hostCa.hint.empty();
+      };
+    }
+    if (ca) listener.setCertificateAuthority(std::move(ca), std::move(acceptHostCa));
     listener.start(
         kSecret, *events,
         [this, acksPerHello](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
@@ -116,6 +129,17 @@ int listenOnLoopback(int& port) {
 // records whatever application data it gets.
 class CertificateImpostor {
  public:
+  // Presenting `credential`'s certificate (and its issuers but the root).
+  explicit CertificateImpostor(const tls::CertificateCredential& credential) {
+    context_ = SSL_CTX_new(TLS_server_method());
+    SSL_CTX_set_min_proto_version(context_, TLS1_3_VERSION);
+    REQUIRE(SSL_CTX_use_certificate(context_, credential.certificate()) == 1);
+    REQUIRE(SSL_CTX_use_PrivateKey(context_, credential.key()) == 1);
+    const auto issuers = credential.issuers();
+    for (size_t i = 0; i + 1 < issuers.size(); ++i) REQUIRE(SSL_CTX_add1_chain_cert(context_, issuers[i]) == 1);
+    listenFd_ = listenOnLoopback(port_);
+    thread_ = std::thread([this] { serveOne(); });
+  }
   CertificateImpostor() {
     EVP_PKEY* key = EVP_PKEY_Q_keygen(nullptr, nullptr, "EC", "P-256");
     X509* cert = X509_new();
@@ -431,4 +455,194 @@ TEST_CASE("control tls: plaintext peers are this machine's addresses only", "[tl
   CHECK(v6("::ffff:127.0.0.2"));
   CHECK_FALSE(v6("::ffff:10.0.0.1"));
   CHECK_FALSE(v6("fe80::1"));
+}
+
+// --- certificates of the job's CA (certificate_credential.h) -------------------------
+
+namespace {
+
+std::shared_ptr<const tls::CertificateCredential> newJobCa(const std::string& name = "test-job") {
+  return std::make_shared<const tls::CertificateCredential>(tls::CertificateCredential::makeRoot(name));
+}
+
+// What run_varuna gives host's agent: its host's CA.
+std::string hostCaOf(const tls::CertificateCredential& root, const std::string& host, const std::string& nonce = "") {
+  return root.issue({"agent", host, -1, -1, nonce}, /*isCa=*/true).encode();
+}
+
+proto::Hello helloWith(const std::string& credential, const std::string& role, const std::string& host, int rank = -1,
+                       int generation = -1) {
+  return {proto::kVersion, credential, role, host, rank, generation};
+}
+
+void waitForStat(TlsListener& server, const char* name, int count) {
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (server.stats().at(name) < count && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(20ms);
+}
+
+std::string derOf(x509_st* certificate) {
+  unsigned char* der = nullptr;
+  const int size = i2d_X509(certificate, &der);
+  std::string bytes(reinterpret_cast<const char*>(der), static_cast<size_t>(size));
+  OPENSSL_free(der);
+  return bytes;
+}
+
+}  // namespace
+
+TEST_CASE("certificates: a credential round-trips as one line; each level signs the next; bad text is refused",
+          "[tls][certificates]") {
+  const auto root = newJobCa();
+  CHECK(root->isCa());
+  CHECK(root->issuers().empty());
+  const std::string longHost(tls::kMaxHostBytes, 'h');  // past a common name's 64 characters
+  const auto hostCa = tls::CertificateCredential::parse(hostCaOf(*root, longHost, "nonce1"));
+  CHECK(hostCa.identity().role == "agent");
+  CHECK(hostCa.identity().host == longHost);
+  CHECK(hostCa.identity().hint == "nonce1");
+  CHECK(hostCa.isCa());
+  const std::string text = credentials::worker(hostCa.encode(), 3, 7);  // the agent's issuance
+  CHECK(tls::isCertificateCredential(text));
+  CHECK(text.find('\n') == std::string::npos);
+  const auto worker = tls::CertificateCredential::parse(text);
+  CHECK(worker.identity().role == "worker");
+  CHECK(worker.identity().host == longHost);
+  CHECK(worker.identity().rank == 3);
+  CHECK(worker.identity().generation == 7);
+  CHECK_FALSE(worker.isCa());
+  CHECK(worker.encode() == text);
+  REQUIRE(worker.issuers().size() == 2);
+  CHECK(X509_cmp(worker.root(), root->certificate()) == 0);
+  std::string why;
+  CHECK(tls::checkManagerCertificate(root->root(), root->issue({"manager", "", -1, -1, ""}, false).certificate(), why));
+  CHECK_FALSE(tls::checkManagerCertificate(root->root(), worker.certificate(), why));
+  CHECK_THROWS_AS(worker.issue({"worker", longHost, 0, 1, ""}, false), ConfigError);  // a leaf signs nothing
+  for (const std::string& bad : {std::string("0123abcd"), std::string("vc1."), std::string("vc1.!!!!"),
+                                text.substr(0, text.size() / 2), "vc1." + std::string(400, 'A')}) {
+    CHECK_THROWS_AS(tls::CertificateCredential::parse(bad), ConfigError);
+  }
+  // The key of one credential under another's certificates.
+  CHECK_THROWS_AS(tls::CertificateCredential::parse(text.substr(0, 4) + text.substr(4).replace(10, 4, "AAAA")), ConfigError);
+}
+
+TEST_CASE("certificates: an agent, its notifier and its workers are admitted by certificate; no secret on the wire",
+          "[tls][certificates][security]") {
+  const auto root = newJobCa();
+  TlsListener server("tls-certificates", 1, root);
+  RecordingRelay tap(server.listener.port());
+  const std::string agent = hostCaOf(*root, "h1");
+  const std::string worker = credentials::worker(agent, 2, 5);
+  {
+    auto client = proto::ControlClient::connectAs(tap.address(), 10s, helloWith(worker, "worker", "h1", 2, 5));
+    REQUIRE(client.receive(10s));
+  }
+  auto agentClient = proto::ControlClient::connectAs(server.address(), 10s, helloWith(agent, "agent", "h1"));
+  REQUIRE(agentClient.receive(10s));
+  auto notifierClient =
+      proto::ControlClient::connectAs(server.address(), 10s, helloWith(credentials::notifier(agent), "notifier", "h1"));
+  REQUIRE(notifierClient.receive(10s));
+  REQUIRE(server.helloCount() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    const auto identity = server.identity(i);
+    REQUIRE(identity);
+    CHECK(identity->certified);
+    CHECK(identity->host == "h1");
+    CHECK(server.hellos.at(i).token.empty());  // the certificate was the credential
+  }
+  CHECK(server.identity(0)->role == "worker");
+  CHECK(server.identity(0)->rank == 2);
+  CHECK(server.identity(1)->role == "agent");
+  CHECK(server.identity(2)->role == "notifier");
+  const std::string wire = tap.captured();
+  CHECK(wire.size() > 500);
+  CHECK(wire.find(worker.substr(4, 64)) == std::string::npos);
+  const auto parsed = tls::CertificateCredential::parse(worker);
+  CHECK(wire.find(derOf(parsed.certificate())) == std::string::npos);  // TLS 1.3 encrypts certificates too
+  CHECK(wire.find("\"hello\"") == std::string::npos);
+  CHECK(server.stats().at("unauthenticated") == 0);
+}
+
+TEST_CASE("certificates: forged, foreign and stale certificates and derived keys fail the handshake, nothing read",
+          "[tls][certificates][security]") {
+  const auto root = newJobCa();
+  TlsListener server("tls-certificates-refused", 1, root);
+  // In TLS 1.3 a client's handshake is over before the server has checked
+  // its certificate: the client learns of the refusal at its first read (or
+  // at once, where its own check of the server failed).
+  const auto expectRefused = [&](const proto::Hello& hello) {
+    try {
+      auto client = proto::ControlClient::connectAs(server.address(), 10s, hello);
+      CHECK_THROWS_AS(client.receive(10s), proto::ConnectionError);
+    } catch (const proto::AuthenticationError&) {
+    }
+  };
+  // Another job's CA (or a manager restarted with a rotated secret).
+  const auto other = newJobCa("another-job");
+  expectRefused(helloWith(hostCaOf(*other, "h1"), "agent", "h1"));
+  expectRefused(helloWith(credentials::worker(hostCaOf(*other, "h1"), 0, 1), "worker", "h1", 0, 1));
+  // Host A's CA issuing a notifier certificate that names host B.
+  const auto hostA = tls::CertificateCredential::parse(hostCaOf(*root, "hA"));
+  expectRefused(helloWith(hostA.issue({"notifier", "hB", -1, -1, ""}, false).encode(), "notifier", "hB"));
+  // A host's CA minting another host's CA, or an agent certificate.
+  expectRefused(helloWith(hostA.issue({"agent", "hB", -1, -1, ""}, true).encode(), "agent", "hB"));
+  // A CA of a join that is over (its nonce is not the job's for the host).
+  expectRefused(helloWith(hostCaOf(*root, "h1", "old-join"), "agent", "h1"));
+  expectRefused(helloWith(credentials::worker(hostCaOf(*root, "h1", "old-join"), 0, 1), "worker", "h1", 0, 1));
+  // A key derived from the job's secret where the job has a CA.
+  expectRefused(workerHello("h1", 0, 1));
+  waitForStat(server, "unauthenticated", 7);
+  CHECK(server.stats().at("unauthenticated") == 7);
+  CHECK(server.helloCount() == 0);
+}
+
+TEST_CASE("certificates: a hello that claims another rank, generation or role than its certificate is refused",
+          "[tls][certificates][security]") {
+  const auto root = newJobCa();
+  TlsListener server("tls-certificates-claims", 1, root);
+  const std::string agent = hostCaOf(*root, "h1");
+  const std::string rank1 = credentials::worker(agent, 1, 4);
+  for (const auto& hello : {helloWith(rank1, "worker", "h1", 0, 4), helloWith(rank1, "worker", "h1", 1, 5),
+                            helloWith(rank1, "agent", "h1"), helloWith(credentials::notifier(agent), "notifier", "h2")}) {
+    auto client = proto::ControlClient::connectAs(server.address(), 10s, hello);
+    const auto answer = client.receive(10s);
+    REQUIRE(answer);
+    CHECK_FALSE(std::get<proto::Ack>(*answer).ok);
+  }
+  CHECK(server.helloCount() == 0);
+  CHECK(server.stats().at("refused") == 4);
+}
+
+TEST_CASE("certificates: joins and the operator's secret keep their pre-shared keys beside certificates",
+          "[tls][certificates]") {
+  TlsListener server("tls-certificates-psk", 1, newJobCa());
+  const auto join = credentials::join(kSecret, unixSecondsNow() + 600);
+  auto joining = proto::ControlClient::connectAs(server.address(), 10s,
+                                                 {proto::kVersion, join, "join", "h9", -1, -1, 8});
+  REQUIRE(joining.receive(10s));
+  auto operatorNotice = proto::ControlClient::connectAs(server.address(), 10s, helloWith(kSecret, "notifier", "h3"),
+                                                        "secret");
+  REQUIRE(operatorNotice.receive(10s));
+  REQUIRE(server.helloCount() == 2);
+  CHECK_FALSE(server.identity(0)->certified);
+  CHECK(server.identity(1)->hint == "secret");
+}
+
+TEST_CASE("certificates: a client sends nothing to a server that is not the job's manager", "[tls][certificates][security]") {
+  const auto root = newJobCa();
+  const std::string agent = hostCaOf(*root, "h1");
+  const auto worker = helloWith(credentials::worker(agent, 0, 1), "worker", "h1", 0, 1);
+  const auto hostCa = tls::CertificateCredential::parse(agent);
+  // Another job's manager; this job's host CA (a compromised agent); a
+  // "manager" certificate that host CA issued; and a self-signed one.
+  const std::vector<tls::CertificateCredential> impostors{
+      newJobCa("another-job")->issue({"manager", "", -1, -1, ""}, false), hostCa,
+      hostCa.issue({"manager", "", -1, -1, ""}, false)};
+  for (const auto& credential : impostors) {
+    CertificateImpostor impostor(credential);
+    CHECK_THROWS_AS(proto::ControlClient::connectAs(impostor.address(), 10s, worker), proto::AuthenticationError);
+    CHECK(impostor.received().empty());
+  }
+  CertificateImpostor selfSigned;
+  CHECK_THROWS_AS(proto::ControlClient::connectAs(selfSigned.address(), 10s, worker), proto::AuthenticationError);
+  CHECK(selfSigned.received().empty());
 }

@@ -218,7 +218,7 @@ void Agent::start() {
   waitSignals();
   manager_->start([this](const proto::Message& m) { onMessage(m); },
                   [this](const std::string& reason) { onManagerLost(reason); });
-  manager_->send(proto::Hello{proto::kVersion, options_.credential, "agent", options_.host, -1, -1});
+  manager_->send(tls::wireHello(proto::Hello{proto::kVersion, options_.credential, "agent", options_.host, -1, -1}));
   scheduleHeartbeat();
   scheduleLogCap();
   scheduleBeatForward(proto::firstRelayDelay(options_.beatForwardInterval, randomFraction()));

@@ -198,7 +198,7 @@ SecuredConnection secure(boost::asio::io_context& io, boost::asio::ip::tcp::sock
   }
   const proto::Hello hello{proto::kVersion, options.agent.credential, "agent", options.agent.host, -1, -1};
   auto stream = TlsStream::client(std::move(socket), context,
-                                  {tls::formatIdentity(tls::identityOf(hello)), tls::pskKey(hello.token)});
+                                  tls::clientCredential(hello));
   std::optional<boost::system::error_code> result;
   boost::asio::steady_timer timer(io, std::chrono::seconds(10));
   timer.async_wait([&](const boost::system::error_code& ec) {

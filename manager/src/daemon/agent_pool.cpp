@@ -4,7 +4,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "varuna/common/certificate_credential.h"
 #include "varuna/common/log.h"
+#include "varuna/common/secrets.h"
 #include "varuna/manager/credentials.h"
 #include "varuna/manager/job_config.h"
 #include "varuna/common/time_util.h"
@@ -100,7 +102,7 @@ void AgentPool::startAgent(const std::string& host) {
   // The agent's credential (its host's only, credentials.h) travels on the
   // command's stdin, never in the command (the remote shell's command line
   // is visible to `ps`).
-  std::string input = credentials::agent(settings_.token, host) + "\n";
+  std::string input = agentCredential(host) + "\n";
   if (!settings_.agentEnvironment.empty()) input += nlohmann::json(settings_.agentEnvironment).dump() + "\n";
   launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
     HostCommandResult result;
@@ -269,8 +271,21 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
 
 std::string AgentPool::agentCredential(const std::string& host) const {
   auto it = joined_.find(host);
+  if (settings_.ca) {
+    const std::string nonce = it == joined_.end() ? std::string() : it->second.nonce;
+    return settings_.ca->issue({"agent", host, -1, -1, nonce}, /*isCa=*/true).encode();
+  }
   return it == joined_.end() ? credentials::agent(settings_.token, host)
                              : credentials::joinedAgent(settings_.token, host, it->second.nonce);
+}
+
+bool AgentPool::acceptsHostCa(const tls::PskIdentity& hostCa, std::string& why) const {
+  auto it = joined_.find(hostCa.host);
+  const std::string expected = it == joined_.end() ? std::string() : it->second.nonce;
+  if (constantTimeEquals(hostCa.hint, expected)) return true;
+  why = strCat("the certificate of host '", proto::boundedText(hostCa.host, proto::kMaxLoggedPeerTextBytes), "' is ",
+               expected.empty() ? "of a join that is over" : "not of this join of the host");
+  return false;
 }
 
 void AgentPool::leaveJoined(const std::string& host, const std::string& reason, bool expected, bool preempted) {

@@ -61,6 +61,10 @@ class AgentPool {
   struct Settings {
     std::string advertisedAddress;  // host:port agents dial
     std::string token;              // the job secret: each agent gets its host's credential from it (stdin)
+    // The job's CA (run_varuna over TLS): each agent gets its host's CA,
+    // issued at each start or join, instead of a credential derived from the
+    // secret (certificate_credential.h). Null: derived credentials.
+    std::shared_ptr<const tls::CertificateCredential> ca;
     // The env_file's variables: on the agent's stdin after its credential
     // (with --env_stdin, one line of JSON), never on its command line.
     std::vector<std::pair<std::string, std::string>> agentEnvironment;
@@ -108,9 +112,14 @@ class AgentPool {
   bool join(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
   size_t joinedCount() const { return joined_.size(); }
   bool isJoined(const std::string& host) const { return joined_.count(host) > 0; }
-  // The credential host's agent holds (credentials.h): A(H), or for a host in
-  // the job by a join, A(H, N) of that join.
+  // The credential host's agent is given (credentials.h): A(H), or for a
+  // host in the job by a join, A(H, N) of that join; with a CA, a new CA
+  // certificate for the host, naming the join's nonce for a joined one.
   std::string agentCredential(const std::string& host) const;
+  // Whether a chain through `hostCa` may speak for its host: a joined
+  // host's must name that join's nonce, a listed host's none (so whoever
+  // once joined as H holds nothing once that join is over).
+  bool acceptsHostCa(const tls::PskIdentity& hostCa, std::string& why) const;
 
   // Closes agents silent for the heartbeat timeout (each one's loss goes to
   // the observer). First in the daemon's tick.

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 
+#include "varuna/common/certificate_credential.h"
 #include "varuna/common/log.h"
 #include "varuna/common/secrets.h"
 #include "varuna/manager/credentials.h"
@@ -40,7 +41,10 @@ void ControlListener::start(std::string token, EventLog& events, OnHello onHello
   events_ = &events;
   onHello_ = std::move(onHello);
   expected_ = std::move(expected);
-  if (!plaintext_) tls_ = makeControlTlsContext(true);
+  if (!plaintext_) {
+    tls_ = makeControlTlsContext(true);
+    if (ca_) tls::useServerCertificate(tls_->native_handle(), ca_->issue({"manager", "", -1, -1, ""}, false));
+  }
   if (acceptor_.is_open()) doAccept();  // not listening on TCP: an accept would fail at once, forever
   if (local_) {
     local_->listen(guard_->wrap("accepting a local connection", [this](std::unique_ptr<ByteStream> stream) {
@@ -80,8 +84,9 @@ void ControlListener::onAccept(const boost::system::error_code& ec, asio::ip::tc
   guard_->run("admitting a connection", [&] {
     ::fcntl(socket.native_handle(), F_SETFD, FD_CLOEXEC);
     if (!tls_) return admit(std::make_unique<TcpStream>(std::move(socket)));
-    admit(TlsStream::server(std::move(socket), *tls_,
-                            [this](const tls::PskIdentity& identity) { return pskKeyFor(identity); }));
+    admit(TlsStream::server(
+        std::move(socket), *tls_, [this](const tls::PskIdentity& identity) { return pskKeyFor(identity); }, ca_,
+        acceptHostCa_));
   });
   doAccept();
 }
@@ -157,8 +162,8 @@ void ControlListener::onFirstMessage(const std::shared_ptr<FramedConnection>& co
                                      const proto::Message& message) {
   pending_.erase(connection);
   try {
-    const auto& hello = checkCredential(message);
     const auto identity = connection->stream().authenticatedIdentity();
+    const auto& hello = checkCredential(message, identity && identity->certified);
     if (identity && !tls::matches(*identity, hello)) {
       throw proto::ProtocolError(strCat("a hello as ", proto::boundedText(hello.role, 64), " of '",
                                         proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes), "' rank ",
@@ -186,9 +191,10 @@ void ControlListener::recordRefusal(const std::shared_ptr<FramedConnection>& con
   if (refusalEvents_.allow(now)) events_->write("connection_refused", {{"peer", connection->peer()}, {"reason", reason}});
 }
 
-const proto::Hello& ControlListener::checkCredential(const proto::Message& message) const {
+const proto::Hello& ControlListener::checkCredential(const proto::Message& message, bool certified) const {
   const auto* hello = std::get_if<proto::Hello>(&message);
   if (!hello) return proto::checkHello(message, token_);  // refuses it, naming what came instead
+  if (certified) return proto::checkHello(message, hello->token);  // the version; the certificate was the credential
   std::string expected;
   if (hello->role == "join") {
     // A host that joins by itself: the join credential (no host in it) and
@@ -225,6 +231,7 @@ std::optional<std::string> ControlListener::pskKeyFor(const tls::PskIdentity& id
     return tls::pskKey(credentials::join(token_, expiry));
   }
   if (identity.role == "notifier" && identity.hint == "secret") return tls::pskKey(token_);
+  if (ca_) return std::nullopt;  // the job has a CA: every other role proves itself with a certificate
   const std::string credential = expectedCredential(identity.role, identity.host, identity.rank, identity.generation);
   if (credential.empty()) return std::nullopt;
   return tls::pskKey(credential);

@@ -69,6 +69,15 @@ class ControlListener {
   // Before start(): TCP connections in plaintext, no TLS (run_varuna's
   // --insecure_plaintext_control, loopback development only).
   void setPlaintext(bool plaintext) { plaintext_ = plaintext; }
+  // Before start(): agents, workers and notifiers prove who they are with
+  // certificates of the job's CA `root` (certificate_credential.h), whose
+  // host CAs `acceptHostCa` vouches for; pre-shared keys remain for joins and
+  // the operator's secret only. Without it (and always over the local
+  // network, a test seam), hellos carry credentials derived from the secret.
+  void setCertificateAuthority(std::shared_ptr<const tls::CertificateCredential> root, tls::AcceptHostCa acceptHostCa) {
+    ca_ = std::move(root);
+    acceptHostCa_ = std::move(acceptHostCa);
+  }
   // Before start(): where hellos' credentials come from (see AgentCredentialOf).
   void setAgentCredentials(AgentCredentialOf agentCredentialOf) { agentCredentialOf_ = std::move(agentCredentialOf); }
   // The tick: expires connections past their hello deadline, reports drops.
@@ -97,7 +106,9 @@ class ControlListener {
   // The first message as a hello whose version and credential hold (the
   // credential its role, host, rank and generation must carry: credentials.h);
   // throws proto::ProtocolError otherwise.
-  const proto::Hello& checkCredential(const proto::Message& message) const;
+  // A hello over a connection whose certificate proved its identity carries
+  // no credential: only its version counts (the identity is matched after).
+  const proto::Hello& checkCredential(const proto::Message& message, bool certified) const;
   // The credential a hello of that role, host, rank and generation must
   // carry (the hello's, when its TLS identity is known); "" if none.
   std::string expectedCredential(const std::string& role, const std::string& host, int rank, int generation) const;
@@ -121,6 +132,8 @@ class ControlListener {
   uint64_t tcpAccepted_ = 0, localAccepted_ = 0;
   std::string token_;  // the job's secret, from which every role's credential is derived
   AgentCredentialOf agentCredentialOf_;
+  std::shared_ptr<const tls::CertificateCredential> ca_;
+  tls::AcceptHostCa acceptHostCa_;
   EventLog* events_ = nullptr;
   OnHello onHello_;
   ExpectedHellos expected_;

@@ -8,6 +8,8 @@
 
 #include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
+#include "varuna/common/secrets.h"
+#include "varuna/common/time_util.h"
 #include "varuna/manager/credentials.h"
 #include "varuna/manager/autoconfig.h"
 #include "varuna/manager/host_launcher.h"
@@ -33,8 +35,53 @@ std::string loadOrCreateToken(const fs::path& stateDir) {
   return token;
 }
 
+std::shared_ptr<const tls::CertificateCredential> loadOrCreateCa(const fs::path& stateDir, const std::string& jobSecret,
+                                                                 const std::string& job) {
+  // The CA file names the secret it was made with (a MAC of it, never the
+  // secret): a rotated secret finds a CA of another secret and replaces it.
+  const std::string tag = credentials::caTag(jobSecret);
+  if (std::ifstream in(stateDir / "ca"); in) {
+    std::string text, fileTag;
+    std::getline(in, text);
+    std::getline(in, fileTag);
+    if (constantTimeEquals(fileTag, tag)) {
+      try {
+        return std::make_shared<const tls::CertificateCredential>(
+            tls::CertificateCredential::parse(text, (stateDir / "ca").string()));
+      } catch (const ConfigError& e) {
+        log::warn(e.what(), "; making a new CA (agents and workers of the old one must start again)");
+      }
+    } else {
+      log::info("the job's secret is new: making a new certificate authority (", (stateDir / "ca").string(), ")");
+    }
+  }
+  auto ca = std::make_shared<const tls::CertificateCredential>(tls::CertificateCredential::makeRoot(job));
+  ckpt::writePrivateFileAtomic(stateDir, "ca", ca->encode() + "\n" + tag + "\n");
+  return ca;
+}
+
 void writeJoinCredential(const fs::path& stateDir, const std::string& jobSecret, int64_t expiresUnixS) {
   ckpt::writePrivateFileAtomic(stateDir, "join_token", credentials::join(jobSecret, expiresUnixS) + "\n");
+}
+
+AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string address, std::string token,
+                                     std::shared_ptr<const tls::CertificateCredential> ca,
+                                     const std::vector<std::pair<std::string, std::string>>& env,
+                                     std::chrono::milliseconds helloDeadline) {
+  AgentPool::Settings settings;
+  settings.advertisedAddress = std::move(address);
+  settings.token = std::move(token);
+  settings.ca = std::move(ca);
+  settings.agentEnvironment = env;
+  settings.heartbeatTimeout = millis(std::max(config.heartbeatTimeoutS, 3.0));
+  settings.helloWait = helloDeadline;
+  // A joined agent's timing, as agentCommand's --grace_s, --lost_manager_ms and --beat_relay_ms.
+  settings.joinedAgentGrace = millis(config.agentGraceS);
+  settings.joinedAgentLostManager = millis(std::max(config.heartbeatTimeoutS, 3.0) + config.agentGraceS);
+  settings.joinedAgentBeatRelay = agentBeatRelayInterval(config);
+  settings.retry = {config.hostRetryS > 0 ? millis(config.hostRetryS) : std::chrono::milliseconds(0),
+                    millis(config.hostRetryMaxS)};
+  return settings;
 }
 
 json readJsonFile(const fs::path& path) {

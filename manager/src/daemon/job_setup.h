@@ -5,13 +5,16 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "varuna/common/certificate_credential.h"
 #include "varuna/common/machine_list.h"
 #include "varuna/manager/autoconfig.h"
+#include "daemon/agent_pool.h"
 #include "loop/event_log.h"
 #include "varuna/manager/job_config.h"
 
@@ -20,6 +23,14 @@ namespace varuna {
 // The per-job secret every connection must present. Kept in the state folder
 // (mode 0600) so a restarted manager and the notifiers keep using it.
 std::string loadOrCreateToken(const std::filesystem::path& stateDir);
+
+// The job's certificate authority (certificate_credential.h), kept in
+// <state_dir>/ca (mode 0600) beside the secret it belongs to: a restarted
+// manager keeps it, so agents that ran on are still the job's; a new secret
+// (the token deleted: a rotation) makes a new CA, and every certificate of
+// the old one fails the handshake.
+std::shared_ptr<const tls::CertificateCredential> loadOrCreateCa(const std::filesystem::path& stateDir,
+                                                                 const std::string& jobSecret, const std::string& job);
 
 // <state_dir>/join_token (mode 0600): the join credential hosts present to
 // join by themselves (credentials.h), valid until `expiresUnixS`.
@@ -31,6 +42,12 @@ void writeJoinCredential(const std::filesystem::path& stateDir, const std::strin
 // others are refused. (A store without the file, e.g. filled by
 // scripts/varuna_launch.py, is adopted.)
 void claimGlobalStore(const std::filesystem::path& store, const std::string& job);
+
+// The agent pool's settings for this job (`ca` null: derived credentials).
+AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string address, std::string token,
+                                     std::shared_ptr<const tls::CertificateCredential> ca,
+                                     const std::vector<std::pair<std::string, std::string>>& env,
+                                     std::chrono::milliseconds helloDeadline);
 
 // A JSON file, or null if it is missing or not JSON.
 nlohmann::json readJsonFile(const std::filesystem::path& path);

@@ -55,23 +55,6 @@ JobMetrics::Failure exitFailure(const WorkerExit& exit) {
   }
 }
 
-AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string address, std::string token,
-                                     const std::vector<std::pair<std::string, std::string>>& env) {
-  AgentPool::Settings settings;
-  settings.advertisedAddress = std::move(address);
-  settings.token = std::move(token);
-  settings.agentEnvironment = env;
-  settings.heartbeatTimeout = millis(std::max(config.heartbeatTimeoutS, 3.0));
-  settings.helloWait = kHelloDeadline;
-  // A joined agent's timing, as agentCommand's --grace_s, --lost_manager_ms and --beat_relay_ms.
-  settings.joinedAgentGrace = millis(config.agentGraceS);
-  settings.joinedAgentLostManager = millis(std::max(config.heartbeatTimeoutS, 3.0) + config.agentGraceS);
-  settings.joinedAgentBeatRelay = agentBeatRelayInterval(config);
-  settings.retry = {config.hostRetryS > 0 ? millis(config.hostRetryS) : std::chrono::milliseconds(0),
-                    millis(config.hostRetryMaxS)};
-  return settings;
-}
-
 }  // namespace
 
 ManagerDaemon::Impl::Impl(asio::io_context& io, JobConfig config, std::unique_ptr<HostLauncher> launcher,
@@ -101,6 +84,8 @@ void ManagerDaemon::Impl::start() {
   if (ec) throw ConfigError(strCat("cannot create --state_dir ", config_.stateDir, ": ", ec.message()));
   const json previous = previousState(config_);
   token_ = loadOrCreateToken(config_.stateDir);
+  // Certificates over TLS; the in-process test network and plaintext keep derived credentials.
+  if (tcpListening_ && !config_.insecurePlaintextControl) ca_ = loadOrCreateCa(config_.stateDir, token_, config_.job);
   events_ = std::make_unique<EventLog>((fs::path(config_.stateDir) / "events.jsonl").string());
   morph_.setEventLog(events_.get());
   auto stepLog = std::make_unique<StepLog>((fs::path(config_.stateDir) / "steps.jsonl").string(), config_.batchSize);
@@ -119,7 +104,7 @@ void ManagerDaemon::Impl::start() {
   advertisedAddress_ = advertisedAddress(config_, listed, listener_.port());
   AgentPool::Observer& observer = *this;  // a private base: converted here, where it is accessible
   pool_ = std::make_unique<AgentPool>(io_, guard_, *events_, std::move(launcher_),
-                                      agentPoolSettings(config_, advertisedAddress_, token_, env_), observer, clock_);
+                                      agentPoolSettings(config_, advertisedAddress_, token_, ca_, env_, kHelloDeadline), observer, clock_);
   pool_->setAgentCommand([this](const std::string& host) { return agentCommand(host); });
   pool_->setListed(listed);
   checkpoints_ = std::make_unique<CheckpointWatcher>(io_, guard_, *events_, config_.globalStore, storeScanner_, clock_);
@@ -146,6 +131,10 @@ void ManagerDaemon::Impl::start() {
                                       {"metrics", metricsServer_ ? json(metricsServer_->url()) : json()}});
   createRouter();
   listener_.setAgentCredentials([this](const std::string& host) { return pool_->agentCredential(host); });
+  if (ca_) {
+    listener_.setCertificateAuthority(
+        ca_, [this](const tls::PskIdentity& hostCa, std::string& why) { return pool_->acceptsHostCa(hostCa, why); });
+  }
   listener_.start(
       token_, *events_,
       [this](const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {

@@ -215,6 +215,7 @@ class ManagerDaemon::Impl : private AgentPool::Observer, private PeerRouter::Sin
   std::unique_ptr<HostLauncher> launcher_;  // until start() hands it to the pool
   std::string advertisedAddress_;           // host:port agents and workers dial
   std::string token_;
+  std::shared_ptr<const tls::CertificateCredential> ca_;  // the job's CA over TLS (certificate_credential.h)
   std::vector<std::pair<std::string, int64_t>> profiledPieces_;  // --profile's pieces (name, parameters), for the workers
   std::vector<std::pair<std::string, std::string>> env_;  // env_file
   std::unique_ptr<EventLog> events_;

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 
+#include "varuna/common/certificate_credential.h"
 #include "varuna/common/errors.h"
 #include "varuna/common/secrets.h"
 
@@ -43,11 +44,25 @@ std::string newJoinNonce() {
   return toHex(bytes, sizeof bytes);
 }
 
-std::string notifier(const std::string& agentCredential) { return hmacHex(agentCredential, "notifier"); }
+namespace {
+// A leaf certificate issued by the host's CA an agent holds.
+std::string issuedBy(const std::string& agentCredential, const std::string& role, int rank, int generation) {
+  const auto hostCa = tls::CertificateCredential::parse(agentCredential, "agent's credential");
+  return hostCa.issue({role, hostCa.identity().host, rank, generation, ""}, /*isCa=*/false).encode();
+}
+}  // namespace
+
+std::string notifier(const std::string& agentCredential) {
+  if (tls::isCertificateCredential(agentCredential)) return issuedBy(agentCredential, "notifier", -1, -1);
+  return hmacHex(agentCredential, "notifier");
+}
 
 std::string worker(const std::string& agentCredential, int rank, int generation) {
+  if (tls::isCertificateCredential(agentCredential)) return issuedBy(agentCredential, "worker", rank, generation);
   return hmacHex(agentCredential, strCat("worker\n", rank, "\n", generation));
 }
+
+std::string caTag(const std::string& jobSecret) { return hmacHex(jobSecret, "certificate authority"); }
 
 namespace {
 constexpr std::string_view kJoinPrefix = "vj1.";

@@ -48,9 +48,13 @@ TlsStream::~TlsStream() {
 }
 
 std::unique_ptr<TlsStream> TlsStream::server(asio::ip::tcp::socket socket, asio::ssl::context& context,
-                                             tls::KeyForIdentity keyFor) {
+                                             tls::KeyForIdentity keyFor,
+                                             std::shared_ptr<const tls::CertificateCredential> ca,
+                                             tls::AcceptHostCa acceptHostCa) {
   std::unique_ptr<TlsStream> stream(new TlsStream(std::move(socket), context, true));
   stream->serverPsk_.keyFor = std::move(keyFor);
+  stream->serverPsk_.ca = std::move(ca);
+  stream->serverPsk_.acceptHostCa = std::move(acceptHostCa);
   if (stream->ssl_) tls::attachServer(stream->ssl_, &stream->serverPsk_);
   return stream;
 }
@@ -132,14 +136,17 @@ void TlsStream::afterHandshake(Ready then) {
 void TlsStream::onHandshake(boost::system::error_code ec) {
   if (!ec && !server_ && !tls::provedKey(ssl_)) {
     // TLS 1.3 lets a server answer with a certificate instead of the key
-    // (the client refuses every certificate; this is the belt to those braces).
-    failure_ = "the manager answered with a certificate, not the job's key";
+    // (the client refuses every certificate then; this is the belt to those
+    // braces), or with neither where the client holds a certificate.
+    failure_ = clientPsk_.certificate ? "the manager did not prove it is this job's manager"
+                                      : "the manager answered with a certificate, not the job's key";
     ec = make_error_code(boost::system::errc::protocol_error);
   }
   state_ = ec ? State::kFailed : State::kDone;
   handshakeError_ = ec;
   if (ec) {
     if (!serverPsk_.refusal.empty()) failure_ = serverPsk_.refusal;
+    if (!clientPsk_.refusal.empty()) failure_ = clientPsk_.refusal;
     if (failure_.empty()) failure_ = ec.message();
     serverPsk_.presented.reset();  // what it presented, it did not prove
   }

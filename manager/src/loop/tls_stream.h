@@ -35,8 +35,13 @@ std::unique_ptr<boost::asio::ssl::context> makeControlTlsContext(bool server);
 class TlsStream final : public ByteStream {
  public:
   // `context` outlives the stream.
+  // `keyFor`: pre-shared keys; `ca` and `acceptHostCa` (optional):
+  // certificate chains of the job's CA, with the context presenting the
+  // manager's certificate (tls::useServerCertificate).
   static std::unique_ptr<TlsStream> server(boost::asio::ip::tcp::socket socket, boost::asio::ssl::context& context,
-                                           tls::KeyForIdentity keyFor);
+                                           tls::KeyForIdentity keyFor,
+                                           std::shared_ptr<const tls::CertificateCredential> ca = nullptr,
+                                           tls::AcceptHostCa acceptHostCa = nullptr);
   static std::unique_ptr<TlsStream> client(boost::asio::ip::tcp::socket socket, boost::asio::ssl::context& context,
                                            tls::ClientPsk psk);
   ~TlsStream() override;

@@ -14,9 +14,15 @@
 // sends nothing. After the handshake the listener checks that the hello
 // claims exactly what the identity named (docs/deployment.md, "Security").
 //
-// No certificates: each credential already is a per-role, per-host,
-// per-launch secret both ends hold, and a certificate authority would add a
-// second set of secrets to make, ship and revoke with the same lifetimes.
+// Agents, workers and notifiers prove who they are with certificates of the
+// job's own CA instead (certificate_credential.h): the client presents its
+// chain, run_varuna its own certificate, each checks the other against the
+// job's root, and the identity the listener matches the hello against is the
+// one in the client's certificate. Pre-shared keys remain for the two
+// credentials that bootstrap: a join credential (a scheduler's task holds
+// nothing else yet) and the operator's job secret (notify_manager_preempt
+// --token_file on the head node). The client picks the kind from its
+// credential's text (clientCredential).
 //
 // A plaintext control plane exists for loopback development only, behind
 // run_varuna's --insecure_plaintext_control, which reaches agents, workers and
@@ -24,6 +30,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -49,6 +56,9 @@ struct PskIdentity {
   std::string role, host;
   int rank = -1, generation = -1;
   std::string hint;
+  // Proved by a certificate of the job's CA, not a pre-shared key (never
+  // part of the text form).
+  bool certified = false;
 };
 // Throws ConfigError for a host name over kMaxHostBytes (OpenSSL's PSK
 // identities end at 256 bytes; DNS names at 253).
@@ -67,25 +77,52 @@ std::string pskKey(const std::string& credential);
 // The manager's side: the key for an identity, or nullopt to refuse it.
 using KeyForIdentity = std::function<std::optional<std::string>(const PskIdentity&)>;
 
+class CertificateCredential;
+// The manager's side, for a certificate chain that leads to the job's root:
+// whether the job holds `hostCa` (the CA of the host the peer is on) as that
+// host's current CA; false with `why` to refuse it.
+using AcceptHostCa = std::function<bool(const PskIdentity& hostCa, std::string& why)>;
+
 // Per connection, reached from OpenSSL's callbacks through the SSL's ex_data.
+// A client holds a pre-shared key (identity, key) or a certificate.
 struct ClientPsk {
   std::string identity, key;
+  std::shared_ptr<const CertificateCredential> certificate;
+  bool managerVerified = false;  // the server proved it is the job's manager (certificate mode)
+  std::string refusal;           // why the server's certificate was not accepted
 };
 struct ServerPsk {
   KeyForIdentity keyFor;
+  // Certificate mode: the job's CA (its root certificate) and who may use it.
+  std::shared_ptr<const CertificateCredential> ca;
+  AcceptHostCa acceptHostCa;
   std::optional<PskIdentity> presented;  // set once the peer's identity was accepted
   std::string refusal;                   // why it was not, for the log
 };
 
+// What a client holding `credential` presents to say `hello` (`hint` as
+// identityOf's): its certificate for a certificate credential, else a
+// pre-shared key. Throws ConfigError for a malformed certificate credential.
+ClientPsk clientCredential(const proto::Hello& hello, const std::string& hint = {});
+// `hello` as it goes on the wire: a certificate credential's text (its
+// private key) never does; the certificate proved it.
+proto::Hello wireHello(proto::Hello hello);
+
 // TLS 1.3 only, the one cipher suite external PSKs of the callback kind use,
-// no certificates, no session tickets.
+// no session tickets. A server takes pre-shared keys only until
+// useServerCertificate gives it the manager's certificate.
 void configureContext(ssl_ctx_st* context, bool server);
+// The server presents `manager` (the manager's credential, issued by the
+// job's root) and requires a client certificate unless a pre-shared key
+// authenticated the client.
+void useServerCertificate(ssl_ctx_st* context, const CertificateCredential& manager);
 // Makes `ssl` read and write the socket `fd` (which it does not close), its
 // writes never raising SIGPIPE (a worker is the user's program, which may not
 // ignore it). False if OpenSSL could not.
 bool attachSocket(ssl_st* ssl, int fd);
-// After a completed handshake: whether it was the pre-shared key that
-// authenticated the other end (a resumed-style PSK handshake, no certificate).
+// After a completed client handshake: whether the server proved what the
+// client's credential expects: the pre-shared key (a resumed-style PSK
+// handshake, no certificate), or the job's manager certificate.
 bool provedKey(const ssl_st* ssl);
 // Attach the per-connection data (which must outlive the SSL) to `ssl`.
 void attachClient(ssl_st* ssl, ClientPsk* psk);

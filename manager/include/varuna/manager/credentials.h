@@ -33,6 +33,12 @@
 // credential bootstraps the agent's own, as `kubeadm join` does, and whoever
 // once joined as H holds nothing once that join is over: not what a later
 // join of H gets, nor A(H) of a listed H.
+//
+// Over TLS (the default) the agent credential is a certificate credential
+// instead (certificate_credential.h): a CA for host H (naming N for a joined
+// host) that the job's root signed; notifier() and worker() then issue the
+// leaf certificates, as they derive the keys above. The derived keys remain
+// for --insecure_plaintext_control and the in-process test network.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +52,8 @@ std::string joinedAgent(const std::string& jobSecret, const std::string& host, c
 std::string newJoinNonce();
 std::string notifier(const std::string& agentCredential);
 std::string worker(const std::string& agentCredential, int rank, int generation);
+// Names a job secret without revealing it (what <state_dir>/ca is tied to).
+std::string caTag(const std::string& jobSecret);
 
 std::string join(const std::string& jobSecret, int64_t expiresUnixS);
 enum class JoinCheck { kValid, kMalformed, kWrong, kExpired };
