@@ -165,6 +165,16 @@ ControlClient ControlClient::acceptTls(int fd, std::string address, tls::KeyForI
   return client;
 }
 
+ControlClient ControlClient::acceptTls(int fd, std::string address, tls::ServerPsk server,
+                                      std::shared_ptr<const tls::CertificateCredential> manager,
+                                      std::chrono::milliseconds timeout) {
+  ControlClient client(fd, std::move(address));
+  *client.serverPsk_ = std::move(server);
+  client.managerCertificate_ = std::move(manager);
+  client.startTls(true, Clock::now() + timeout);
+  return client;
+}
+
 void ControlClient::startTls(bool server, Deadline deadline) {
   SSL_CTX* context = sharedContext(server);
   ssl_ = context ? SSL_new(context) : nullptr;
@@ -173,6 +183,7 @@ void ControlClient::startTls(bool server, Deadline deadline) {
   if (!tls::attachSocket(ssl_, fd_)) throw ConnectionError(strCat("cannot set up TLS: ", tls::lastError()));
   if (server) {
     tls::attachServer(ssl_, serverPsk_.get());
+    if (managerCertificate_) tls::useServerCertificate(ssl_, *managerCertificate_);
     SSL_set_accept_state(ssl_);
   } else {
     tls::attachClient(ssl_, clientPsk_.get());
@@ -244,7 +255,8 @@ ControlClient::ControlClient(ControlClient&& other) noexcept
       decoder_(std::move(other.decoder_)),
       ssl_(std::exchange(other.ssl_, nullptr)),
       clientPsk_(std::move(other.clientPsk_)),
-      serverPsk_(std::move(other.serverPsk_)) {}
+      serverPsk_(std::move(other.serverPsk_)),
+      managerCertificate_(std::move(other.managerCertificate_)) {}
 
 ControlClient& ControlClient::operator=(ControlClient&& other) noexcept {
   if (this != &other) {
@@ -255,6 +267,7 @@ ControlClient& ControlClient::operator=(ControlClient&& other) noexcept {
     ssl_ = std::exchange(other.ssl_, nullptr);
     clientPsk_ = std::move(other.clientPsk_);
     serverPsk_ = std::move(other.serverPsk_);
+    managerCertificate_ = std::move(other.managerCertificate_);
   }
   return *this;
 }

@@ -236,6 +236,13 @@ void useServerCertificate(SSL_CTX* context, const CertificateCredential& manager
   SSL_CTX_set_verify(context, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
 }
 
+void useServerCertificate(SSL* ssl, const CertificateCredential& manager) {
+  if (SSL_use_certificate(ssl, manager.certificate()) != 1 || SSL_use_PrivateKey(ssl, manager.key()) != 1) {
+    throw Error(strCat("cannot use the manager's certificate: ", lastError()), 1);
+  }
+  SSL_set_verify(ssl, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+}
+
 bool provedKey(const SSL* ssl) {
   const auto* psk = static_cast<const ClientPsk*>(SSL_get_ex_data(ssl, exDataIndex()));
   if (psk && psk->certificate) return psk->managerVerified && SSL_get0_peer_certificate(ssl) != nullptr;

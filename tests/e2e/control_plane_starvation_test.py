@@ -177,9 +177,12 @@ class Attack:
 
 
 def send_bad_hellos(port, count, refused):
-    """`count` TLS 1.3 handshakes without the job's credential, one connection
-    each; appends each one the manager ended (a TLS alert, or the connection
-    closed) to `refused`. A handshake that completed would be a hole."""
+    """`count` TLS 1.3 handshakes without the job's credential (no
+    certificate), one connection each; appends each one the manager ended (a
+    TLS alert, or the connection closed, with no answer) to `refused`. In TLS
+    1.3 a client's half of the handshake is over before the server has
+    checked its certificate, so the refusal comes at the first read; an
+    answer to the hello would be a hole."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
@@ -190,7 +193,9 @@ def send_bad_hellos(port, count, refused):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
             try:
                 with context.wrap_socket(raw) as s:
-                    s.sendall(hello)  # not reached: the handshake fails
+                    s.sendall(hello)
+                    if s.recv(1) == b"":
+                        refused.append(1)
             except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
                 refused.append(1)
 

@@ -265,12 +265,10 @@ def test_no_morphing_stops_on_the_first_failure():
     if tap:
         wire = tap.close()
         secrets = credentials_of_job(m, ["127.0.0.1", "127.0.0.2"])
-        notifier = json.loads(m.connection_file("127.0.0.1").read_text())["token"]
-        assert notifier == secrets["notifier 127.0.0.1"], "the test derives the credentials as run_varuna does"
         port = int(m.state()["address"].rsplit(":", 1)[1]).to_bytes(2, "big")
         assert wire.count(port) > 20, "the tap saw no control traffic (%d bytes captured)" % len(wire)
         for what, value in secrets.items():
-            assert value.encode() not in wire, "%s crossed the wire in clear" % what
+            assert value not in wire, "%s crossed the wire in clear" % what
         for clear in (b"from-env-file", b'"step_report"', b'"launch_workers"', b'"hello"'):
             assert clear not in wire, "%r crossed the wire in clear" % clear
         log("tap: %d bytes on loopback, no credential or message in clear" % len(wire))
@@ -456,9 +454,9 @@ def test_bad_inputs_are_clear_errors():
                         "--host", "127.0.0.1"], capture_output=True, text=True, timeout=30)
     # Refused in the TLS handshake: the manager derives another key for that identity.
     assert r.returncode != 0 and "did not accept this credential" in r.stderr, (r.returncode, r.stderr)
-    # A host's notifier credential (its connection file) speaks for that host only.
+    # A host's notifier certificate (its connection file) speaks for that host only.
     r = m.notify_preempt("127.0.0.1", "--host", "10.9.9.9")
-    assert r.returncode != 0 and "did not accept this credential" in r.stderr, r.stderr
+    assert r.returncode != 0 and "authenticated as notifier of '127.0.0.1'" in r.stderr, r.stderr
     # The operator's (the job's secret) may name any host, but one the job does not list is refused.
     r = subprocess.run([str(BIN / "notify_manager_preempt"), "--manager", conn["manager"], "--token_file",
                         str(m.state_dir / "token"), "--host", "10.9.9.9"], capture_output=True, text=True, timeout=30)

@@ -1,7 +1,8 @@
 """A tap on the loopback wire and the credentials a job's traffic must never
 show in clear (local_job_test: the control plane is TLS)."""
-import hashlib
-import hmac
+import base64
+import json
+import re
 import socket
 import threading
 
@@ -33,17 +34,28 @@ class LoopbackTap:
         return b"".join(self.frames)
 
 
-def credentials_of_job(m, hosts, generation_max=3, ranks=4):
-    """The job's secret and every credential derived from it (credentials.h)
-    for these hosts: what must never cross the wire in clear."""
-    secret = (m.state_dir / "token").read_text().strip()
-    mac = lambda key, text: hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()  # noqa: E731
-    found = {"secret": secret}
+def _pem_blocks(credential):
+    """The DER bytes of each PEM block of a certificate credential ("vc1." and
+    base64 of PEM: the key, the certificate, its issuers; certificate_credential.h)."""
+    assert credential.startswith("vc1."), credential[:16]
+    pem = base64.b64decode(credential[4:]).decode()
+    blocks = re.findall(r"-----BEGIN ([A-Z ]+)-----\n(.*?)-----END \1-----", pem, re.S)
+    return [(kind, base64.b64decode("".join(body.split()))) for kind, body in blocks]
+
+
+def credentials_of_job(m, hosts):
+    """What must never cross the wire in clear, as bytes: the job's secret,
+    its CA (the text of <state_dir>/ca and the root's private key), and each
+    host's notifier credential (its connection file: its text, its private
+    key and its certificate, which TLS 1.3 encrypts too)."""
+    found = {"secret": (m.state_dir / "token").read_text().strip().encode()}
+    ca = (m.state_dir / "ca").read_text().splitlines()[0]
+    found["ca credential"] = ca.encode()
+    found["ca key"] = _pem_blocks(ca)[0][1]
     for host in hosts:
-        agent = mac(secret, "agent\n" + host)
-        found["agent " + host] = agent
-        found["notifier " + host] = mac(agent, "notifier")
-        for rank in range(ranks):
-            for generation in range(generation_max + 1):
-                found["worker %s %d %d" % (host, rank, generation)] = mac(agent, "worker\n%d\n%d" % (rank, generation))
+        notifier = json.loads(m.connection_file(host).read_text())["token"]
+        found["notifier credential " + host] = notifier.encode()
+        (_, key), (_, certificate) = _pem_blocks(notifier)[:2]
+        found["notifier key " + host] = key
+        found["notifier certificate " + host] = certificate
     return found

@@ -24,6 +24,7 @@
 #include "process.h"
 #include "test_env.h"
 #include "varuna/common/errors.h"
+#include "varuna/common/certificate_credential.h"
 #include "varuna/manager/credentials.h"
 
 using namespace varuna;
@@ -89,8 +90,19 @@ tls::KeyForIdentity keysOfAgent(std::string agentCredential) {
   };
 }
 
+// A job's CA, and what run_varuna gives the agent of `host`: its host's CA.
+std::shared_ptr<const tls::CertificateCredential> newJobCa() {
+  return std::make_shared<const tls::CertificateCredential>(tls::CertificateCredential::makeRoot("agent-test"));
+}
+std::string hostCaOf(const tls::CertificateCredential& ca, const std::string& host) {
+  return ca.issue({"agent", host, -1, -1, ""}, /*isCa=*/true).encode();
+}
+
+// An agent with its host's certificate against a manager of the same CA.
 struct AgentUnderTest {
-  test::FakeManager manager{keysOfAgent("t0k")};
+  std::shared_ptr<const tls::CertificateCredential> ca = newJobCa();
+  std::string credential = hostCaOf(*ca, "127.0.0.1");
+  test::FakeManager manager{ca};
   fs::path dir;
   std::optional<test::ChildProcess> agent;
   std::optional<test::FakePeer> link;
@@ -104,14 +116,16 @@ struct AgentUnderTest {
                                   "--grace_s", graceS};
     if (!lostManagerMs.empty()) argv.insert(argv.end(), {"--lost_manager_ms", lostManagerMs});
     argv.insert(argv.end(), extraArgs.begin(), extraArgs.end());
-    agent.emplace(argv, std::map<std::string, std::string>{{"VARUNA_JOB_TOKEN", "t0k"}}, dir / "agent");
+    agent.emplace(argv, std::map<std::string, std::string>{{"VARUNA_JOB_TOKEN", credential}}, dir / "agent");
     link = manager.accept(20s);
     REQUIRE(link);
     auto hello = link->receive(10s);
     REQUIRE(hello);
     CHECK(std::get<proto::Hello>(*hello).role == "agent");
-    // The hello came over TLS, from the identity it claims.
+    CHECK(std::get<proto::Hello>(*hello).token.empty());  // its key never leaves it
+    // The hello came over TLS, from the identity its certificate names.
     REQUIRE(link->identity());
+    CHECK(link->identity()->certified);
     CHECK(link->identity()->role == "agent");
     CHECK(link->identity()->host == "127.0.0.1");
   }
@@ -173,7 +187,7 @@ TEST_CASE("agent: with --sigterm_notice_s a SIGTERM is a preemption notice; it l
   for (const pid_t pid : workers) ::kill(pid, SIGTERM);
   t.agent->kill(SIGTERM);
   // The notice comes as a notifier's would: its own connection, the host's
-  // notifier credential (derived, never the agent's own), the deadline ahead.
+  // notifier certificate (issued by the agent, never its own), the deadline ahead.
   auto notifier = t.manager.accept(10s);
   REQUIRE(notifier);
   const auto hello = notifier->receive(10s);
@@ -181,8 +195,10 @@ TEST_CASE("agent: with --sigterm_notice_s a SIGTERM is a preemption notice; it l
   const auto& h = std::get<proto::Hello>(*hello);
   CHECK(h.role == "notifier");
   CHECK(h.host == "127.0.0.1");
-  CHECK_FALSE(h.token.empty());
-  CHECK(h.token != "t0k");
+  CHECK(h.token.empty());
+  REQUIRE(notifier->identity());
+  CHECK(notifier->identity()->certified);
+  CHECK(notifier->identity()->role == "notifier");
   const auto notice = notifier->receive(10s);
   REQUIRE(notice);
   const auto& n = std::get<proto::PreemptNotice>(*notice);
@@ -245,18 +261,23 @@ TEST_CASE("agent: a worker's credential comes on a pipe it reads once; its envir
     const auto path = t.dir / strCat("again_", rank, ".txt");
     REQUIRE(test::waitUntil([&] { return fs::exists(path); }, 10s));
     tokens.push_back(readFile(t.dir / strCat("token_", rank, ".txt")));
-    CHECK(tokens.back().size() == 64);  // an HMAC-SHA256, hex
+    // A certificate the agent issued with its host's CA, for this rank and generation only.
+    const auto worker = tls::CertificateCredential::parse(tokens.back());
+    CHECK(worker.identity().role == "worker");
+    CHECK(worker.identity().rank == rank);
+    CHECK(worker.identity().generation == 1);
+    CHECK_FALSE(worker.isCa());
     CHECK(readFile(path).empty());
   }
-  CHECK(tokens[0] != tokens[1]);  // per rank
-  CHECK(tokens[0] != "t0k");      // never the agent's own
+  CHECK(tokens[0] != tokens[1]);      // per rank
+  CHECK(tokens[0] != t.credential);  // never the agent's own
   for (const pid_t pid : workers) {
     INFO("worker " << pid);
     const std::string environ = readFile("/proc/" + std::to_string(pid) + "/environ");
     REQUIRE_FALSE(environ.empty());
     CHECK(environ.find("VARUNA_JOB_TOKEN_FD=4") != std::string::npos);
     CHECK(environ.find(std::string("VARUNA_JOB_TOKEN=")) == std::string::npos);
-    CHECK(environ.find("t0k") == std::string::npos);
+    CHECK(environ.find(t.credential.substr(4, 64)) == std::string::npos);
     for (const auto& token : tokens) CHECK(environ.find(token) == std::string::npos);
   }
 }
@@ -653,6 +674,24 @@ TEST_CASE("agent: a manager without the job's credentials gets nothing; the agen
   CHECK(*code != 0);
   CHECK_THAT(agent.stderrText(), Catch::Contains("did not accept this agent's credential"));
   CHECK_FALSE(fs::exists(dir / "run" / "connection.json"));  // no notifier pointed at the impostor
+}
+
+TEST_CASE("agent: a manager of another CA gets nothing; the agent exits with an authentication error",
+          "[agent][security]") {
+  // Another job's run_varuna, or one whose secret was rotated: refused in the handshake.
+  const fs::path dir = test::scratchDir("agent-foreign-ca");
+  const auto ours = newJobCa();
+  test::FakeManager impostor{newJobCa()};
+  test::ChildProcess agent({(test::buildDir() / "bin" / "varuna_agent").string(), "--manager", impostor.address(),
+                            "--host", "127.0.0.1", "--job", "agent-foreign-ca", "--run_dir", (dir / "run").string(),
+                            "--code_dir", dir.string(), "--grace_s", "1"},
+                           {{"VARUNA_JOB_TOKEN", hostCaOf(*ours, "127.0.0.1")}}, dir / "agent");
+  CHECK_FALSE(impostor.accept(20s));  // the agent ended the handshake: no peer, nothing read
+  const auto code = agent.wait(20s);
+  REQUIRE(code);
+  CHECK(*code == kExitConfigError);
+  CHECK_THAT(agent.stderrText(), Catch::Contains("not signed by this job's CA"));
+  CHECK_FALSE(fs::exists(dir / "run" / "connection.json"));
 }
 
 TEST_CASE("agent: a plaintext manager is refused unless the agent was told the job is plaintext", "[agent][security]") {

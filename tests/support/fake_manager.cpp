@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "varuna/common/certificate_credential.h"
+
 namespace varuna::test {
 
 using Clock = std::chrono::steady_clock;
@@ -53,6 +55,13 @@ FakeManager::FakeManager(tls::KeyForIdentity keyFor) : FakeManager() {
   ::unsetenv(tls::kPlaintextEnv);
 }
 
+FakeManager::FakeManager(std::shared_ptr<const tls::CertificateCredential> ca) : FakeManager() {
+  managerCertificate_ =
+      std::make_shared<const tls::CertificateCredential>(ca->issue({"manager", "", -1, -1, ""}, false));
+  ca_ = std::move(ca);
+  ::unsetenv(tls::kPlaintextEnv);
+}
+
 FakeManager::FakeManager() {
   ::setenv(tls::kPlaintextEnv, "1", 1);
   fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -86,8 +95,18 @@ std::optional<FakePeer> FakeManager::accept(std::chrono::milliseconds timeout) {
   if (::poll(&p, 1, static_cast<int>(timeout.count())) <= 0) return std::nullopt;
   const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
   if (fd < 0) return std::nullopt;
-  if (!keyFor_) return FakePeer(proto::ControlClient::adopt(fd, "the fake manager's peer"));
+  if (!keyFor_ && !ca_) return FakePeer(proto::ControlClient::adopt(fd, "the fake manager's peer"));
   try {
+    if (ca_) {
+      tls::ServerPsk server;
+      server.ca = ca_;
+      server.acceptHostCa = [](const tls::PskIdentity& hostCa, std::string& why) {
+        why = "a joined host's CA";
+        return hostCa.hint.empty();
+      };
+      return FakePeer(
+          proto::ControlClient::acceptTls(fd, "the fake manager's peer", std::move(server), managerCertificate_, timeout));
+    }
     return FakePeer(proto::ControlClient::acceptTls(fd, "the fake manager's peer", keyFor_, timeout));
   } catch (const proto::ConnectionError& e) {
     lastRefusal_ = e.what();

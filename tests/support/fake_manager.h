@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -47,6 +48,10 @@ class FakeManager {
   FakeManager();  // listening on 127.0.0.1, a free port, plaintext
   // TLS: peers must prove the key `keyFor` gives their identity.
   explicit FakeManager(tls::KeyForIdentity keyFor);
+  // TLS with the job's CA `ca` (certificate_credential.h), as run_varuna
+  // has it: its manager certificate, and clients' chains checked against
+  // `ca` (any listed host's CA, as a manager's that knows no joins).
+  explicit FakeManager(std::shared_ptr<const tls::CertificateCredential> ca);
   ~FakeManager();
   FakeManager(const FakeManager&) = delete;
 
@@ -65,7 +70,8 @@ class FakeManager {
  private:
   int fd_ = -1;
   int port_ = 0;
-  tls::KeyForIdentity keyFor_;  // empty: plaintext
+  tls::KeyForIdentity keyFor_;  // empty: plaintext (unless ca_)
+  std::shared_ptr<const tls::CertificateCredential> ca_, managerCertificate_;
   std::string lastRefusal_;
 };
 

@@ -1,7 +1,8 @@
-// TlsStream: the ByteStream of a control connection inside TLS 1.3 with a
-// pre-shared key (control_tls.h). run_varuna's listener makes the server side
-// (keys derived from the identity a peer presents), the agent the client side
-// (its credential as the key). The handshake runs before the first read or
+// TlsStream: the ByteStream of a control connection inside TLS 1.3
+// (control_tls.h). run_varuna's listener makes the server side (its
+// certificate, and the job's CA to check a peer's chain, or keys derived
+// from a pre-shared key's identity), the agent the client side (its host's
+// CA as its certificate, or its credential as the key). The handshake runs before the first read or
 // write; a peer that cannot prove an identity fails it, and the read that
 // waited completes with the error, so the connection closes before one byte
 // of the control protocol was read. Until then the connection is one that has

@@ -47,6 +47,11 @@ class ControlClient {
   // AuthenticationError when the peer cannot prove an identity.
   static ControlClient acceptTls(int fd, std::string address, tls::KeyForIdentity keyFor,
                                  std::chrono::milliseconds timeout);
+  // The same presenting `manager` (the manager's certificate) and checking
+  // client certificates against `server.ca`, as run_varuna does.
+  static ControlClient acceptTls(int fd, std::string address, tls::ServerPsk server,
+                                 std::shared_ptr<const tls::CertificateCredential> manager,
+                                 std::chrono::milliseconds timeout);
   // Takes over a connected socket (the inverse of release()), e.g. one a
   // listener accepted; `address` names the peer in errors.
   static ControlClient adopt(int fd, std::string address) { return ControlClient(fd, std::move(address)); }
@@ -107,6 +112,7 @@ class ControlClient {
   // Where OpenSSL's callbacks find the keys (stable addresses across moves).
   std::unique_ptr<tls::ClientPsk> clientPsk_;
   std::unique_ptr<tls::ServerPsk> serverPsk_;
+  std::shared_ptr<const tls::CertificateCredential> managerCertificate_;  // a server's, if it presents one
 };
 
 // The TLS handshake failed: this peer's credential is not what the other end

@@ -116,6 +116,8 @@ void configureContext(ssl_ctx_st* context, bool server);
 // job's root) and requires a client certificate unless a pre-shared key
 // authenticated the client.
 void useServerCertificate(ssl_ctx_st* context, const CertificateCredential& manager);
+// The same for one connection of a context configureContext made.
+void useServerCertificate(ssl_st* ssl, const CertificateCredential& manager);
 // Makes `ssl` read and write the socket `fd` (which it does not close), its
 // writes never raising SIGPIPE (a worker is the user's program, which may not
 // ignore it). False if OpenSSL could not.
