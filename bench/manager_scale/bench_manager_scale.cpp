@@ -224,6 +224,10 @@ class Bench {
     sim.tick = kTick;
     sim.agentHeartbeat = std::chrono::seconds(1);
     sim.workerHeartbeat = std::chrono::milliseconds(std::max<int64_t>(1, std::llround(1000.0 / options.heartbeatHz)));
+    // This one thread makes every simulated worker's certificate and TLS
+    // handshake (about 2 ms each, where real hosts work in parallel): a few
+    // at a time, so none waits past the manager's hello deadline for it.
+    sim.maxDialling = 32;
     sim.beatsThroughAgent = !options.directBeats;
     sim.reportsThroughAgent = !options.directReports;
     sim.agentBeatForward = std::chrono::milliseconds(options.beatRelayMs);

@@ -144,7 +144,7 @@ ControlClient ControlClient::connectAs(const std::string& address, std::chrono::
                              " is set, but the manager is not on this machine (unset it: over a network the control "
                              "plane is TLS)"));
   }
-  client.sendFrame(encode(hello), deadline);
+  client.sendFrame(encode(tls::wireHello(hello)), deadline);  // a certificate credential's key never goes
   return client;
 }
 

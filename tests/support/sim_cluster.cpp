@@ -263,6 +263,12 @@ void SimCluster::report(Agent& agent, const proto::WorkerExited& exited) {
 
 void SimCluster::connectWorker(const std::shared_ptr<Worker>& worker) {
   worker->state = Worker::State::kConnecting;
+  if (options_.maxDialling > 0 && dialling_ >= options_.maxDialling) {
+    waitingToDial_.push_back(worker);
+    return;
+  }
+  ++dialling_;
+  worker->dialling = true;
   worker->peer = std::make_shared<SimPeer>(io_, options_.localNetwork);
   std::weak_ptr<Worker> weak = worker;
   worker->peer->connect(
@@ -278,6 +284,7 @@ void SimCluster::connectWorker(const std::shared_ptr<Worker>& worker) {
       [this, weak] {
         auto w = weak.lock();
         if (!w || w->state != Worker::State::kConnecting) return;
+        doneDialling(w);
         ++framesSent_;  // the hello
         w->state = Worker::State::kUp;
         const auto now = clock_.now();
@@ -324,7 +331,23 @@ void SimCluster::onWorkerMessage(const std::shared_ptr<Worker>& worker, const pr
   if (callbacks_.onOrder) callbacks_.onOrder(order);
 }
 
+void SimCluster::doneDialling(const std::shared_ptr<Worker>& worker) {
+  if (!worker->dialling) return;
+  worker->dialling = false;
+  --dialling_;
+  asio::post(io_, [this] { dialWaitingWorkers(); });  // not inside the caller's handler
+}
+
+void SimCluster::dialWaitingWorkers() {
+  while (!waitingToDial_.empty() && (options_.maxDialling == 0 || dialling_ < options_.maxDialling)) {
+    auto worker = waitingToDial_.front().lock();
+    waitingToDial_.pop_front();
+    if (worker && worker->state == Worker::State::kConnecting && !worker->peer) connectWorker(worker);
+  }
+}
+
 void SimCluster::onWorkerClosed(const std::shared_ptr<Worker>& worker, const std::string& reason) {
+  doneDialling(worker);
   if (worker->state == Worker::State::kExited) return;
   if (!worker->ordered) lost(strCat("rank ", worker->rank, " of generation ", worker->generation), reason);
   // No manager: the link ends the process after the grace.
@@ -336,6 +359,7 @@ void SimCluster::onWorkerClosed(const std::shared_ptr<Worker>& worker, const std
 }
 
 void SimCluster::exitWorker(const std::shared_ptr<Worker>& worker, int exitCode, int signal, bool reportIt) {
+  doneDialling(worker);
   if (worker->state == Worker::State::kExited) return;
   worker->state = Worker::State::kExited;
   if (worker->peer) worker->peer->close();

@@ -61,6 +61,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <deque>
 #include <queue>
 #include <set>
 #include <string>
@@ -112,6 +113,11 @@ struct SimOptions {
   std::chrono::milliseconds checkpointDelay{0};    // CheckpointAndExit -> exit 75 this much later
   std::chrono::milliseconds agentGrace{5000};      // an agent that lost the manager kills its workers after this
   std::chrono::milliseconds workerStartDelay{0};   // LaunchWorkers -> the worker dials
+  // At most this many workers dialling at once (0: no limit). Over TLS each
+  // simulated worker's certificate and handshake take this one thread about
+  // 2 ms, where real hosts make theirs in parallel: 10 000 dialling at once
+  // would wait past the manager's hello deadline for this thread, not it.
+  int maxDialling = 0;
   int microbatches = 8;                            // step_seconds = compute x (microbatches + stages - 1)
   // Non-empty: a checkpoint order makes every rank write its part of a
   // checkpoint of the step all ranks have finished into this store
@@ -305,6 +311,9 @@ class SimCluster {
   void onAgentClosed(const std::shared_ptr<Agent>& agent, const std::string& reason);
   void launch(const std::shared_ptr<Agent>& agent, const proto::LaunchWorkers& launch);
   void connectWorker(const std::shared_ptr<Worker>& worker);
+  // Dials the workers waiting for a turn, up to maxDialling at once.
+  void dialWaitingWorkers();
+  void doneDialling(const std::shared_ptr<Worker>& worker);
   void onWorkerMessage(const std::shared_ptr<Worker>& worker, const proto::Message& message);
   void onWorkerClosed(const std::shared_ptr<Worker>& worker, const std::string& reason);
   // The worker's process ends: its connection closes, its agent reports it.
@@ -339,6 +348,8 @@ class SimCluster {
   std::map<std::string, std::shared_ptr<Agent>> agents_;  // the newest of each host
   TimePoint agentsWakeAt_ = TimePoint::max();
   std::map<std::pair<int, int>, std::shared_ptr<Worker>> workers_;  // live, by (generation, rank)
+  std::deque<std::weak_ptr<Worker>> waitingToDial_;  // maxDialling: their turn to dial
+  int dialling_ = 0;
   std::vector<std::shared_ptr<Worker>> strays_;  // connectStaleWorker's, until they close
   struct Wake {
     TimePoint at;

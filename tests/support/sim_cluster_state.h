@@ -38,6 +38,7 @@ struct SimCluster::Worker {
   std::weak_ptr<Agent> agent;
   std::shared_ptr<SimPeer> peer;
   State state = State::kStarting;
+  bool dialling = false;  // counted in dialling_ until its hello went or its connection closed
   bool welcomed = false;
   bool ordered = false;  // an ExitNow or a refusal came: the close that follows is expected
   bool progressFrozen = false, processFrozen = false;

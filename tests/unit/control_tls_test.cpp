@@ -517,7 +517,7 @@ TEST_CASE("certificates: a credential round-trips as one line; each level signs 
   CHECK(tls::checkManagerCertificate(root->root(), root->issue({"manager", "", -1, -1, ""}, false).certificate(), why));
   CHECK_FALSE(tls::checkManagerCertificate(root->root(), worker.certificate(), why));
   CHECK_THROWS_AS(worker.issue({"worker", longHost, 0, 1, ""}, false), ConfigError);  // a leaf signs nothing
-  for (const std::string& bad : {std::string("0123abcd"), std::string("vc1."), std::string("vc1.!!!!"),
+  for (const std::string& bad : {std::string("0123abcd"), std::string("vc1."), std::string("vc1.!!!!"), std::string("vc1.===="), std::string("vc1.AA=A"),
                                 text.substr(0, text.size() / 2), "vc1." + std::string(400, 'A')}) {
     CHECK_THROWS_AS(tls::CertificateCredential::parse(bad), ConfigError);
   }
@@ -590,8 +590,11 @@ TEST_CASE("certificates: forged, foreign and stale certificates and derived keys
   expectRefused(helloWith(credentials::worker(hostCaOf(*root, "h1", "old-join"), 0, 1), "worker", "h1", 0, 1));
   // A key derived from the job's secret where the job has a CA.
   expectRefused(workerHello("h1", 0, 1));
-  waitForStat(server, "unauthenticated", 7);
-  CHECK(server.stats().at("unauthenticated") == 7);
+  // The root's own certificate, and the manager's, presented by a client.
+  expectRefused(helloWith(root->encode(), "agent", "h1"));
+  expectRefused(helloWith(root->issue({"manager", "", -1, -1, ""}, false).encode(), "agent", "h1"));
+  waitForStat(server, "unauthenticated", 9);
+  CHECK(server.stats().at("unauthenticated") == 9);
   CHECK(server.helloCount() == 0);
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "varuna/common/certificate_credential.h"
 #include "varuna/common/control_client.h"
 #include "varuna/common/log.h"
 #include "varuna/common/time_util.h"
@@ -434,6 +435,11 @@ int main(int argc, char** argv) {
     } else {
       if (options.agent.host.empty()) throw ConfigError("--host is required with --manager");
       options.agent.credential = readJobToken(tokenFromStdin);
+      // A malformed certificate credential is a configuration error now, not
+      // a failed connection later (which run_varuna would retry).
+      if (tls::isCertificateCredential(options.agent.credential)) {
+        tls::CertificateCredential::parse(options.agent.credential, "agent's credential (stdin)");
+      }
     }
     if (envFromStdin) setEnvironmentFromStdin();
     // This agent decides for its workers and its host's notifier too (after

@@ -243,14 +243,16 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
     return false;
   }
   const std::string host = hello.host;  // a valid host address: fit for logs as it is
-  std::string nonce = credentials::newJoinNonce();  // first: it may throw, and then nothing has changed
+  // First, as they may throw, and then nothing has changed.
+  std::string nonce = credentials::newJoinNonce();
+  std::string credential = issueAgentCredential(host, nonce);
   joined_[host] = JoinedHost{Machine{host, hello.slots, 0}, std::move(nonce)};  // an earlier join's nonce is void
   Agent& agent = agents_[host];
   const uint64_t attempt = startAttempt(agent);
   agent.joined = true;
   absences_.forget(host);
   observer_.hostBack(host);  // whatever the job held against an earlier host of that name is over
-  connection->send(proto::Joined{agentCredential(host), settings_.agentEnvironment,
+  connection->send(proto::Joined{std::move(credential), settings_.agentEnvironment,
                                  settings_.joinedAgentGrace.count(), settings_.joinedAgentLostManager.count(),
                                  settings_.joinedAgentBeatRelay.count()});
   connection->closeAfterSending("joined");
@@ -271,12 +273,13 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
 
 std::string AgentPool::agentCredential(const std::string& host) const {
   auto it = joined_.find(host);
-  if (settings_.ca) {
-    const std::string nonce = it == joined_.end() ? std::string() : it->second.nonce;
-    return settings_.ca->issue({"agent", host, -1, -1, nonce}, /*isCa=*/true).encode();
-  }
-  return it == joined_.end() ? credentials::agent(settings_.token, host)
-                             : credentials::joinedAgent(settings_.token, host, it->second.nonce);
+  return issueAgentCredential(host, it == joined_.end() ? std::string() : it->second.nonce);
+}
+
+std::string AgentPool::issueAgentCredential(const std::string& host, const std::string& joinNonce) const {
+  if (settings_.ca) return settings_.ca->issue({"agent", host, -1, -1, joinNonce}, /*isCa=*/true).encode();
+  return joinNonce.empty() ? credentials::agent(settings_.token, host)
+                           : credentials::joinedAgent(settings_.token, host, joinNonce);
 }
 
 bool AgentPool::acceptsHostCa(const tls::PskIdentity& hostCa, std::string& why) const {

@@ -121,6 +121,12 @@ class AgentPool {
   // once joined as H holds nothing once that join is over).
   bool acceptsHostCa(const tls::PskIdentity& hostCa, std::string& why) const;
 
+ private:
+  // agentCredential for a host joined with `joinNonce` ("" for a listed one).
+  std::string issueAgentCredential(const std::string& host, const std::string& joinNonce) const;
+
+ public:
+
   // Closes agents silent for the heartbeat timeout (each one's loss goes to
   // the observer). First in the daemon's tick.
   void closeSilentAgents(TimePoint now);

@@ -194,7 +194,11 @@ void ControlListener::recordRefusal(const std::shared_ptr<FramedConnection>& con
 const proto::Hello& ControlListener::checkCredential(const proto::Message& message, bool certified) const {
   const auto* hello = std::get_if<proto::Hello>(&message);
   if (!hello) return proto::checkHello(message, token_);  // refuses it, naming what came instead
-  if (certified) return proto::checkHello(message, hello->token);  // the version; the certificate was the credential
+  if (certified) {
+    // The certificate was the credential: a hello over it carries none.
+    if (!hello->token.empty()) throw proto::ProtocolError("a hello with a credential over a certificate's connection");
+    return proto::checkHello(message, hello->token);  // the version
+  }
   std::string expected;
   if (hello->role == "join") {
     // A host that joins by itself: the join credential (no host in it) and
@@ -207,6 +211,10 @@ const proto::Hello& ControlListener::checkCredential(const proto::Message& messa
     expected = hello->token;
   } else if (hello->role == "notifier" && constantTimeEquals(hello->token, token_)) {
     expected = token_;  // the operator's notifier (--token_file): any host
+  } else if (ca_) {
+    // Every other role proves itself with a certificate where the job has a CA.
+    throw proto::ProtocolError(strCat("a hello as ", proto::boundedText(hello->role, 64),
+                                      " without a certificate of the job's CA"));
   } else {
     expected = expectedCredential(hello->role, hello->host, hello->rank, hello->generation);
   }

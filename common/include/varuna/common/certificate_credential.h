@@ -24,8 +24,10 @@
 // Keys are EC P-256, signatures ECDSA with SHA-256. The text form (what
 // travels where the older hex credentials did: stdin, connection.json, a
 // worker's pipe) is "vc1." and one line of base64 of the PEM blocks: the
-// private key, the certificate, then each issuer up to the root. Immutable
-// once made; safe to share between threads.
+// private key (a "VARUNA P-256 KEY" block: its scalar and public point, which
+// parse in 30 us where OpenSSL 3.0's PKCS#8 decoder takes a millisecond),
+// the certificate, then each issuer up to the root. Immutable once made;
+// safe to share between threads.
 #pragma once
 
 #include <cstdint>
@@ -71,12 +73,6 @@ class CertificateCredential {
   x509_st* root() const { return chain_.back().get(); }
 
  private:
-  struct KeyDeleter {
-    void operator()(evp_pkey_st* key) const;
-  };
-  struct CertificateDeleter {
-    void operator()(x509_st* certificate) const;
-  };
   using Certificate = std::shared_ptr<x509_st>;
   CertificateCredential(std::shared_ptr<evp_pkey_st> key, std::vector<Certificate> chain);
   std::shared_ptr<evp_pkey_st> key_;
