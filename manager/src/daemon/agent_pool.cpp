@@ -87,19 +87,11 @@ void AgentPool::forgetUnlisted() {
 // --- start-ups ------------------------------------------------------------------
 
 void AgentPool::startAgent(const std::string& host) {
+  auto [entry, fresh] = agents_.try_emplace(host);
+  Agent& agent = entry->second;
   // One start-up per host at a time: a retry or a list write while one is
   // under way leaves it to that one.
-  if (auto known = agents_.find(host);
-      known != agents_.end() && (known->second.status == Status::kStarting || known->second.launching)) {
-    return;
-  }
-  // The agent's credential (its host's only, credentials.h) travels on the
-  // command's stdin, never in the command (the remote shell's command line
-  // is visible to `ps`). Made first: it may throw, and then nothing has changed.
-  std::string nonce = settings_.ca ? credentials::newJoinNonce() : std::string();
-  std::string input = issueAgentCredential(host, nonce) + "\n";
-  if (settings_.ca) launchNonces_[host] = std::move(nonce);  // an earlier start's certificates are void from here
-  Agent& agent = agents_[host];
+  if (!fresh && (agent.status == Status::kStarting || agent.launching)) return;
   startAttempt(agent);
   agent.launching = true;
   absences_.noteAttempt(host);
@@ -107,6 +99,10 @@ void AgentPool::startAgent(const std::string& host) {
   log::debug("starting the agent on ", host);
   HostLauncher* launcher = launcher_.get();
   const uint64_t id = nextLaunchThread_++;
+  // The agent's credential (its host's only, credentials.h) travels on the
+  // command's stdin, never in the command (the remote shell's command line
+  // is visible to `ps`).
+  std::string input = agentCredential(host) + "\n";
   if (!settings_.agentEnvironment.empty()) input += nlohmann::json(settings_.agentEnvironment).dump() + "\n";
   launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
     HostCommandResult result;
@@ -276,13 +272,8 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
 }
 
 std::string AgentPool::agentCredential(const std::string& host) const {
-  return issueAgentCredential(host, nonceOf(host));
-}
-
-std::string AgentPool::nonceOf(const std::string& host) const {
-  if (auto it = joined_.find(host); it != joined_.end()) return it->second.nonce;
-  auto launch = launchNonces_.find(host);
-  return launch == launchNonces_.end() ? std::string() : launch->second;
+  auto it = joined_.find(host);
+  return issueAgentCredential(host, it == joined_.end() ? std::string() : it->second.nonce);
 }
 
 std::string AgentPool::issueAgentCredential(const std::string& host, const std::string& joinNonce) const {
@@ -292,11 +283,11 @@ std::string AgentPool::issueAgentCredential(const std::string& host, const std::
 }
 
 bool AgentPool::acceptsHostCa(const tls::PskIdentity& hostCa, std::string& why) const {
-  const std::string expected = nonceOf(hostCa.host);
-  if (!expected.empty() && constantTimeEquals(hostCa.hint, expected)) return true;
+  auto it = joined_.find(hostCa.host);
+  const std::string expected = it == joined_.end() ? std::string() : it->second.nonce;
+  if (constantTimeEquals(hostCa.hint, expected)) return true;
   why = strCat("the certificate of host '", proto::boundedText(hostCa.host, proto::kMaxLoggedPeerTextBytes), "' is ",
-               expected.empty() ? "of no agent this manager started or let join"
-                                : "of an earlier start or join of its agent");
+               expected.empty() ? "of a join that is over" : "not of this join of the host");
   return false;
 }
 

@@ -114,20 +114,16 @@ class AgentPool {
   bool isJoined(const std::string& host) const { return joined_.count(host) > 0; }
   // The credential host's agent is given (credentials.h): A(H), or for a
   // host in the job by a join, A(H, N) of that join; with a CA, a new CA
-  // certificate for the host, naming the join's nonce for a joined one and
-  // its latest start's for a listed one.
+  // certificate for the host, naming the join's nonce for a joined one.
   std::string agentCredential(const std::string& host) const;
-  // Whether a chain through `hostCa` may speak for its host: it must name
-  // the nonce of the host's current join, or of its agent's latest start
-  // (so whoever once joined as H, or ran an earlier agent of H, holds
-  // nothing once that is over).
+  // Whether a chain through `hostCa` may speak for its host: a joined
+  // host's must name that join's nonce, a listed host's none (so whoever
+  // once joined as H holds nothing once that join is over).
   bool acceptsHostCa(const tls::PskIdentity& hostCa, std::string& why) const;
 
  private:
   // agentCredential for a host joined with `joinNonce` ("" for a listed one).
   std::string issueAgentCredential(const std::string& host, const std::string& joinNonce) const;
-  // The nonce host's credential names now: its join's, its latest start's, or "".
-  std::string nonceOf(const std::string& host) const;
 
  public:
 
@@ -230,10 +226,6 @@ class AgentPool {
     std::string nonce;  // what binds its agent's (and so its notifier's and workers') credentials to this join
   };
   std::map<std::string, JoinedHost> joined_;
-  // With a CA: a random nonce per start of a listed host's agent, named by
-  // the host CA it is given, so that a new start voids the previous one's
-  // certificates (its notifier's and workers' too).
-  std::map<std::string, std::string> launchNonces_;
   RateLimiter joinRefusals_{std::chrono::seconds(60), 3};  // written in full, per minute
   std::map<std::string, Agent> agents_;
   HostAbsences absences_;
