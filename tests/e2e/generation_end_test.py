@@ -25,14 +25,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from varuna_e2e import (Manager, StoreWatcher, assert_nothing_left, log, processes_of_job, run_tests,  # noqa: E402
+from varuna_e2e import (StoreWatcher, managers, assert_nothing_left, log, processes_of_job, run_tests,  # noqa: E402
                         wait_for)
 
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-generation-end-")))
 shutil.rmtree(ROOT, ignore_errors=True)
 ROOT.mkdir(parents=True)
 TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
-_port = [26000 + (os.getpid() % 150) * 40]  # master ports, below the ephemeral range (32768-)
 
 # How long a worker ordered out over its connection may take to be gone
 # (docs/run_varuna.md says: at once, within its link's 0.1 s read interval);
@@ -40,10 +39,8 @@ _port = [26000 + (os.getpid() % 150) * 40]  # master ports, below the ephemeral 
 ORDERED_EXIT_BOUND_S = 3.0
 
 
-def manager(name, **kw):
-    _port[0] += 10
-    extra = list(kw.pop("extra_args", [])) + ["--master_port", str(_port[0])]
-    return Manager(ROOT / name, TWO_HOSTS, job="e2e-" + name + "-" + str(os.getpid()), extra_args=extra, **kw)
+# Master ports from 26000 up, below the ephemeral range (32768-).
+manager = managers(ROOT, 26000 + (os.getpid() % 150) * 40, "e2e", TWO_HOSTS)
 
 
 def host_of(pid):

@@ -21,18 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from varuna_e2e import (  # noqa: E402
-    BIN, Manager, assert_losses_continue, assert_nothing_left, log, run_tests, wait_for)
+    BIN, assert_losses_continue, managers, assert_nothing_left, log, run_tests, wait_for)
 
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-join-")))
 shutil.rmtree(ROOT, ignore_errors=True)
 ROOT.mkdir(parents=True)
-_port = [20000 + (os.getpid() % 150) * 40]  # master ports, below the ephemeral range (32768-)
 
 
-def manager(name, machines=None, **kw):
-    _port[0] += 10
-    extra = list(kw.pop("extra_args", [])) + ["--master_port", str(_port[0])]
-    return Manager(ROOT / name, machines, job="join-" + name + "-" + str(os.getpid()), extra_args=extra, **kw)
+# Master ports from 20000 up, below the ephemeral range (32768-).
+manager = managers(ROOT, 20000 + (os.getpid() % 150) * 40, "join")
 
 
 class Task:

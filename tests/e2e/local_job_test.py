@@ -19,20 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wire_tap import LoopbackTap, credentials_of_job  # noqa: E402
 from varuna_e2e import (  # noqa: E402
     BIN, TINY_MODEL, Manager, assert_losses_continue, assert_nothing_left,
-    assert_resumed_exactly, log, processes_of_job, run_tests, wait_for)
+    assert_resumed_exactly, log, managers, processes_of_job, run_tests, wait_for)
 
 SOURCE = Path(__file__).resolve().parents[2]
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-e2e-")))
 shutil.rmtree(ROOT, ignore_errors=True)  # nothing of an earlier run (state, checkpoints) may leak into this one
 ROOT.mkdir(parents=True)
 TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
-_port = [21000 + (os.getpid() % 200) * 40]
 
 
-def manager(name, machines=TWO_HOSTS, **kw):
-    _port[0] += 10
-    extra = list(kw.pop("extra_args", [])) + ["--master_port", str(_port[0])]
-    return Manager(ROOT / name, machines, job="e2e-" + name + "-" + str(os.getpid()), extra_args=extra, **kw)
+manager = managers(ROOT, 21000 + (os.getpid() % 200) * 40, "e2e", TWO_HOSTS)
 
 
 def test_preemption_morphs_2x2_to_2x1_and_resumes_exactly():

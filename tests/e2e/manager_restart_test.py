@@ -14,19 +14,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from varuna_e2e import (  # noqa: E402
-    BIN, Manager, assert_nothing_left, processes_of_job, run_tests, wait_for)
+    BIN, assert_nothing_left, managers, processes_of_job, run_tests, wait_for)
 
 ROOT = Path(os.environ.get("VARUNA_TEST_TMPDIR", tempfile.mkdtemp(prefix="varuna-e2e-restart-")))
 shutil.rmtree(ROOT, ignore_errors=True)  # nothing of an earlier run may leak into this one
 ROOT.mkdir(parents=True)
 TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
-_port = [27000 + (os.getpid() % 100) * 40]
 
 
-def manager(name, machines=TWO_HOSTS, **kw):
-    _port[0] += 10
-    extra = list(kw.pop("extra_args", [])) + ["--master_port", str(_port[0])]
-    return Manager(ROOT / name, machines, job="e2e-" + name + "-" + str(os.getpid()), extra_args=extra, **kw)
+manager = managers(ROOT, 27000 + (os.getpid() % 100) * 40, "e2e", TWO_HOSTS)
 
 
 def test_manager_killed_and_restarted_carries_on():

@@ -38,6 +38,19 @@ def wait_for(what, predicate, timeout, interval=0.05):
         time.sleep(interval)
 
 
+def managers(root, first_port, job_prefix, machines=None):
+    """A test file's way to make its Managers: each gets its own folder under
+    `root`, a job name of this process's own, and the file's next master port
+    (10 apart from the last; each file starts at its own `first_port`)."""
+    port = [first_port]
+
+    def make(name, machines=machines, **kw):
+        port[0] += 10
+        extra = list(kw.pop("extra_args", [])) + ["--master_port", str(port[0])]
+        return Manager(root / name, machines, job="%s-%s-%d" % (job_prefix, name, os.getpid()), extra_args=extra, **kw)
+    return make
+
+
 class Manager:
     """One run_varuna process and its state folder."""
 
