@@ -103,9 +103,12 @@ int verifyClient(X509_STORE_CTX* store, void* /*unused*/) {
   const auto checked =
       checkPeerChain(psk->ca->root(), X509_STORE_CTX_get0_cert(store), X509_STORE_CTX_get0_untrusted(store), psk->refusal);
   if (!checked) return 0;
-  if (!psk->acceptHostCa || !psk->acceptHostCa(checked->hostCa, psk->refusal)) return 0;
+  if (!psk->acceptHostCa) return 0;
+  const HostCaStanding standing = psk->acceptHostCa(checked->hostCa, checked->peer, psk->refusal);
+  if (standing == HostCaStanding::kRefused) return 0;
   psk->presented = checked->peer;
   psk->presented->certified = true;
+  psk->presented->revoked = standing == HostCaStanding::kRevoked;
   return 1;
 }
 

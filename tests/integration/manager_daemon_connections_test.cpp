@@ -120,13 +120,10 @@ TEST_CASE("daemon: connections without a hello are capped and closed at their de
 
 TEST_CASE("daemon: an oversized first frame is refused from its header", "[daemon]") {
   DaemonFixture f("daemon_first_frame");
-  // Inside TLS, from a peer with a credential (the host's CA, from the
-  // job's CA as run_varuna issues it): its first frame is held to the
-  // hello's limit all the same.
-  std::string ca;
-  std::ifstream(f.dir / "state" / "ca") >> ca;
-  const auto hostCa = tls::CertificateCredential::parse(ca).issue({"agent", "127.0.0.1", -1, -1, ""}, true);
-  const proto::Hello agent{proto::kVersion, hostCa.encode(), "agent", "127.0.0.1", -1, -1};
+  // Inside TLS, from a peer with a credential (the host CA its agent was
+  // started with): its first frame is held to the hello's limit all the same.
+  REQUIRE(f.runUntil([&] { return f.agentUp(); }));
+  const proto::Hello agent{proto::kVersion, f.cluster->agentCredential("127.0.0.1"), "agent", "127.0.0.1", -1, -1};
   proto::Hello huge = agent;
   huge.host.assign(1000000, 'h');  // under the protocol's 1 MiB, far over a hello
   std::atomic<bool> closed{false}, handshaken{false};
@@ -145,6 +142,73 @@ TEST_CASE("daemon: an oversized first frame is refused from its header", "[daemo
   CHECK(refused);
   CHECK(handshaken);
   CHECK(f.runUntil([&] { return f.state()["connections"]["closed_before_hello"].get<int>() >= 1; }, 5000ms));
+}
+
+// What a connection as `hello` gets from the daemon within `wait` (the
+// daemon's loop runs here, the peer on a thread): its first message, and
+// whether the connection is still open after it (a refused handshake ends
+// it at the client's first read; a silent notifier is kept).
+struct Answer {
+  std::optional<proto::Message> message;
+  bool open = false;
+};
+Answer answerTo(DaemonFixture& f, const proto::Hello& hello, std::chrono::milliseconds wait) {
+  std::atomic<bool> done{false};
+  Answer answer;
+  std::thread peer([&, address = "127.0.0.1:" + std::to_string(f.daemon->port())] {
+    try {
+      auto client = proto::ControlClient::connectAs(address, 10s, hello);
+      answer.message = client.receive(wait);
+      answer.open = client.connected();
+    } catch (const std::exception&) {
+    }
+    done = true;
+  });
+  f.runUntil([&] { return done.load(); }, wait + 15000ms);
+  peer.join();
+  return answer;
+}
+
+TEST_CASE("daemon: certificates of another start of a host's agent are revoked: refused, a worker ordered out",
+          "[daemon][security]") {
+  DaemonFixture f("daemon_host_ca_launch");
+  REQUIRE(f.runUntil([&] { return f.agentUp(); }));
+  // The job's root can issue host CAs, but only those of a start of the
+  // host's agent run_varuna holds valid speak for the host: not one naming
+  // no start, nor one of a start it never made.
+  std::string caText;
+  std::ifstream(f.dir / "state" / "ca") >> caText;
+  const auto root = tls::CertificateCredential::parse(caText);
+  const std::string current = f.cluster->agentCredential("127.0.0.1");
+  REQUIRE(tls::isCertificateCredential(current));
+  const auto unauthenticated = [&] { return f.state()["connections"]["unauthenticated"].get<int>(); };
+  const int before = unauthenticated();
+  const auto notifierOf = [](const std::string& hostCa) {
+    return proto::Hello{proto::kVersion, credentials::notifier(hostCa), "notifier", "127.0.0.1", -1, -1};
+  };
+  const std::string noStart = root.issue({"agent", "127.0.0.1", -1, -1, ""}, true).encode();
+  const std::string otherStart = root.issue({"agent", "127.0.0.1", -1, -1, "an-earlier-start"}, true).encode();
+  CHECK_FALSE(answerTo(f, notifierOf(noStart), 1000ms).open);
+  CHECK_FALSE(answerTo(f, notifierOf(otherStart), 1000ms).open);
+  CHECK_FALSE(answerTo(f, {proto::kVersion, otherStart, "agent", "127.0.0.1", -1, -1}, 1000ms).open);
+  CHECK(f.runUntil([&] { return unauthenticated() == before + 3; }, 5000ms));
+  // A worker of a revoked start is let through only to be ordered out, even
+  // for the running generation's rank.
+  REQUIRE(f.runUntil([&] { return f.cluster->generation() >= 1; }, 20000ms));
+  const int generation = f.cluster->generation();
+  const auto answer = answerTo(
+      f, {proto::kVersion, credentials::worker(otherStart, 0, generation), "worker", "127.0.0.1", 0, generation}, 10000ms);
+  REQUIRE(answer.message);
+  CHECK(std::holds_alternative<proto::ExitNow>(*answer.message));
+  CHECK(unauthenticated() == before + 3);
+  // The current start's notifier is kept (silent, within its deadline).
+  CHECK(answerTo(f, notifierOf(current), 1000ms).open);
+  CHECK(unauthenticated() == before + 3);
+  // The start is kept in the state folder for a restarted manager.
+  std::ifstream saved(f.dir / "state" / "agent_launches");
+  REQUIRE(saved);
+  const auto launches = nlohmann::json::parse(saved);
+  CHECK(launches["127.0.0.1"].size() == 1);
 }
 
 TEST_CASE("daemon: a failing accept (EMFILE) backs off instead of spinning", "[daemon]") {

@@ -100,9 +100,9 @@ std::optional<FakePeer> FakeManager::accept(std::chrono::milliseconds timeout) {
     if (ca_) {
       tls::ServerPsk server;
       server.ca = ca_;
-      server.acceptHostCa = [](const tls::PskIdentity& hostCa, std::string& why) {
+      server.acceptHostCa = [](const tls::PskIdentity& hostCa, const tls::PskIdentity&, std::string& why) {
         why = "a joined host's CA";
-        return hostCa.hint.empty();
+        return hostCa.hint.empty() ? tls::HostCaStanding::kValid : tls::HostCaStanding::kRefused;
       };
       return FakePeer(
           proto::ControlClient::acceptTls(fd, "the fake manager's peer", std::move(server), managerCertificate_, timeout));

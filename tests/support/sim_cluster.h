@@ -248,6 +248,11 @@ class SimCluster {
   void countStartAttempt(const std::string& host) { startAttempts_[host].push_back(clock_.now()); }
   // The newest generation launched (-1: none) and how many were.
   int generation() const { return newestGeneration_; }
+  // The credential host's agent was last started with ("" if none).
+  std::string agentCredential(const std::string& host) const {
+    auto it = credentials_.find(host);
+    return it == credentials_.end() ? std::string() : it->second;
+  }
   int launches() const { return static_cast<int>(generations_.size()); }
   int worldSize(int generation) const;
   // Workers of `generation` alive / connected (hello sent) / welcomed.

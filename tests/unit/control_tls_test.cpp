@@ -55,9 +55,9 @@ struct TlsListener {
     events = std::make_unique<EventLog>((test::scratchDir(name) / "events.jsonl").string());
     REQUIRE_FALSE(listener.listen(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0)));
     if (ca && !acceptHostCa) {
-      acceptHostCa = [](const tls::PskIdentity& hostCa, std::string& why) {
+      acceptHostCa = [](const tls::PskIdentity& hostCa, const tls::PskIdentity&, std::string& why) {
         why = "a joined host's CA";
-        return hostCa.hint.empty();
+        return hostCa.hint.empty() ? tls::HostCaStanding::kValid : tls::HostCaStanding::kRefused;
       };
     }
     if (ca) listener.setCertificateAuthority(std::move(ca), std::move(acceptHostCa));
@@ -596,6 +596,39 @@ TEST_CASE("certificates: forged, foreign and stale certificates and derived keys
   waitForStat(server, "unauthenticated", 9);
   CHECK(server.stats().at("unauthenticated") == 9);
   CHECK(server.helloCount() == 0);
+}
+
+TEST_CASE("certificates: a revoked host CA lets only its workers through, marked revoked (to be ordered out)",
+          "[tls][certificates][security]") {
+  const auto root = newJobCa();
+  // As run_varuna's agent pool: "old" names a start of the host's agent that
+  // was replaced; the peer's role decides between revoked and refused.
+  TlsListener server("tls-certificates-revoked", 1, root,
+                     [](const tls::PskIdentity& hostCa, const tls::PskIdentity& peer, std::string& why) {
+                       if (hostCa.hint == "current") return tls::HostCaStanding::kValid;
+                       why = "an earlier start";
+                       return peer.role == "worker" ? tls::HostCaStanding::kRevoked : tls::HostCaStanding::kRefused;
+                     });
+  const std::string old = hostCaOf(*root, "h1", "old");
+  auto worker = proto::ControlClient::connectAs(server.address(), 10s,
+                                                helloWith(credentials::worker(old, 2, 7), "worker", "h1", 2, 7));
+  REQUIRE(worker.receive(10s));
+  for (const auto& hello : {helloWith(old, "agent", "h1"), helloWith(credentials::notifier(old), "notifier", "h1")}) {
+    try {
+      auto client = proto::ControlClient::connectAs(server.address(), 10s, hello);
+      CHECK_THROWS_AS(client.receive(10s), proto::ConnectionError);
+    } catch (const proto::AuthenticationError&) {
+    }
+  }
+  auto current = proto::ControlClient::connectAs(
+      server.address(), 10s, helloWith(credentials::worker(hostCaOf(*root, "h1", "current"), 2, 7), "worker", "h1", 2, 7));
+  REQUIRE(current.receive(10s));
+  waitForStat(server, "unauthenticated", 2);
+  REQUIRE(server.helloCount() == 2);
+  CHECK(server.identity(0)->revoked);
+  CHECK(server.identity(0)->rank == 2);
+  CHECK_FALSE(server.identity(1)->revoked);
+  CHECK(server.identity(1)->certified);
 }
 
 TEST_CASE("certificates: a hello that claims another rank, generation or role than its certificate is refused",

@@ -1,6 +1,7 @@
 // The daemon's pure parts on a fake clock: when hosts that are out come back
 // (HostAbsences), when ranks are hung (LivenessWatchdog), when a step counts
-// (StepProgress), what a machine-list write means (MachineListWatcher).
+// (StepProgress), what a machine-list write means (MachineListWatcher),
+// which agent starts a host's certificates may speak for (AgentLaunches).
 // Their wiring into the real daemon is daemon_sequences_test's.
 #include <catch2/catch.hpp>
 
@@ -10,6 +11,7 @@
 #include <fstream>
 
 #include "test_env.h"
+#include "daemon/agent_launches.h"
 #include "daemon/host_absences.h"
 #include "daemon/liveness_watchdog.h"
 #include "daemon/machine_list_watcher.h"
@@ -372,4 +374,68 @@ TEST_CASE("a host no longer listed is forgotten, and old returns stop counting a
   absences.markAbsent("h", "lost", t0 + 32s);
   absences.scheduleRetry("h", t0 + 32s);
   CHECK(absences.find("h")->backoff == 2s);
+}
+
+TEST_CASE("an agent's earlier starts stay valid until the latest one says hello, then are revoked") {
+  using Standing = AgentLaunches::Standing;
+  AgentLaunches launches;
+  CHECK(launches.standing("h", "anything") == Standing::kRevoked);  // a host never started
+  const std::string first = launches.start("h");
+  CHECK(first.size() == 32);
+  CHECK(launches.standing("h", first) == Standing::kLatest);
+  CHECK(launches.standing("h", "") == Standing::kRevoked);
+  CHECK(launches.standing("other", first) == Standing::kRevoked);  // a nonce speaks for its own host only
+  CHECK_FALSE(launches.agentUp("h", first));  // nothing earlier to revoke
+  // A second start while the first agent may still run (a lost connection):
+  // both valid until the second says hello; a hello of the first changes nothing.
+  const std::string second = launches.start("h");
+  CHECK(second != first);
+  CHECK(launches.standing("h", first) == Standing::kEarlier);
+  CHECK(launches.standing("h", second) == Standing::kLatest);
+  CHECK_FALSE(launches.agentUp("h", first));
+  CHECK(launches.standing("h", first) == Standing::kEarlier);
+  CHECK(launches.agentUp("h", second));
+  CHECK(launches.standing("h", first) == Standing::kRevoked);
+  CHECK(launches.standing("h", second) == Standing::kLatest);
+  CHECK(launches.forget("h"));
+  CHECK(launches.standing("h", second) == Standing::kRevoked);
+}
+
+TEST_CASE("starts that never said hello are kept up to a bound; a restarted manager reads them back as earlier") {
+  using Standing = AgentLaunches::Standing;
+  AgentLaunches launches;
+  std::vector<std::string> starts;
+  for (size_t i = 0; i < AgentLaunches::kMaxEarlier + 3; ++i) starts.push_back(launches.start("h"));
+  const std::string other = launches.start("g");
+  // The latest and kMaxEarlier before it are valid; the oldest are dropped.
+  CHECK(launches.standing("h", starts.back()) == Standing::kLatest);
+  for (size_t i = 0; i < starts.size() - 1; ++i) {
+    CHECK(launches.standing("h", starts[i]) == (i + 1 + AgentLaunches::kMaxEarlier >= starts.size()
+                                                    ? Standing::kEarlier
+                                                    : Standing::kRevoked));
+  }
+  const auto saved = launches.toJson();
+  CHECK(saved["h"].size() == AgentLaunches::kMaxEarlier + 1);
+  CHECK(saved["h"][0] == starts.back());  // newest first
+  // What the new manager makes of it: every saved start earlier, none latest.
+  AgentLaunches restarted;
+  restarted.restore(saved);
+  for (size_t i = 0; i < starts.size(); ++i) {
+    CHECK(restarted.standing("h", starts[i]) ==
+          (launches.standing("h", starts[i]) == Standing::kRevoked ? Standing::kRevoked : Standing::kEarlier));
+  }
+  CHECK(restarted.standing("g", other) == Standing::kEarlier);
+  // Its own first start of h: the predecessor's stay valid until it says hello.
+  const std::string mine = restarted.start("h");
+  CHECK(restarted.standing("h", starts.back()) == Standing::kEarlier);
+  CHECK(restarted.agentUp("h", mine));
+  CHECK(restarted.standing("h", starts.back()) == Standing::kRevoked);
+  CHECK(restarted.standing("g", other) == Standing::kEarlier);  // g's agent has not said hello yet
+  // A damaged file: what is not host -> nonces is skipped.
+  AgentLaunches damaged;
+  damaged.restore(nlohmann::json::parse(R"({"a": "x", "b": [1, "", "n1"], "c": []})"));
+  CHECK(damaged.standing("b", "n1") == Standing::kEarlier);
+  CHECK(damaged.toJson() == nlohmann::json::parse(R"({"b": ["n1"]})"));
+  damaged.restore(nlohmann::json::array());
+  CHECK(damaged.toJson().size() == 1);
 }

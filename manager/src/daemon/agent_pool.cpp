@@ -1,10 +1,13 @@
 #include "daemon/agent_pool.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
 #include "varuna/common/certificate_credential.h"
+#include "varuna/common/checkpoint_files.h"
 #include "varuna/common/log.h"
 #include "varuna/common/secrets.h"
 #include "varuna/manager/credentials.h"
@@ -41,10 +44,22 @@ AgentPool::AgentPool(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, 
       launcher_(std::move(launcher)),
       settings_(std::move(settings)),
       observer_(observer),
-      absences_(settings_.retry) {}
+      absences_(settings_.retry) {
+  if (!settings_.ca || settings_.launchesFile.empty()) return;
+  // An earlier manager's starts: valid until this one's agents say hello.
+  std::ifstream in(settings_.launchesFile);
+  if (!in) return;
+  try {
+    launches_.restore(nlohmann::json::parse(in));
+  } catch (const std::exception& e) {
+    log::warn("ignoring ", settings_.launchesFile, " (", e.what(), "): the agents an earlier manager started are ",
+              "refused until this manager's own agents replace them");
+  }
+}
 
 AgentPool::~AgentPool() {
   alive_.reset();  // heartbeats posted to the loop are not sent
+  if (launchesSavePosted_) saveLaunches();  // the loop stopped before it ran
   // Start-ups still under way (the loop stopped first): their results are
   // never read, but the threads use this pool's launcher.
   for (auto& [id, t] : launchThreads_) {
@@ -80,6 +95,7 @@ void AgentPool::forgetUnlisted() {
       continue;
     }
     absences_.forget(it->first);
+    if (launches_.forget(it->first)) saveLaunchesSoon();  // its certificates are revoked with it
     it = agents_.erase(it);
   }
 }
@@ -101,8 +117,14 @@ void AgentPool::startAgent(const std::string& host) {
   const uint64_t id = nextLaunchThread_++;
   // The agent's credential (its host's only, credentials.h) travels on the
   // command's stdin, never in the command (the remote shell's command line
-  // is visible to `ps`).
-  std::string input = agentCredential(host) + "\n";
+  // is visible to `ps`). With a CA, a host CA of this start.
+  std::string input;
+  if (settings_.ca) {
+    input = issueAgentCredential(host, launches_.start(host)) + "\n";
+    saveLaunchesSoon();
+  } else {
+    input = agentCredential(host) + "\n";
+  }
   if (!settings_.agentEnvironment.empty()) input += nlohmann::json(settings_.agentEnvironment).dump() + "\n";
   launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
     HostCommandResult result;
@@ -203,6 +225,7 @@ bool AgentPool::admit(const std::shared_ptr<FramedConnection>& connection, const
                       auto a = agents_.find(host);
                       if (a != agents_.end() && a->second.connection == weak.lock()) onClosed(host, reason);
                     });
+  noteAgentUp(host, connection);
   log::info("agent up on ", host, " (", connection->peer(), ")");
   events_.write("agent_up", {{"host", host}});
   if (absences_.mayComeBack(host, clock_.now())) back(host, "its agent is up again");
@@ -276,19 +299,56 @@ std::string AgentPool::agentCredential(const std::string& host) const {
   return issueAgentCredential(host, it == joined_.end() ? std::string() : it->second.nonce);
 }
 
-std::string AgentPool::issueAgentCredential(const std::string& host, const std::string& joinNonce) const {
-  if (settings_.ca) return settings_.ca->issue({"agent", host, -1, -1, joinNonce}, /*isCa=*/true).encode();
-  return joinNonce.empty() ? credentials::agent(settings_.token, host)
-                           : credentials::joinedAgent(settings_.token, host, joinNonce);
+std::string AgentPool::issueAgentCredential(const std::string& host, const std::string& nonce) const {
+  if (settings_.ca) return settings_.ca->issue({"agent", host, -1, -1, nonce}, /*isCa=*/true).encode();
+  return nonce.empty() ? credentials::agent(settings_.token, host)
+                       : credentials::joinedAgent(settings_.token, host, nonce);
 }
 
-bool AgentPool::acceptsHostCa(const tls::PskIdentity& hostCa, std::string& why) const {
-  auto it = joined_.find(hostCa.host);
-  const std::string expected = it == joined_.end() ? std::string() : it->second.nonce;
-  if (constantTimeEquals(hostCa.hint, expected)) return true;
+tls::HostCaStanding AgentPool::acceptsHostCa(const tls::PskIdentity& hostCa, const tls::PskIdentity& peer,
+                                             std::string& why) const {
+  std::string revoked;  // why, when it is
+  if (auto joined = joined_.find(hostCa.host); joined != joined_.end()) {
+    if (constantTimeEquals(hostCa.hint, joined->second.nonce)) return tls::HostCaStanding::kValid;
+    revoked = "of an earlier join or agent of the host";
+  } else if (listedHosts_.count(hostCa.host)) {
+    const auto standing = launches_.standing(hostCa.host, hostCa.hint);
+    if (standing != AgentLaunches::Standing::kRevoked) return tls::HostCaStanding::kValid;
+    revoked = "of an earlier start of the host's agent";
+  } else {
+    revoked = "of a host no longer in the job";
+  }
   why = strCat("the certificate of host '", proto::boundedText(hostCa.host, proto::kMaxLoggedPeerTextBytes), "' is ",
-               expected.empty() ? "of a join that is over" : "not of this join of the host");
-  return false;
+               revoked, peer.role == "worker" ? " (the worker is ordered out)" : "");
+  return peer.role == "worker" ? tls::HostCaStanding::kRevoked : tls::HostCaStanding::kRefused;
+}
+
+void AgentPool::noteAgentUp(const std::string& host, const std::shared_ptr<FramedConnection>& connection) {
+  if (!settings_.ca || joined_.count(host)) return;
+  const auto identity = connection->stream().authenticatedIdentity();
+  if (identity && identity->certified && launches_.agentUp(host, identity->hint)) saveLaunchesSoon();
+}
+
+void AgentPool::saveLaunchesSoon() {
+  if (settings_.launchesFile.empty() || launchesSavePosted_) return;
+  // Once per turn of the loop: a job's first start-ups (one per host) make one write.
+  launchesSavePosted_ = true;
+  asio::post(io_, guard_->wrap("saving the agents' starts", [this, alive = std::weak_ptr<bool>(alive_)] {
+    if (alive.expired()) return;
+    launchesSavePosted_ = false;
+    saveLaunches();
+  }));
+}
+
+void AgentPool::saveLaunches() {
+  const std::filesystem::path file(settings_.launchesFile);
+  try {
+    ckpt::writePrivateFileAtomic(file.parent_path(), file.filename().string(), launches_.toJson().dump() + "\n");
+  } catch (const std::exception& e) {
+    // Not fatal: a restarted manager without it refuses the running agents'
+    // notices only until its own agents say hello.
+    log::warn("cannot write ", file.string(), ": ", e.what());
+  }
 }
 
 void AgentPool::leaveJoined(const std::string& host, const std::string& reason, bool expected, bool preempted) {

@@ -21,7 +21,9 @@
 #include <vector>
 
 #include "varuna/common/machine_list.h"
+#include "varuna/common/control_tls.h"
 #include "varuna/common/protocol.h"
+#include "daemon/agent_launches.h"
 #include "daemon/host_absences.h"
 #include "varuna/manager/clock.h"
 #include "loop/event_log.h"
@@ -65,6 +67,10 @@ class AgentPool {
     // issued at each start or join, instead of a credential derived from the
     // secret (certificate_credential.h). Null: derived credentials.
     std::shared_ptr<const tls::CertificateCredential> ca;
+    // With a CA: where the nonces of the listed hosts' agent starts are kept
+    // (AgentLaunches), so that a restarted manager still hears the agents
+    // its predecessor started until its own say hello. Empty: not kept.
+    std::string launchesFile;
     // The env_file's variables: on the agent's stdin after its credential
     // (with --env_stdin, one line of JSON), never on its command line.
     std::vector<std::pair<std::string, std::string>> agentEnvironment;
@@ -113,17 +119,27 @@ class AgentPool {
   size_t joinedCount() const { return joined_.size(); }
   bool isJoined(const std::string& host) const { return joined_.count(host) > 0; }
   // The credential host's agent is given (credentials.h): A(H), or for a
-  // host in the job by a join, A(H, N) of that join; with a CA, a new CA
-  // certificate for the host, naming the join's nonce for a joined one.
+  // host in the job by a join, A(H, N) of that join. (With a CA, each start
+  // or join issues its own host CA instead: see acceptsHostCa.)
   std::string agentCredential(const std::string& host) const;
-  // Whether a chain through `hostCa` may speak for its host: a joined
-  // host's must name that join's nonce, a listed host's none (so whoever
-  // once joined as H holds nothing once that join is over).
-  bool acceptsHostCa(const tls::PskIdentity& hostCa, std::string& why) const;
+  // What a chain through `hostCa` (for the leaf `peer`) may do, with a CA:
+  // a joined host's CA must name that join's nonce; a listed host's, a
+  // start of its agent that AgentLaunches holds valid. Anything else of the
+  // job's root is revoked: a worker is let through to be ordered out (a
+  // straggler of an earlier start or join), every other role refused.
+  tls::HostCaStanding acceptsHostCa(const tls::PskIdentity& hostCa, const tls::PskIdentity& peer,
+                                    std::string& why) const;
 
  private:
-  // agentCredential for a host joined with `joinNonce` ("" for a listed one).
-  std::string issueAgentCredential(const std::string& host, const std::string& joinNonce) const;
+  // A host CA (with a CA) or derived credential for `host`'s agent, naming
+  // `nonce`: a join's or a start's with a CA, a join's or "" without.
+  std::string issueAgentCredential(const std::string& host, const std::string& nonce) const;
+  // The start of a listed host's agent whose certificate `connection` holds
+  // said hello (with a CA): earlier starts are revoked.
+  void noteAgentUp(const std::string& host, const std::shared_ptr<FramedConnection>& connection);
+  // Writes launches_ to Settings::launchesFile (once per turn of the loop).
+  void saveLaunchesSoon();
+  void saveLaunches();
 
  public:
 
@@ -226,6 +242,8 @@ class AgentPool {
     std::string nonce;  // what binds its agent's (and so its notifier's and workers') credentials to this join
   };
   std::map<std::string, JoinedHost> joined_;
+  AgentLaunches launches_;  // listed hosts' agent starts (with a CA)
+  bool launchesSavePosted_ = false;
   RateLimiter joinRefusals_{std::chrono::seconds(60), 3};  // written in full, per minute
   std::map<std::string, Agent> agents_;
   HostAbsences absences_;

@@ -72,6 +72,7 @@ AgentPool::Settings agentPoolSettings(const JobConfig& config, std::string addre
   settings.advertisedAddress = std::move(address);
   settings.token = std::move(token);
   settings.ca = std::move(ca);
+  settings.launchesFile = (fs::path(config.stateDir) / "agent_launches").string();
   settings.agentEnvironment = env;
   settings.heartbeatTimeout = millis(std::max(config.heartbeatTimeoutS, 3.0));
   settings.helloWait = helloDeadline;

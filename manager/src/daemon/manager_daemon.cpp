@@ -133,7 +133,9 @@ void ManagerDaemon::Impl::start() {
   listener_.setAgentCredentials([this](const std::string& host) { return pool_->agentCredential(host); });
   if (ca_) {
     listener_.setCertificateAuthority(
-        ca_, [this](const tls::PskIdentity& hostCa, std::string& why) { return pool_->acceptsHostCa(hostCa, why); });
+        ca_, [this](const tls::PskIdentity& hostCa, const tls::PskIdentity& peer, std::string& why) {
+          return pool_->acceptsHostCa(hostCa, peer, why);
+        });
   }
   listener_.start(
       token_, *events_,

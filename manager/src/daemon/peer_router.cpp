@@ -34,8 +34,12 @@ void PeerRouter::route(const std::shared_ptr<FramedConnection>& connection, cons
 }
 
 void PeerRouter::onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
-  if (hello.generation != sink_.runningGeneration() || !sink_.expectsWorker(hello.rank)) {
-    return orderOut(connection, hello);
+  // A worker whose host CA the job revoked (an earlier start of its agent,
+  // a join that is over) is a straggler whatever generation it names.
+  const auto identity = connection->stream().authenticatedIdentity();
+  if ((identity && identity->revoked) || hello.generation != sink_.runningGeneration() ||
+      !sink_.expectsWorker(hello.rank)) {
+    return orderOut(connection, hello, identity && identity->revoked);
   }
   if (const std::string placed = sink_.hostOf(hello.rank); placed != hello.host) {
     throw proto::ProtocolError(strCat("rank ", hello.rank, " of generation ", hello.generation, " runs on ", placed,
@@ -66,19 +70,24 @@ void PeerRouter::onWorkerHello(const std::shared_ptr<FramedConnection>& connecti
   if (all) sink_.allWorkersConnected();
 }
 
-void PeerRouter::orderOut(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
+void PeerRouter::orderOut(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello,
+                          bool revoked) {
   // A worker of a generation that is over or that this manager never
   // launched (one an earlier manager left, or one written off as hung or
-  // lost): ordered out, not merely refused, so it stops training into the
-  // store at once.
+  // lost), or one started by an agent whose certificates are revoked:
+  // ordered out, not merely refused, so it stops training into the store
+  // at once.
   const int generation = sink_.runningGeneration();
-  const std::string reason = strCat("generation ", hello.generation, " is over: this manager expects no rank ",
-                                    hello.rank, " of it (current generation ", generation, ")");
+  const std::string reason =
+      revoked ? strCat("the agent that started rank ", hello.rank, " of generation ", hello.generation,
+                       " was replaced: its certificates are revoked (current generation ", generation, ")")
+              : strCat("generation ", hello.generation, " is over: this manager expects no rank ", hello.rank,
+                       " of it (current generation ", generation, ")");
   const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
   log::warn("ordering rank ", hello.rank, " of generation ", hello.generation, " on ", host, " (", connection->peer(),
             ") to exit: ", reason);
   events_.write("stale_worker", {{"generation", hello.generation}, {"rank", hello.rank}, {"host", host},
-                                 {"peer", connection->peer()}});
+                                 {"peer", connection->peer()}, {"revoked", revoked}});
   connection->send(proto::ExitNow{hello.generation, reason});
   connection->closeAfterSending("stale worker");
 }

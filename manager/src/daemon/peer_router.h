@@ -8,7 +8,8 @@
 //    timeout), its frames to Sink::workerMessage, and
 //    Sink::allWorkersConnected when it was the last rank the launch waited
 //    for. A worker of another generation, or one the launch no longer
-//    expects (written off as hung or lost), is ordered out (ExitNow, then
+//    expects (written off as hung or lost), or one whose certificate the
+//    job revoked (its agent was replaced), is ordered out (ExitNow, then
 //    closed) and recorded as a stale_worker event: a straggler of an earlier
 //    generation or an earlier manager must stop training into the store at
 //    once, not merely be refused;
@@ -95,7 +96,7 @@ class PeerRouter {
 
  private:
   void onWorkerHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
-  void orderOut(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
+  void orderOut(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello, bool revoked);
   void onNotifierHello(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello, TimePoint now);
 
   // Shared with the connections' callbacks (which may outlive a handler).

@@ -59,6 +59,10 @@ struct PskIdentity {
   // Proved by a certificate of the job's CA, not a pre-shared key (never
   // part of the text form).
   bool certified = false;
+  // A worker's certificate of the job, but through a host CA the job has
+  // revoked (an earlier start of its host's agent, a join that is over, a
+  // host no longer in the job): its hello is only ordered out (ExitNow).
+  bool revoked = false;
 };
 // Throws ConfigError for a host name over kMaxHostBytes (OpenSSL's PSK
 // identities end at 256 bytes; DNS names at 253).
@@ -79,9 +83,13 @@ using KeyForIdentity = std::function<std::optional<std::string>(const PskIdentit
 
 class CertificateCredential;
 // The manager's side, for a certificate chain that leads to the job's root:
-// whether the job holds `hostCa` (the CA of the host the peer is on) as that
-// host's current CA; false with `why` to refuse it.
-using AcceptHostCa = std::function<bool(const PskIdentity& hostCa, std::string& why)>;
+// what the job makes of `hostCa` (the CA of the host the peer is on) for
+// `peer` (the leaf's identity). kRefused (with `why`) fails the handshake;
+// kRevoked lets it through marked `revoked` (the daemon orders such a
+// worker out, so that a straggler of an earlier start stops at once).
+enum class HostCaStanding { kValid, kRevoked, kRefused };
+using AcceptHostCa =
+    std::function<HostCaStanding(const PskIdentity& hostCa, const PskIdentity& peer, std::string& why)>;
 
 // Per connection, reached from OpenSSL's callbacks through the SSL's ex_data.
 // A client holds a pre-shared key (identity, key) or a certificate.
