@@ -313,8 +313,7 @@ void ControlClient::sendFrameTls(const std::string& frame, Deadline deadline) {
                                  : result.sslError == SSL_ERROR_SSL ? tls::lastError()
                                  : result.savedErrno != 0           ? std::strerror(result.savedErrno)
                                                                     : "closed";
-      close();
-      throw ConnectionError(strCat("lost the connection to the manager at ", address_, ": ", detail));
+      failConnection(detail, result.timedOut ? SSL_ERROR_NONE : result.sslError);
     }
     sent += static_cast<size_t>(n);
   }
@@ -364,6 +363,7 @@ bool ControlClient::readSome(Clock::time_point deadline) {
     const TlsResult result = tlsCall([&] { return SSL_read(ssl_, buffer, sizeof(buffer)); }, deadline);
     if (result.timedOut) return false;
     n = result.rc;
+    if (n <= 0 && result.sslError == SSL_ERROR_SSL) failConnection(tls::lastError(), result.sslError);
   } else {
     pollfd p{fd_, POLLIN, 0};
     const int rc = ::poll(&p, 1, remainingMs(deadline));
@@ -376,8 +376,31 @@ bool ControlClient::readSome(Clock::time_point deadline) {
     close();
     throw ConnectionError(strCat("the manager at ", address_, " closed the connection"));
   }
+  answered_ = true;
   decoder_.feed(std::string_view(buffer, static_cast<size_t>(n)));
   return true;
+}
+
+void ControlClient::failConnection(const std::string& detail, int sslError) {
+  std::string alert;
+  if (ssl_ && clientPsk_ && clientPsk_->certificate && !answered_ && sslError != SSL_ERROR_NONE) {
+    // The alert, if the manager sent one, came before anything else: it is
+    // read now if this call did not (a write that failed first).
+    alert = sslError == SSL_ERROR_SSL ? detail : std::string();  // the caller took it off OpenSSL's queue
+    if (alert.empty()) {
+      char scratch[256];
+      ERR_clear_error();
+      const int rc = SSL_read(ssl_, scratch, sizeof(scratch));
+      if (rc <= 0 && SSL_get_error(ssl_, rc) == SSL_ERROR_SSL) alert = tls::lastError();
+    }
+  }
+  close();
+  if (alert.empty() || alert.find("alert") == std::string::npos) {
+    throw ConnectionError(strCat("lost the connection to the manager at ", address_, ": ", detail));
+  }
+  throw AuthenticationError(strCat("the manager at ", address_, " refused this certificate after the TLS handshake (",
+                                   alert, "): a certificate of an agent start it replaced, of a host it no longer "
+                                   "has, or of another job; nothing was accepted"));
 }
 
 void notifyPreemption(const std::string& address, const std::string& credential, const std::string& host,

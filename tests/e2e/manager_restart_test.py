@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """run_varuna restarted on the same state folder, end to end on this machine
 (two loopback "hosts" started without SSH, the example trainer, real agents
-and workers): killed and restarted it carries on; restarted with its secret
-rotated, nothing of the old secret gets back in."""
+and workers): killed and restarted it carries on, and the agents it replaced
+lose their certificates; restarted with its secret rotated, nothing of the
+old secret gets back in."""
 import json
 import os
 import shutil
@@ -40,6 +41,45 @@ def test_manager_killed_and_restarted_carries_on():
     assert launches[-1]["generation"] == 2 and launches[-1]["resume_step"] >= 40, launches
     for pid, _ in old:
         assert not Path("/proc/%d" % pid).exists() or pid not in [p for p, _ in processes_of_job(m.job)]
+    assert_nothing_left(m.job)
+
+
+def test_a_replaced_agents_certificates_are_revoked():
+    """P15, a credential per host and launch: each start of a host's agent
+    gets a host CA of its own, and a restarted manager (same secret, same
+    CA) starts every agent again. Until the new agents say hello, the old
+    ones' certificates stay valid (the starts are kept in
+    <state_dir>/agent_launches); once they have, the old notifier's
+    certificate is refused in the handshake."""
+    m = manager("revoke", steps=100000, extra_args=["--agent_grace_s", "30"]).start()
+    m.wait_step(10)
+    old_notifier = json.loads(m.connection_file("127.0.0.2").read_text())["token"]
+    saved = json.loads((m.state_dir / "agent_launches").read_text())
+    assert sorted(saved) == ["127.0.0.1", "127.0.0.2"] and all(len(v) == 1 for v in saved.values()), saved
+    m.kill(signal.SIGKILL)
+    m.proc.wait()
+    m.start()
+    m.wait_event("launch", count=2)  # after both new agents said hello
+    new_notifier = json.loads(m.connection_file("127.0.0.2").read_text())["token"]
+    assert new_notifier != old_notifier
+    resaved = json.loads((m.state_dir / "agent_launches").read_text())
+    assert all(len(v) == 1 and v != saved[h] for h, v in resaved.items()), (saved, resaved)
+
+    def unauthenticated():
+        return m.state().get("connections", {}).get("unauthenticated", 0)
+    before = unauthenticated()
+    stale_conn = m.workdir / "old-connection.json"
+    conn = json.loads(m.connection_file("127.0.0.2").read_text())
+    conn["token"] = old_notifier
+    stale_conn.write_text(json.dumps(conn))
+    stale_conn.chmod(0o600)
+    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--connection_file", str(stale_conn)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "refused this certificate" in r.stderr, (r.returncode, r.stderr)
+    wait_for("the refusal counted", lambda: unauthenticated() >= before + 1, 30)
+    assert len(m.events("preempt_notice")) == 0, "a refused notice reached the job"
+    m.kill(signal.SIGTERM)
+    assert m.wait_exit() == 0, m.tail()
     assert_nothing_left(m.job)
 
 
@@ -103,5 +143,6 @@ def test_a_rotated_secret_shuts_the_old_credentials_out():
 if __name__ == "__main__":
     run_tests([
         test_manager_killed_and_restarted_carries_on,
+        test_a_replaced_agents_certificates_are_revoked,
         test_a_rotated_secret_shuts_the_old_credentials_out,
     ])

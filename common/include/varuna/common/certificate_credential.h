@@ -4,8 +4,8 @@
 //
 //   the job's root CA          run_varuna's <state_dir>/ca (never leaves it)
 //   ├─ the manager             run_varuna's server certificate, role "manager"
-//   └─ host H's CA             the agent of H (role "agent", host H, hint: the
-//      │                       join's nonce for a joined host, else empty)
+//   └─ host H's CA             the agent of H (role "agent", host H, hint: a
+//      │                       random nonce of that start or join of its agent)
 //      ├─ the notifier of H    role "notifier", host H
 //      └─ worker R, gen. G     role "worker", host H, rank R, generation G
 //
@@ -14,8 +14,8 @@
 // worker's own certificates with it, as it derived their keys before. A peer
 // presents its chain in the TLS handshake; run_varuna accepts it only when
 // every signature leads to the job's root, a leaf's host is its CA's host,
-// and the host CA is the one the job holds for that host (listed, or this
-// join's). What a certificate speaks for (PskIdentity: role, host, rank,
+// and the host CA's nonce is of a start or join of the host's agent the job
+// holds valid (AgentPool::acceptsHostCa, AgentLaunches). What a certificate speaks for (PskIdentity: role, host, rank,
 // generation, hint) is in an extension of its own (kIdentityOid): host names
 // longer than a common name's 64 characters fit. Peers check that the
 // server's certificate is the manager's, signed by the root itself, so

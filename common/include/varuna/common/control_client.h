@@ -105,7 +105,14 @@ class ControlClient {
   void sendFrameTls(const std::string& frame, Deadline deadline);
   // Appends what arrived to the decoder; false when nothing did by `deadline`.
   bool readSome(std::chrono::steady_clock::time_point deadline);
+  // A connection failed after the handshake (`detail`): closes and throws.
+  // In TLS 1.3 a client's handshake is over before the manager has checked
+  // its certificate, so a client holding one that has heard nothing yet
+  // looks for the manager's alert: if there is one, the certificate was
+  // refused (AuthenticationError); otherwise the connection was lost.
+  [[noreturn]] void failConnection(const std::string& detail, int sslError);
   int fd_ = -1;
+  bool answered_ = false;  // something came from the other end after the handshake
   std::string address_;
   FrameDecoder decoder_;
   ssl_st* ssl_ = nullptr;
