@@ -113,6 +113,7 @@ def test_hosts_join_grow_leave_on_sigterm_rejoin_and_the_losses_continue():
         # The scheduler preempts 127.0.0.2's task: SIGTERM, the grace to
         # follow. The job morphs onto 127.0.0.1 with no step lost; the task
         # ends long before the grace is out.
+        first_join_notifier = m.connection_file("127.0.0.2").read_text()  # what a poller on the host holds
         sent = time.monotonic()
         tasks[1].proc.send_signal(signal.SIGTERM)
         m.wait_event("preempt_notice", timeout=30)
@@ -131,6 +132,14 @@ def test_hosts_join_grow_leave_on_sigterm_rejoin_and_the_losses_continue():
                             "--out", str(issued)], capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and issued.stat().st_mode & 0o077 == 0, r.stderr
         tasks.append(Task(m, "127.0.0.2", token_file=issued, extra=["--sigterm_notice_s", str(grace)]))
+        m.wait_event("launch", count=4, timeout=60)
+        # The first join's notifier certificate died with that join: refused
+        # in the handshake, the job untouched.
+        stale = private_file(m.workdir / "first-join-connection.json", first_join_notifier)
+        r = subprocess.run([str(BIN / "notify_manager_preempt"), "--connection_file", str(stale)],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and "refused this certificate" in r.stderr, (r.returncode, r.stderr)
+        assert len(m.events("preempt_notice")) == 1, m.events("preempt_notice")
         assert m.stop_once_trained_on(launches=4) == 0, m.tail()
         hosts = [e["plan"]["hosts"] for e in m.events("launch")]
         assert hosts == [["127.0.0.1"], ["127.0.0.1", "127.0.0.2"], ["127.0.0.1"], ["127.0.0.1", "127.0.0.2"]], hosts
