@@ -26,6 +26,35 @@ TWO_HOSTS = ["127.0.0.1 slots=2", "127.0.0.2 slots=2"]
 manager = managers(ROOT, 27000 + (os.getpid() % 100) * 40, "e2e", TWO_HOSTS)
 
 
+def unauthenticated(m):
+    """Handshakes refused for want of the job's credential (state.json, rewritten every second)."""
+    return m.state().get("connections", {}).get("unauthenticated", 0)
+
+
+def notify_with_old_notifier(m, host, old_notifier):
+    """notify_manager_preempt with `host`'s connection file as it is now, but
+    the notifier credential it held earlier: the completed process."""
+    stale_conn = m.workdir / "old-connection.json"
+    conn = json.loads(m.connection_file(host).read_text())
+    conn["token"] = old_notifier
+    stale_conn.write_text(json.dumps(conn))
+    stale_conn.chmod(0o600)
+    return subprocess.run([str(BIN / "notify_manager_preempt"), "--connection_file", str(stale_conn)],
+                          capture_output=True, text=True, timeout=30)
+
+
+def assert_refused_and_stop(m, before, refused):
+    """Each (completed notify_manager_preempt, what its stderr must say) was
+    refused and counted, no notice reached the job; then the job stops cleanly."""
+    for r, why in refused:
+        assert r.returncode != 0 and why in r.stderr, (r.returncode, r.stderr)
+    wait_for("the refusals counted", lambda: unauthenticated(m) >= before + len(refused), 30)
+    assert len(m.events("preempt_notice")) == 0, "a refused notice reached the job"
+    m.kill(signal.SIGTERM)
+    assert m.wait_exit() == 0, m.tail()
+    assert_nothing_left(m.job)
+
+
 def test_manager_killed_and_restarted_carries_on():
     m = manager("restart", steps=300, train_args=["--checkpoint_every", "20"],
                 extra_args=["--agent_grace_s", "30"]).start()
@@ -64,23 +93,9 @@ def test_a_replaced_agents_certificates_are_revoked():
     assert new_notifier != old_notifier
     resaved = json.loads((m.state_dir / "agent_launches").read_text())
     assert all(len(v) == 1 and v != saved[h] for h, v in resaved.items()), (saved, resaved)
-
-    def unauthenticated():
-        return m.state().get("connections", {}).get("unauthenticated", 0)
-    before = unauthenticated()
-    stale_conn = m.workdir / "old-connection.json"
-    conn = json.loads(m.connection_file("127.0.0.2").read_text())
-    conn["token"] = old_notifier
-    stale_conn.write_text(json.dumps(conn))
-    stale_conn.chmod(0o600)
-    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--connection_file", str(stale_conn)],
-                       capture_output=True, text=True, timeout=30)
-    assert r.returncode != 0 and "refused this certificate" in r.stderr, (r.returncode, r.stderr)
-    wait_for("the refusal counted", lambda: unauthenticated() >= before + 1, 30)
-    assert len(m.events("preempt_notice")) == 0, "a refused notice reached the job"
-    m.kill(signal.SIGTERM)
-    assert m.wait_exit() == 0, m.tail()
-    assert_nothing_left(m.job)
+    before = unauthenticated(m)
+    r = notify_with_old_notifier(m, "127.0.0.2", old_notifier)
+    assert_refused_and_stop(m, before, [(r, "refused this certificate")])
 
 
 def test_a_rotated_secret_shuts_the_old_credentials_out():
@@ -114,30 +129,15 @@ def test_a_rotated_secret_shuts_the_old_credentials_out():
     assert not running & {pid for pid, _ in old}, (old, processes_of_job(m.job))
     new_notifier = json.loads(m.connection_file("127.0.0.2").read_text())["token"]
     assert new_notifier != old_notifier
-
-    def unauthenticated():
-        return m.state().get("connections", {}).get("unauthenticated", 0)
-    before = unauthenticated()
+    before = unauthenticated(m)
     address = m.events("manager_started")[-1]["address"]  # the restarted manager's
     stale = m.workdir / "old-secret"
     stale.write_text(old_secret + "\n")
-    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--manager", address, "--token_file", str(stale),
-                        "--host", "127.0.0.2"], capture_output=True, text=True, timeout=30)
-    assert r.returncode != 0 and "did not accept this credential" in r.stderr, (r.returncode, r.stderr)
-    stale_conn = m.workdir / "old-connection.json"
-    conn = json.loads(m.connection_file("127.0.0.2").read_text())
-    conn["token"] = old_notifier
-    stale_conn.write_text(json.dumps(conn))
-    stale_conn.chmod(0o600)
-    r = subprocess.run([str(BIN / "notify_manager_preempt"), "--connection_file", str(stale_conn)],
-                       capture_output=True, text=True, timeout=30)
-    assert r.returncode != 0 and "did not accept this credential" in r.stderr, (r.returncode, r.stderr)
-    # Counted as handshakes without the job's credential (state.json is rewritten every second).
-    wait_for("the two refusals counted", lambda: unauthenticated() >= before + 2, 30)
-    assert len(m.events("preempt_notice")) == 0, "a refused notice reached the job"
-    m.kill(signal.SIGTERM)
-    assert m.wait_exit() == 0, m.tail()
-    assert_nothing_left(m.job)
+    with_secret = subprocess.run([str(BIN / "notify_manager_preempt"), "--manager", address, "--token_file",
+                                  str(stale), "--host", "127.0.0.2"], capture_output=True, text=True, timeout=30)
+    with_notifier = notify_with_old_notifier(m, "127.0.0.2", old_notifier)
+    assert_refused_and_stop(m, before, [(with_secret, "did not accept this credential"),
+                                        (with_notifier, "did not accept this credential")])
 
 
 if __name__ == "__main__":
