@@ -251,6 +251,7 @@ ControlClient::TlsResult ControlClient::tlsCall(Call call, Deadline deadline) {
 
 ControlClient::ControlClient(ControlClient&& other) noexcept
     : fd_(std::exchange(other.fd_, -1)),
+      answered_(std::exchange(other.answered_, false)),
       address_(std::move(other.address_)),
       decoder_(std::move(other.decoder_)),
       ssl_(std::exchange(other.ssl_, nullptr)),
@@ -262,6 +263,7 @@ ControlClient& ControlClient::operator=(ControlClient&& other) noexcept {
   if (this != &other) {
     close();
     fd_ = std::exchange(other.fd_, -1);
+    answered_ = std::exchange(other.answered_, false);
     address_ = std::move(other.address_);
     decoder_ = std::move(other.decoder_);
     ssl_ = std::exchange(other.ssl_, nullptr);

@@ -109,6 +109,7 @@ int verifyClient(X509_STORE_CTX* store, void* /*unused*/) {
   psk->presented = checked->peer;
   psk->presented->certified = true;
   psk->presented->revoked = standing == HostCaStanding::kRevoked;
+  psk->presented->hostCaNonce = checked->hostCa.hint;
   return 1;
 }
 

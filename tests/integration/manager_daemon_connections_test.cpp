@@ -200,6 +200,8 @@ TEST_CASE("daemon: certificates of another start of a host's agent are revoked: 
       f, {proto::kVersion, credentials::worker(otherStart, 0, generation), "worker", "127.0.0.1", 0, generation}, 10000ms);
   REQUIRE(answer.message);
   CHECK(std::holds_alternative<proto::ExitNow>(*answer.message));
+  REQUIRE(f.runUntil([&] { return !f.events("stale_worker").empty(); }, 5000ms));
+  CHECK(f.events("stale_worker").back()["revoked"] == true);  // for its certificate, not its generation
   CHECK(unauthenticated() == before + 3);
   // The current start's notifier is kept (silent, within its deadline).
   CHECK(answerTo(f, notifierOf(current), 1000ms).open);

@@ -35,6 +35,12 @@ AgentLaunches::Standing AgentLaunches::standing(const std::string& host, const s
 
 bool AgentLaunches::forget(const std::string& host) { return hosts_.erase(host) > 0; }
 
+std::vector<std::string> AgentLaunches::hosts() const {
+  std::vector<std::string> names;
+  for (const auto& [host, h] : hosts_) names.push_back(host);
+  return names;
+}
+
 nlohmann::json AgentLaunches::toJson() const {
   nlohmann::json out = nlohmann::json::object();
   for (const auto& [host, h] : hosts_) {

@@ -43,6 +43,8 @@ class AgentLaunches {
   Standing standing(const std::string& host, const std::string& nonce) const;
   // The host left the job: every start of it is revoked.
   bool forget(const std::string& host);
+  // Hosts with a start held valid.
+  std::vector<std::string> hosts() const;
 
   // {"host": ["latest", "earlier", ...]}.
   nlohmann::json toJson() const;

@@ -85,6 +85,15 @@ void AgentPool::setListed(std::vector<Machine> machines) {
   listedHosts_.clear();
   for (const auto& m : listed_) listedHosts_.insert(m.host);
   forgetUnlisted();
+  forgetUnlistedLaunches();
+}
+
+void AgentPool::forgetUnlistedLaunches() {
+  bool changed = false;
+  for (const auto& host : launches_.hosts()) {
+    if (!listedHosts_.count(host) && !agents_.count(host)) changed |= launches_.forget(host);
+  }
+  if (changed) saveLaunchesSoon();
 }
 
 void AgentPool::forgetUnlisted() {
@@ -203,9 +212,14 @@ void AgentPool::startupFailed(const std::string& host, const std::string& messag
 
 bool AgentPool::admit(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello) {
   auto it = agents_.find(hello.host);
-  if (shutDown_ || it == agents_.end() || it->second.status == Status::kUp) {
+  // Checked again: a newer start may have been made since its handshake.
+  const auto identity = connection->stream().authenticatedIdentity();
+  std::string revoked;
+  if (shutDown_ || it == agents_.end() || it->second.status == Status::kUp ||
+      (identity && !stillSpeaksFor(*identity, revoked))) {
     const std::string why = shutDown_                ? "belongs to a job that stopped"
                             : it == agents_.end()    ? "is not in the machine list"
+                            : !revoked.empty()       ? "has a newer agent: " + revoked
                                                      : "already has an agent";
     const std::string host = proto::boundedText(hello.host, proto::kMaxLoggedPeerTextBytes);
     log::warn("agent from ", connection->peer(), " for host ", host, " refused: the host ", why);
@@ -313,7 +327,8 @@ tls::HostCaStanding AgentPool::acceptsHostCa(const tls::PskIdentity& hostCa, con
     revoked = "of an earlier join or agent of the host";
   } else if (listedHosts_.count(hostCa.host)) {
     const auto standing = launches_.standing(hostCa.host, hostCa.hint);
-    if (standing != AgentLaunches::Standing::kRevoked) return tls::HostCaStanding::kValid;
+    if (standing == AgentLaunches::Standing::kLatest) return tls::HostCaStanding::kValid;
+    if (standing == AgentLaunches::Standing::kEarlier && peer.role != "agent") return tls::HostCaStanding::kValid;
     revoked = "of an earlier start of the host's agent";
   } else {
     revoked = "of a host no longer in the job";
@@ -321,6 +336,22 @@ tls::HostCaStanding AgentPool::acceptsHostCa(const tls::PskIdentity& hostCa, con
   why = strCat("the certificate of host '", proto::boundedText(hostCa.host, proto::kMaxLoggedPeerTextBytes), "' is ",
                revoked, peer.role == "worker" ? " (the worker is ordered out)" : "");
   return peer.role == "worker" ? tls::HostCaStanding::kRevoked : tls::HostCaStanding::kRefused;
+}
+
+bool AgentPool::stillSpeaksFor(const tls::PskIdentity& identity, std::string& why) const {
+  if (!settings_.ca || !identity.certified) return true;
+  const tls::PskIdentity hostCa{"agent", identity.host, -1, -1, identity.hostCaNonce};
+  return acceptsHostCa(hostCa, identity, why) == tls::HostCaStanding::kValid;
+}
+
+bool AgentPool::refusedAsRevoked(const std::shared_ptr<FramedConnection>& connection, const std::string& what) const {
+  const auto identity = connection->stream().authenticatedIdentity();
+  std::string why;
+  if (!identity || stillSpeaksFor(*identity, why)) return false;
+  log::warn("refused a ", what, " from ", connection->peer(), ": ", why);
+  connection->send(proto::Ack{false, why});
+  connection->closeAfterSending("revoked");
+  return true;
 }
 
 void AgentPool::noteAgentUp(const std::string& host, const std::shared_ptr<FramedConnection>& connection) {
@@ -333,11 +364,12 @@ void AgentPool::saveLaunchesSoon() {
   if (settings_.launchesFile.empty() || launchesSavePosted_) return;
   // Once per turn of the loop: a job's first start-ups (one per host) make one write.
   launchesSavePosted_ = true;
-  asio::post(io_, guard_->wrap("saving the agents' starts", [this, alive = std::weak_ptr<bool>(alive_)] {
-    if (alive.expired()) return;
-    launchesSavePosted_ = false;
-    saveLaunches();
-  }));
+  clock_.runAfter(io_, std::chrono::seconds(1),
+                  guard_->wrap("saving the agents' starts", [this, alive = std::weak_ptr<bool>(alive_)] {
+                    if (alive.expired()) return;
+                    launchesSavePosted_ = false;
+                    saveLaunches();
+                  }));
 }
 
 void AgentPool::saveLaunches() {

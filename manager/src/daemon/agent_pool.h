@@ -127,8 +127,17 @@ class AgentPool {
   // start of its agent that AgentLaunches holds valid. Anything else of the
   // job's root is revoked: a worker is let through to be ordered out (a
   // straggler of an earlier start or join), every other role refused.
+  // An agent must hold its host's latest start (an earlier start's agent is
+  // one run_varuna has replaced: the new one stops it).
   tls::HostCaStanding acceptsHostCa(const tls::PskIdentity& hostCa, const tls::PskIdentity& peer,
                                     std::string& why) const;
+  // Whether a connection authenticated as `identity` still speaks for its
+  // host (acceptsHostCa again, after the handshake: a start it belongs to
+  // may have been revoked since). True for pre-shared keys.
+  bool stillSpeaksFor(const tls::PskIdentity& identity, std::string& why) const;
+  // When `connection` no longer does: refuses its `what` (an Ack naming why,
+  // then closed) and returns true.
+  bool refusedAsRevoked(const std::shared_ptr<FramedConnection>& connection, const std::string& what) const;
 
  private:
   // A host CA (with a CA) or derived credential for `host`'s agent, naming
@@ -137,8 +146,11 @@ class AgentPool {
   // The start of a listed host's agent whose certificate `connection` holds
   // said hello (with a CA): earlier starts are revoked.
   void noteAgentUp(const std::string& host, const std::shared_ptr<FramedConnection>& connection);
-  // Writes launches_ to Settings::launchesFile (once per turn of the loop).
+  // Writes launches_ to Settings::launchesFile, within a second (one write
+  // for many changes: each is an fsync, on the loop's thread).
   void saveLaunchesSoon();
+  // Restored starts of hosts the machine list no longer has are dropped.
+  void forgetUnlistedLaunches();
   void saveLaunches();
 
  public:

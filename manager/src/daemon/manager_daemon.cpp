@@ -301,6 +301,7 @@ void ManagerDaemon::Impl::allWorkersConnected() {
 
 void ManagerDaemon::Impl::preemptNotice(const std::shared_ptr<FramedConnection>& connection,
                                         const proto::PreemptNotice& notice) {
+  if (pool_->refusedAsRevoked(connection, "preemption notice")) return;  // revoked since its handshake
   if (!pool_->known(notice.host)) {
     connection->send(proto::Ack{false, strCat("host '", notice.host, "' is not in the machine list")});
     connection->closeAfterSending("unknown host");

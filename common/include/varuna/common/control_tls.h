@@ -63,6 +63,9 @@ struct PskIdentity {
   // revoked (an earlier start of its host's agent, a join that is over, a
   // host no longer in the job): its hello is only ordered out (ExitNow).
   bool revoked = false;
+  // Certificates: the nonce its host CA names (the start or join of the
+  // host's agent it belongs to), to check again after the handshake.
+  std::string hostCaNonce;
 };
 // Throws ConfigError for a host name over kMaxHostBytes (OpenSSL's PSK
 // identities end at 256 bytes; DNS names at 253).
