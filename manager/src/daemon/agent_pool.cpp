@@ -325,13 +325,13 @@ tls::HostCaStanding AgentPool::acceptsHostCa(const tls::PskIdentity& hostCa, con
   if (auto joined = joined_.find(hostCa.host); joined != joined_.end()) {
     if (constantTimeEquals(hostCa.hint, joined->second.nonce)) return tls::HostCaStanding::kValid;
     revoked = "of an earlier join or agent of the host";
-  } else if (listedHosts_.count(hostCa.host)) {
+  } else {
+    // A listed host, or one the list no longer has whose agent still runs
+    // (its starts are forgotten when the agent goes: forgetUnlisted).
     const auto standing = launches_.standing(hostCa.host, hostCa.hint);
     if (standing == AgentLaunches::Standing::kLatest) return tls::HostCaStanding::kValid;
     if (standing == AgentLaunches::Standing::kEarlier && peer.role != "agent") return tls::HostCaStanding::kValid;
-    revoked = "of an earlier start of the host's agent";
-  } else {
-    revoked = "of a host no longer in the job";
+    revoked = agents_.count(hostCa.host) ? "of an earlier start of the host's agent" : "of a host not in the job";
   }
   why = strCat("the certificate of host '", proto::boundedText(hostCa.host, proto::kMaxLoggedPeerTextBytes), "' is ",
                revoked, peer.role == "worker" ? " (the worker is ordered out)" : "");

@@ -123,8 +123,9 @@ class AgentPool {
   // or join issues its own host CA instead: see acceptsHostCa.)
   std::string agentCredential(const std::string& host) const;
   // What a chain through `hostCa` (for the leaf `peer`) may do, with a CA:
-  // a joined host's CA must name that join's nonce; a listed host's, a
-  // start of its agent that AgentLaunches holds valid. Anything else of the
+  // a joined host's CA must name that join's nonce; any other host's, a
+  // start of its agent that AgentLaunches holds valid (a host the list
+  // dropped keeps its starts until its agent goes). Anything else of the
   // job's root is revoked: a worker is let through to be ordered out (a
   // straggler of an earlier start or join), every other role refused.
   // An agent must hold its host's latest start (an earlier start's agent is
