@@ -13,6 +13,7 @@ never touch each other's processes.
 """
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -70,25 +71,41 @@ def wait_for(what, predicate, timeout, interval=0.02):
         time.sleep(interval)
 
 
+def _ephemeral_low():
+    """The first port of the kernel's range for outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def free_port(count=1):
     """A port p such that p .. p+count-1 are free now (bound and released).
-    SO_REUSEADDR as c10d's store binds: a port some earlier test's connection
-    left in TIME_WAIT (10,000 of them after the starvation test) is free to it."""
-    for _ in range(1000):
+    One port: the kernel's choice. A range: below the range the kernel takes
+    outgoing connections' ports from, where an earlier test's thousands of
+    connections (their ports in TIME_WAIT for a minute, which a bind with
+    SO_REUSEADDR does not pass) leave no gap of `count` free ports."""
+    if count == 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + count > 65000:
-            continue
-        try:
-            for extra in range(1, count):
-                with socket.socket() as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    s.bind(("127.0.0.1", port + extra))
+            return s.getsockname()[1]
+    high = _ephemeral_low() - count
+    for _ in range(1000):
+        port = random.randrange(10000, high)
+        if all(_bindable(port + i) for i in range(count)):
             return port
-        except OSError:
-            continue
-    raise BenchError("found no %d consecutive free ports" % count)
+    raise BenchError("found no %d consecutive free ports in 10000-%d" % (count, high + count))
 
 
 def parse_jsonl(text):
