@@ -14,15 +14,18 @@ namespace varuna::ticks {
 constexpr long kNever = std::numeric_limits<long>::max();
 
 // The next tick at which a task may become ready: readiness only changes at
-// a task's end or one message later than a task's start or end. So after a
-// tick where something started or ended, the next tick; otherwise the
-// earliest end still ahead (idle ticks in between change nothing, and
-// skipping them keeps the result identical while making it O(tasks)).
-// `freeAt`: per stage, when its current task ends. `what` names the
-// schedule in the error of a simulation where nothing can run.
-inline long nextEvent(const std::vector<long>& freeAt, long now, bool startedNow, const char* what) {
+// a task's end or when a message arrives. So after a tick where something
+// started or ended, the next tick (a message of one tick arrives then);
+// otherwise the earliest end or arrival still ahead (idle ticks in between
+// change nothing, and skipping them keeps the result identical while making
+// it O(tasks)). `freeAt`: per stage, when its current task ends;
+// `nextArrival`: the earliest arrival of a message after `now` (kNever:
+// none, or messages of one tick). `what` names the schedule in the error of
+// a simulation where nothing can run.
+inline long nextEvent(const std::vector<long>& freeAt, long now, bool startedNow, const char* what,
+                      long nextArrival = kNever) {
   bool endedNow = false;
-  long next = kNever;
+  long next = nextArrival;
   for (long t : freeAt) {
     endedNow = endedNow || t == now;
     if (t > now) next = std::min(next, t);
