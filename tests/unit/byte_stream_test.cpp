@@ -386,7 +386,7 @@ TEST_CASE("credentials: a joined host's agent credential is bound to its join's 
   CHECK(credentials::joinedAgent("secret", "host-b", nonce) != joined);
   CHECK_THROWS(credentials::joinedAgent("secret", "host-a", ""));
   // Fresh each time, 128 bits in hex.
-  const std::string n1 = credentials::newJoinNonce(), n2 = credentials::newJoinNonce();
+  const std::string n1 = credentials::newNonce(), n2 = credentials::newNonce();
   CHECK(n1.size() == 32);
   CHECK(n1.find_first_not_of("0123456789abcdef") == std::string::npos);
   CHECK(n1 != n2);

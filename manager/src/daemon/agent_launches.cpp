@@ -11,7 +11,7 @@ std::string AgentLaunches::start(const std::string& host) {
   Host& h = hosts_[host];
   if (!h.latest.empty()) h.earlier.push_back(std::move(h.latest));
   if (h.earlier.size() > kMaxEarlier) h.earlier.erase(h.earlier.begin(), h.earlier.end() - kMaxEarlier);
-  h.latest = credentials::newJoinNonce();  // random: nobody can name a start before it is made
+  h.latest = credentials::newNonce();  // random: nobody can name a start before it is made
   return h.latest;
 }
 
@@ -65,15 +65,6 @@ void AgentLaunches::restore(const nlohmann::json& saved) {
     if (h.earlier.size() > kMaxEarlier + 1) h.earlier.erase(h.earlier.begin(), h.earlier.end() - (kMaxEarlier + 1));
     if (h.earlier.empty() && h.latest.empty()) hosts_.erase(host);
   }
-}
-
-const char* toString(AgentLaunches::Standing standing) {
-  switch (standing) {
-    case AgentLaunches::Standing::kLatest: return "latest";
-    case AgentLaunches::Standing::kEarlier: return "earlier";
-    case AgentLaunches::Standing::kRevoked: return "revoked";
-  }
-  return "unknown";
 }
 
 }  // namespace varuna

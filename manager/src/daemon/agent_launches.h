@@ -60,6 +60,4 @@ class AgentLaunches {
   std::map<std::string, Host> hosts_;
 };
 
-const char* toString(AgentLaunches::Standing standing);
-
 }  // namespace varuna

@@ -281,7 +281,7 @@ bool AgentPool::join(const std::shared_ptr<FramedConnection>& connection, const 
   }
   const std::string host = hello.host;  // a valid host address: fit for logs as it is
   // First, as they may throw, and then nothing has changed.
-  std::string nonce = credentials::newJoinNonce();
+  std::string nonce = credentials::newNonce();
   std::string credential = issueAgentCredential(host, nonce);
   joined_[host] = JoinedHost{Machine{host, hello.slots, 0}, std::move(nonce)};  // an earlier join's nonce is void
   Agent& agent = agents_[host];

@@ -118,9 +118,10 @@ class AgentPool {
   bool join(const std::shared_ptr<FramedConnection>& connection, const proto::Hello& hello);
   size_t joinedCount() const { return joined_.size(); }
   bool isJoined(const std::string& host) const { return joined_.count(host) > 0; }
-  // The credential host's agent is given (credentials.h): A(H), or for a
-  // host in the job by a join, A(H, N) of that join. (With a CA, each start
-  // or join issues its own host CA instead: see acceptsHostCa.)
+  // Without a CA (pre-shared keys only), the credential host's agent is
+  // given (credentials.h): A(H), or for a host in the job by a join, A(H, N)
+  // of that join. With a CA each start or join issues its own host CA
+  // instead (issueAgentCredential; see acceptsHostCa).
   std::string agentCredential(const std::string& host) const;
   // What a chain through `hostCa` (for the leaf `peer`) may do, with a CA:
   // a joined host's CA must name that join's nonce; any other host's, a

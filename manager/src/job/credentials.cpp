@@ -38,9 +38,9 @@ std::string joinedAgent(const std::string& jobSecret, const std::string& host, c
   return hmacHex(jobSecret, strCat("agent\n", host, "\n", joinNonce));
 }
 
-std::string newJoinNonce() {
+std::string newNonce() {
   unsigned char bytes[16];
-  if (RAND_bytes(bytes, sizeof bytes) != 1) throw Error("RAND_bytes failed (OpenSSL): no join nonce", 1);
+  if (RAND_bytes(bytes, sizeof bytes) != 1) throw Error("RAND_bytes failed (OpenSSL): no nonce", 1);
   return toHex(bytes, sizeof bytes);
 }
 

@@ -48,8 +48,8 @@ namespace varuna::credentials {
 
 std::string agent(const std::string& jobSecret, const std::string& host);
 std::string joinedAgent(const std::string& jobSecret, const std::string& host, const std::string& joinNonce);
-// A join's nonce: 32 hex digits from OpenSSL's RAND_bytes.
-std::string newJoinNonce();
+// A fresh nonce (a join's, an agent start's): 32 hex digits from OpenSSL's RAND_bytes.
+std::string newNonce();
 std::string notifier(const std::string& agentCredential);
 std::string worker(const std::string& agentCredential, int rank, int generation);
 // Names a job secret without revealing it (what <state_dir>/ca is tied to).
