@@ -101,6 +101,9 @@ def free_port(count=1):
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     high = _ephemeral_low() - count
+    if high <= 10000:
+        raise BenchError("no room for %d free ports between 10000 and the kernel's outgoing range "
+                         "(net.ipv4.ip_local_port_range starts at %d): raise its start" % (count, high + count))
     for _ in range(1000):
         port = random.randrange(10000, high)
         if all(_bindable(port + i) for i in range(count)):

@@ -150,7 +150,9 @@ class ChunkedBuilder {
   int V_, m_;
   bool split_;
   long message_;  // ticks a message between ranks takes in the simulation
-  std::priority_queue<long, std::vector<long>, std::greater<>> arrivals_;  // of the messages in flight
+  // Every task's end plus a message (a task whose output stays on its rank,
+  // or a W's, only adds an idle tick): empty with messages of one tick.
+  std::priority_queue<long, std::vector<long>, std::greater<>> arrivals_;
   std::vector<std::vector<long>> fDone_, bDone_, wDone_;  // [virtual stage][micro-batch]
   std::vector<Cursor> next_;                               // per virtual stage
   std::vector<int> finished_;  // per virtual stage: micro-batches whose backward has ended
@@ -160,10 +162,6 @@ class ChunkedBuilder {
   bool startedNow_ = false;
   Schedule order_;
 };
-
-}  // namespace
-
-namespace {
 
 // The makespan of `schedule` replayed with a chunk's forward, input gradient
 // and weight gradient each taking 1 (a whole backward 2), and `transfer` per

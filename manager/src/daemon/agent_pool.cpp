@@ -362,7 +362,7 @@ void AgentPool::noteAgentUp(const std::string& host, const std::shared_ptr<Frame
 
 void AgentPool::saveLaunchesSoon() {
   if (settings_.launchesFile.empty() || launchesSavePosted_) return;
-  // Once per turn of the loop: a job's first start-ups (one per host) make one write.
+  // At most once a second: a job's first start-ups (one per host) make one write.
   launchesSavePosted_ = true;
   clock_.runAfter(io_, std::chrono::seconds(1),
                   guard_->wrap("saving the agents' starts", [this, alive = std::weak_ptr<bool>(alive_)] {
