@@ -78,7 +78,10 @@ bool closedByPeer(int fd) {
 
 TEST_CASE("daemon: launch threads are joined when their result arrives", "[daemon]") {
   DaemonFixture f("daemon_launch_threads");
-  CHECK(f.daemon->launchThreads() == 1);  // the one agent start-up under way
+  f.launcher->hold("127.0.0.1");  // the loop has not run yet: the start-up's thread waits in it
+  // The one agent start-up under way (its thread starts once its start is saved).
+  CHECK(f.runUntil([&] { return f.daemon->launchThreads() == 1; }));
+  f.launcher->release("127.0.0.1");
   REQUIRE(f.runUntil([&] { return f.agentUp() && f.daemon->launchThreads() == 0; }));
 }
 
@@ -211,6 +214,26 @@ TEST_CASE("daemon: certificates of another start of a host's agent are revoked: 
   REQUIRE(saved);
   const auto launches = nlohmann::json::parse(saved);
   CHECK(launches["127.0.0.1"].size() == 1);
+}
+
+TEST_CASE("daemon: an agent's start is on disk before its command runs", "[daemon][security]") {
+  // A manager killed the moment after starting an agent still knows the
+  // start when it comes back (its notices are heard, its certificate valid).
+  DaemonFixture f("daemon_launch_saved_first");
+  f.launcher->hold("127.0.0.1");  // the loop has not run yet: the first start-up is held
+  REQUIRE(f.runUntil([&] { return f.launcher->calls("127.0.0.1") >= 1; }, 20000ms));
+  const auto savedStarts = [&] {
+    std::ifstream saved(f.dir / "state" / "agent_launches");
+    return saved ? nlohmann::json::parse(saved) : nlohmann::json::object();
+  };
+  // The command has not returned (held), and the 1 s coalescing of other
+  // changes has not run either: the start was written before the command.
+  const auto starts = savedStarts();
+  REQUIRE(starts.contains("127.0.0.1"));
+  CHECK(starts["127.0.0.1"].size() == 1);
+  f.launcher->release("127.0.0.1");
+  REQUIRE(f.runUntil([&] { return f.agentUp(); }));
+  CHECK(savedStarts()["127.0.0.1"].size() == 1);
 }
 
 TEST_CASE("daemon: a failing accept (EMFILE) backs off instead of spinning", "[daemon]") {

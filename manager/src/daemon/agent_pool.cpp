@@ -59,7 +59,8 @@ AgentPool::AgentPool(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, 
 
 AgentPool::~AgentPool() {
   alive_.reset();  // heartbeats posted to the loop are not sent
-  if (launchesSavePosted_) saveLaunches();  // the loop stopped before it ran
+  // The loop stopped before a posted save ran (starts it held back never ran).
+  if (launchesSavePosted_ || !launchesAwaitingSave_.empty()) saveLaunches();
   // Start-ups still under way (the loop stopped first): their results are
   // never read, but the threads use this pool's launcher.
   for (auto& [id, t] : launchThreads_) {
@@ -130,24 +131,44 @@ void AgentPool::startAgent(const std::string& host) {
   std::string input;
   if (settings_.ca) {
     input = issueAgentCredential(host, launches_.start(host)) + "\n";
-    saveLaunchesSoon();
   } else {
     input = agentCredential(host) + "\n";
   }
   if (!settings_.agentEnvironment.empty()) input += nlohmann::json(settings_.agentEnvironment).dump() + "\n";
-  launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
-    HostCommandResult result;
-    try {
-      result = launcher->run(host, command, input);
-    } catch (const std::exception& e) {  // out of a thread it would end the process
-      result.ok = false;
-      result.message = strCat("starting the agent failed: ", e.what());
-    }
-    asio::post(io_, guard_->wrap("an agent start-up's result", [this, id, host, result] {
-      reapLaunchThread(id);
-      if (auto a = agents_.find(host); a != agents_.end()) a->second.launching = false;
-      onStartupDone(host, result);
+  launchOnceStartsSaved([this, launcher, host, command, id, input] {
+    launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
+      HostCommandResult result;
+      try {
+        result = launcher->run(host, command, input);
+      } catch (const std::exception& e) {  // out of a thread it would end the process
+        result.ok = false;
+        result.message = strCat("starting the agent failed: ", e.what());
+      }
+      asio::post(io_, guard_->wrap("an agent start-up's result", [this, id, host, result] {
+        reapLaunchThread(id);
+        if (auto a = agents_.find(host); a != agents_.end()) a->second.launching = false;
+        onStartupDone(host, result);
+      }));
     }));
+  });
+}
+
+void AgentPool::launchOnceStartsSaved(std::function<void()> launch) {
+  if (!settings_.ca || settings_.launchesFile.empty()) {
+    launch();
+    return;
+  }
+  // A start's nonce is on disk before its agent can run: a manager killed
+  // the moment after still knows the start when it comes back. One write
+  // for the starts of one turn of the loop (a job's first start-ups).
+  launchesAwaitingSave_.push_back(std::move(launch));
+  if (launchesAwaitingSave_.size() > 1) return;  // the save is posted already
+  asio::post(io_, guard_->wrap("saving the agents' starts before they run", [this, alive = std::weak_ptr<bool>(alive_)] {
+    if (alive.expired()) return;
+    saveLaunches();
+    auto launches = std::exchange(launchesAwaitingSave_, {});
+    if (shutDown_) return;  // the job stopped meanwhile: no agent to start
+    for (auto& start : launches) start();
   }));
 }
 

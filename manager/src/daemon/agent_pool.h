@@ -12,6 +12,7 @@
 #include <utility>  // before Asio: its headers miss it with this GCC
 #include <boost/asio.hpp>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -151,6 +152,10 @@ class AgentPool {
   // Writes launches_ to Settings::launchesFile, within a second (one write
   // for many changes: each is an fsync, on the loop's thread).
   void saveLaunchesSoon();
+  // Runs `launch` (a start-up's thread) once launches_ is written, later in
+  // this turn of the loop, with every other start of the turn; at once
+  // without a CA or a file.
+  void launchOnceStartsSaved(std::function<void()> launch);
   // Restored starts of hosts the machine list no longer has are dropped.
   void forgetUnlistedLaunches();
   void saveLaunches();
@@ -258,6 +263,7 @@ class AgentPool {
   std::map<std::string, JoinedHost> joined_;
   AgentLaunches launches_;  // listed hosts' agent starts (with a CA)
   bool launchesSavePosted_ = false;
+  std::vector<std::function<void()>> launchesAwaitingSave_;  // launchOnceStartsSaved's, until the write
   RateLimiter joinRefusals_{std::chrono::seconds(60), 3};  // written in full, per minute
   std::map<std::string, Agent> agents_;
   HostAbsences absences_;
