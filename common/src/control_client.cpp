@@ -149,10 +149,10 @@ ControlClient ControlClient::connectAs(const std::string& address, std::chrono::
 }
 
 ControlClient ControlClient::connectTls(const std::string& address, std::chrono::milliseconds timeout,
-                                       tls::ClientPsk psk) {
+                                       tls::ClientAuth auth) {
   const auto deadline = Clock::now() + timeout;
   auto client = connect(address, timeout);
-  client.clientPsk_ = std::make_unique<tls::ClientPsk>(std::move(psk));
+  client.clientAuth_ = std::make_unique<tls::ClientAuth>(std::move(auth));
   client.startTls(false, deadline);
   return client;
 }
@@ -160,16 +160,16 @@ ControlClient ControlClient::connectTls(const std::string& address, std::chrono:
 ControlClient ControlClient::acceptTls(int fd, std::string address, tls::KeyForIdentity keyFor,
                                       std::chrono::milliseconds timeout) {
   ControlClient client(fd, std::move(address));
-  client.serverPsk_->keyFor = std::move(keyFor);
+  client.serverAuth_->keyFor = std::move(keyFor);
   client.startTls(true, Clock::now() + timeout);
   return client;
 }
 
-ControlClient ControlClient::acceptTls(int fd, std::string address, tls::ServerPsk server,
+ControlClient ControlClient::acceptTls(int fd, std::string address, tls::ServerAuth server,
                                       std::shared_ptr<const tls::CertificateCredential> manager,
                                       std::chrono::milliseconds timeout) {
   ControlClient client(fd, std::move(address));
-  *client.serverPsk_ = std::move(server);
+  *client.serverAuth_ = std::move(server);
   client.managerCertificate_ = std::move(manager);
   client.startTls(true, Clock::now() + timeout);
   return client;
@@ -182,11 +182,11 @@ void ControlClient::startTls(bool server, Deadline deadline) {
   ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL, 0) | O_NONBLOCK);  // every wait is a poll with a deadline
   if (!tls::attachSocket(ssl_, fd_)) throw ConnectionError(strCat("cannot set up TLS: ", tls::lastError()));
   if (server) {
-    tls::attachServer(ssl_, serverPsk_.get());
+    tls::attachServer(ssl_, serverAuth_.get());
     if (managerCertificate_) tls::useServerCertificate(ssl_, *managerCertificate_);
     SSL_set_accept_state(ssl_);
   } else {
-    tls::attachClient(ssl_, clientPsk_.get());
+    tls::attachClient(ssl_, clientAuth_.get());
     SSL_set_connect_state(ssl_);
   }
   const TlsResult result = tlsCall([&] { return SSL_do_handshake(ssl_); }, deadline);
@@ -203,8 +203,8 @@ void ControlClient::failHandshake(bool server, const TlsResult& result) {
                              : refused       ? tls::lastError()
                              : result.savedErrno != 0 ? std::strerror(result.savedErrno)
                                                       : "the connection was closed";
-  const std::string refusal = serverPsk_->refusal;
-  serverPsk_->presented.reset();
+  const std::string refusal = serverAuth_->refusal;
+  serverAuth_->presented.reset();
   close();
   if (!refused) {
     throw ConnectionError(strCat("the TLS handshake with ", server ? "" : "the manager at ", address_,
@@ -212,10 +212,10 @@ void ControlClient::failHandshake(bool server, const TlsResult& result) {
   }
   if (server) throw AuthenticationError(strCat("TLS handshake with ", address_, " failed: ",
                                                refusal.empty() ? detail : refusal));
-  if (clientPsk_ && clientPsk_->certificate) {
+  if (clientAuth_ && clientAuth_->certificate) {
     throw AuthenticationError(strCat("the manager at ", address_, " did not prove it is this job's manager or did not "
                                      "accept this credential in the TLS handshake (",
-                                     clientPsk_->refusal.empty() ? detail : clientPsk_->refusal,
+                                     clientAuth_->refusal.empty() ? detail : clientAuth_->refusal,
                                      "): a stale credential (the job's CA was made anew), a manager of another job, "
                                      "or a plaintext manager (--insecure_plaintext_control); nothing was sent"));
   }
@@ -255,8 +255,8 @@ ControlClient::ControlClient(ControlClient&& other) noexcept
       address_(std::move(other.address_)),
       decoder_(std::move(other.decoder_)),
       ssl_(std::exchange(other.ssl_, nullptr)),
-      clientPsk_(std::move(other.clientPsk_)),
-      serverPsk_(std::move(other.serverPsk_)),
+      clientAuth_(std::move(other.clientAuth_)),
+      serverAuth_(std::move(other.serverAuth_)),
       managerCertificate_(std::move(other.managerCertificate_)) {}
 
 ControlClient& ControlClient::operator=(ControlClient&& other) noexcept {
@@ -267,8 +267,8 @@ ControlClient& ControlClient::operator=(ControlClient&& other) noexcept {
     address_ = std::move(other.address_);
     decoder_ = std::move(other.decoder_);
     ssl_ = std::exchange(other.ssl_, nullptr);
-    clientPsk_ = std::move(other.clientPsk_);
-    serverPsk_ = std::move(other.serverPsk_);
+    clientAuth_ = std::move(other.clientAuth_);
+    serverAuth_ = std::move(other.serverAuth_);
     managerCertificate_ = std::move(other.managerCertificate_);
   }
   return *this;
@@ -295,7 +295,7 @@ int ControlClient::release() {
 }
 
 std::optional<tls::PskIdentity> ControlClient::peerIdentity() const {
-  return serverPsk_ && ssl_ ? serverPsk_->presented : std::nullopt;
+  return serverAuth_ && ssl_ ? serverAuth_->presented : std::nullopt;
 }
 
 void ControlClient::send(const Message& message) { sendFrame(encode(message), std::nullopt); }
@@ -385,7 +385,7 @@ bool ControlClient::readSome(Clock::time_point deadline) {
 
 void ControlClient::failConnection(const std::string& detail, int sslError) {
   std::string alert;
-  if (ssl_ && clientPsk_ && clientPsk_->certificate && !answered_ && sslError != SSL_ERROR_NONE) {
+  if (ssl_ && clientAuth_ && clientAuth_->certificate && !answered_ && sslError != SSL_ERROR_NONE) {
     // The alert, if the manager sent one, came before anything else: it is
     // read now if this call did not (a write that failed first).
     alert = sslError == SSL_ERROR_SSL ? detail : std::string();  // the caller took it off OpenSSL's queue

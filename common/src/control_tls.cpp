@@ -54,29 +54,29 @@ unsigned int copyOut(const std::string& from, unsigned char* to, unsigned int ca
 
 unsigned int clientCallback(SSL* ssl, const char* /*hint*/, char* identity, unsigned int maxIdentity,
                             unsigned char* key, unsigned int maxKey) {
-  const auto* psk = static_cast<const ClientPsk*>(SSL_get_ex_data(ssl, exDataIndex()));
-  if (!psk || psk->certificate || psk->identity.size() + 1 > maxIdentity) return 0;  // a certificate: no PSK offered
-  std::memcpy(identity, psk->identity.c_str(), psk->identity.size() + 1);
-  return copyOut(psk->key, key, maxKey);
+  const auto* auth = static_cast<const ClientAuth*>(SSL_get_ex_data(ssl, exDataIndex()));
+  if (!auth || auth->certificate || auth->identity.size() + 1 > maxIdentity) return 0;  // a certificate: no PSK offered
+  std::memcpy(identity, auth->identity.c_str(), auth->identity.size() + 1);
+  return copyOut(auth->key, key, maxKey);
 }
 
 unsigned int serverCallback(SSL* ssl, const char* identity, unsigned char* key, unsigned int maxKey) {
-  auto* psk = static_cast<ServerPsk*>(SSL_get_ex_data(ssl, exDataIndex()));
-  if (!psk || !identity) return 0;
+  auto* auth = static_cast<ServerAuth*>(SSL_get_ex_data(ssl, exDataIndex()));
+  if (!auth || !identity) return 0;
   const auto parsed = parseIdentity(identity);
   if (!parsed) {
-    psk->refusal = "a malformed TLS identity";
+    auth->refusal = "a malformed TLS identity";
     return 0;
   }
-  const auto found = psk->keyFor ? psk->keyFor(*parsed) : std::nullopt;
+  const auto found = auth->keyFor ? auth->keyFor(*parsed) : std::nullopt;
   if (!found) {
-    psk->refusal = strCat("no credential for the TLS identity of ", parsed->role, " '",
+    auth->refusal = strCat("no credential for the TLS identity of ", parsed->role, " '",
                           proto::boundedText(parsed->host, proto::kMaxLoggedPeerTextBytes), "'");
     return 0;
   }
   // A wrong key fails the handshake's binder check after this returns; the
   // identity is kept only as "presented" until the handshake completes.
-  psk->presented = parsed;
+  auth->presented = parsed;
   return copyOut(*found, key, maxKey);
 }
 
@@ -89,27 +89,27 @@ SSL* sslOf(X509_STORE_CTX* store) {
 // job's root itself). A client holding a pre-shared key accepts none: a
 // server that ignores the PSK and offers a certificate instead fails.
 int verifyServer(X509_STORE_CTX* store, void* /*unused*/) {
-  auto* psk = static_cast<ClientPsk*>(SSL_get_ex_data(sslOf(store), exDataIndex()));
-  if (!psk || !psk->certificate) return 0;
-  if (!checkManagerCertificate(psk->certificate->root(), X509_STORE_CTX_get0_cert(store), psk->refusal)) return 0;
-  psk->managerVerified = true;
+  auto* auth = static_cast<ClientAuth*>(SSL_get_ex_data(sslOf(store), exDataIndex()));
+  if (!auth || !auth->certificate) return 0;
+  if (!checkManagerCertificate(auth->certificate->root(), X509_STORE_CTX_get0_cert(store), auth->refusal)) return 0;
+  auth->managerVerified = true;
   return 1;
 }
 
 // The manager's check of a client's chain (certificate_credential.h).
 int verifyClient(X509_STORE_CTX* store, void* /*unused*/) {
-  auto* psk = static_cast<ServerPsk*>(SSL_get_ex_data(sslOf(store), exDataIndex()));
-  if (!psk || !psk->ca) return 0;
+  auto* auth = static_cast<ServerAuth*>(SSL_get_ex_data(sslOf(store), exDataIndex()));
+  if (!auth || !auth->ca) return 0;
   const auto checked =
-      checkPeerChain(psk->ca->root(), X509_STORE_CTX_get0_cert(store), X509_STORE_CTX_get0_untrusted(store), psk->refusal);
+      checkPeerChain(auth->ca->root(), X509_STORE_CTX_get0_cert(store), X509_STORE_CTX_get0_untrusted(store), auth->refusal);
   if (!checked) return 0;
-  if (!psk->acceptHostCa) return 0;
-  const HostCaStanding standing = psk->acceptHostCa(checked->hostCa, checked->peer, psk->refusal);
+  if (!auth->acceptHostCa) return 0;
+  const HostCaStanding standing = auth->acceptHostCa(checked->hostCa, checked->peer, auth->refusal);
   if (standing == HostCaStanding::kRefused) return 0;
-  psk->presented = checked->peer;
-  psk->presented->certified = true;
-  psk->presented->revoked = standing == HostCaStanding::kRevoked;
-  psk->presented->hostCaNonce = checked->hostCa.hint;
+  auth->presented = checked->peer;
+  auth->presented->certified = true;
+  auth->presented->revoked = standing == HostCaStanding::kRevoked;
+  auth->presented->hostCaNonce = checked->hostCa.hint;
   return 1;
 }
 
@@ -248,21 +248,21 @@ void useServerCertificate(SSL* ssl, const CertificateCredential& manager) {
 }
 
 bool provedKey(const SSL* ssl) {
-  const auto* psk = static_cast<const ClientPsk*>(SSL_get_ex_data(ssl, exDataIndex()));
-  if (psk && psk->certificate) return psk->managerVerified && SSL_get0_peer_certificate(ssl) != nullptr;
+  const auto* auth = static_cast<const ClientAuth*>(SSL_get_ex_data(ssl, exDataIndex()));
+  if (auth && auth->certificate) return auth->managerVerified && SSL_get0_peer_certificate(ssl) != nullptr;
   return SSL_session_reused(const_cast<SSL*>(ssl)) == 1 && SSL_get0_peer_certificate(ssl) == nullptr;
 }
 
-ClientPsk clientCredential(const proto::Hello& hello, const std::string& hint) {
-  ClientPsk psk;
+ClientAuth clientCredential(const proto::Hello& hello, const std::string& hint) {
+  ClientAuth auth;
   if (isCertificateCredential(hello.token)) {
-    psk.certificate = std::make_shared<const CertificateCredential>(
+    auth.certificate = std::make_shared<const CertificateCredential>(
         CertificateCredential::parse(hello.token, strCat(hello.role, "'s credential")));
   } else {
-    psk.identity = formatIdentity(identityOf(hello, hint));
-    psk.key = pskKey(hello.token);
+    auth.identity = formatIdentity(identityOf(hello, hint));
+    auth.key = pskKey(hello.token);
   }
-  return psk;
+  return auth;
 }
 
 proto::Hello wireHello(proto::Hello hello) {
@@ -270,17 +270,17 @@ proto::Hello wireHello(proto::Hello hello) {
   return hello;
 }
 
-void attachClient(SSL* ssl, ClientPsk* psk) {
-  SSL_set_ex_data(ssl, exDataIndex(), psk);
-  if (!psk || !psk->certificate) return;
+void attachClient(SSL* ssl, ClientAuth* auth) {
+  SSL_set_ex_data(ssl, exDataIndex(), auth);
+  if (!auth || !auth->certificate) return;
   // The chain up to (not including) the root the manager holds.
-  const auto& credential = *psk->certificate;
+  const auto& credential = *auth->certificate;
   bool loaded = SSL_use_certificate(ssl, credential.certificate()) == 1 && SSL_use_PrivateKey(ssl, credential.key()) == 1;
   const auto issuers = credential.issuers();
   for (size_t i = 0; loaded && i + 1 < issuers.size(); ++i) loaded = SSL_add1_chain_cert(ssl, issuers[i]) == 1;
   if (!loaded) throw Error(strCat("cannot use the credential's certificate: ", lastError()), 1);
 }
-void attachServer(SSL* ssl, ServerPsk* psk) { SSL_set_ex_data(ssl, exDataIndex(), psk); }
+void attachServer(SSL* ssl, ServerAuth* auth) { SSL_set_ex_data(ssl, exDataIndex(), auth); }
 
 std::string lastError() {
   std::string text;

@@ -98,7 +98,7 @@ std::optional<FakePeer> FakeManager::accept(std::chrono::milliseconds timeout) {
   if (!keyFor_ && !ca_) return FakePeer(proto::ControlClient::adopt(fd, "the fake manager's peer"));
   try {
     if (ca_) {
-      tls::ServerPsk server;
+      tls::ServerAuth server;
       server.ca = ca_;
       server.acceptHostCa = [](const tls::PskIdentity& hostCa, const tls::PskIdentity&, std::string& why) {
         why = "a joined host's CA";

@@ -52,18 +52,18 @@ std::unique_ptr<TlsStream> TlsStream::server(asio::ip::tcp::socket socket, asio:
                                              std::shared_ptr<const tls::CertificateCredential> ca,
                                              tls::AcceptHostCa acceptHostCa) {
   std::unique_ptr<TlsStream> stream(new TlsStream(std::move(socket), context, true));
-  stream->serverPsk_.keyFor = std::move(keyFor);
-  stream->serverPsk_.ca = std::move(ca);
-  stream->serverPsk_.acceptHostCa = std::move(acceptHostCa);
-  if (stream->ssl_) tls::attachServer(stream->ssl_, &stream->serverPsk_);
+  stream->serverAuth_.keyFor = std::move(keyFor);
+  stream->serverAuth_.ca = std::move(ca);
+  stream->serverAuth_.acceptHostCa = std::move(acceptHostCa);
+  if (stream->ssl_) tls::attachServer(stream->ssl_, &stream->serverAuth_);
   return stream;
 }
 
 std::unique_ptr<TlsStream> TlsStream::client(asio::ip::tcp::socket socket, asio::ssl::context& context,
-                                             tls::ClientPsk psk) {
+                                             tls::ClientAuth auth) {
   std::unique_ptr<TlsStream> stream(new TlsStream(std::move(socket), context, false));
-  stream->clientPsk_ = std::move(psk);
-  if (stream->ssl_) tls::attachClient(stream->ssl_, &stream->clientPsk_);
+  stream->clientAuth_ = std::move(auth);
+  if (stream->ssl_) tls::attachClient(stream->ssl_, &stream->clientAuth_);
   return stream;
 }
 
@@ -138,17 +138,17 @@ void TlsStream::onHandshake(boost::system::error_code ec) {
     // TLS 1.3 lets a server answer with a certificate instead of the key
     // (the client refuses every certificate then; this is the belt to those
     // braces), or with neither where the client holds a certificate.
-    failure_ = clientPsk_.certificate ? "the manager did not prove it is this job's manager"
+    failure_ = clientAuth_.certificate ? "the manager did not prove it is this job's manager"
                                       : "the manager answered with a certificate, not the job's key";
     ec = make_error_code(boost::system::errc::protocol_error);
   }
   state_ = ec ? State::kFailed : State::kDone;
   handshakeError_ = ec;
   if (ec) {
-    if (!serverPsk_.refusal.empty()) failure_ = serverPsk_.refusal;
-    if (!clientPsk_.refusal.empty()) failure_ = clientPsk_.refusal;
+    if (!serverAuth_.refusal.empty()) failure_ = serverAuth_.refusal;
+    if (!clientAuth_.refusal.empty()) failure_ = clientAuth_.refusal;
     if (failure_.empty()) failure_ = ec.message();
-    serverPsk_.presented.reset();  // what it presented, it did not prove
+    serverAuth_.presented.reset();  // what it presented, it did not prove
   }
   auto waiting = std::move(waiting_);
   waiting_.clear();
@@ -192,7 +192,7 @@ void TlsStream::writeRest(const char* data, size_t size, size_t written, Handler
 }
 
 std::optional<tls::PskIdentity> TlsStream::authenticatedIdentity() const {
-  return state_ == State::kDone && server_ ? serverPsk_.presented : std::nullopt;
+  return state_ == State::kDone && server_ ? serverAuth_.presented : std::nullopt;
 }
 
 void TlsStream::close() {

@@ -44,7 +44,7 @@ class TlsStream final : public ByteStream {
                                            std::shared_ptr<const tls::CertificateCredential> ca = nullptr,
                                            tls::AcceptHostCa acceptHostCa = nullptr);
   static std::unique_ptr<TlsStream> client(boost::asio::ip::tcp::socket socket, boost::asio::ssl::context& context,
-                                           tls::ClientPsk psk);
+                                           tls::ClientAuth auth);
   ~TlsStream() override;
 
   // Runs the handshake now (reads and writes would start it anyway); `done`
@@ -88,8 +88,8 @@ class TlsStream final : public ByteStream {
   boost::system::error_code handshakeError_;
   std::string failure_;
   std::vector<Ready> waiting_;
-  tls::ClientPsk clientPsk_;
-  tls::ServerPsk serverPsk_;
+  tls::ClientAuth clientAuth_;
+  tls::ServerAuth serverAuth_;
 };
 
 }  // namespace varuna

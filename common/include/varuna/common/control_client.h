@@ -39,9 +39,9 @@ class ControlClient {
   // when the handshake fails (a wrong credential, or not the job's manager).
   static ControlClient connectAs(const std::string& address, std::chrono::milliseconds timeout,
                                  const proto::Hello& hello, const std::string& pskHint = {});
-  // Connects and completes a TLS handshake presenting `psk`, sending nothing
+  // Connects and completes a TLS handshake presenting `auth`, sending nothing
   // yet (connectAs's first half; tests use it to claim one thing and say another).
-  static ControlClient connectTls(const std::string& address, std::chrono::milliseconds timeout, tls::ClientPsk psk);
+  static ControlClient connectTls(const std::string& address, std::chrono::milliseconds timeout, tls::ClientAuth auth);
   // The server's side, for test stand-ins of run_varuna: a TLS handshake on
   // an accepted socket within `timeout`, keys from `keyFor`. Throws
   // AuthenticationError when the peer cannot prove an identity.
@@ -49,7 +49,7 @@ class ControlClient {
                                  std::chrono::milliseconds timeout);
   // The same presenting `manager` (the manager's certificate) and checking
   // client certificates against `server.ca`, as run_varuna does.
-  static ControlClient acceptTls(int fd, std::string address, tls::ServerPsk server,
+  static ControlClient acceptTls(int fd, std::string address, tls::ServerAuth server,
                                  std::shared_ptr<const tls::CertificateCredential> manager,
                                  std::chrono::milliseconds timeout);
   // Takes over a connected socket (the inverse of release()), e.g. one a
@@ -84,7 +84,7 @@ class ControlClient {
  private:
   using Deadline = std::optional<std::chrono::steady_clock::time_point>;
   ControlClient(int fd, std::string address)
-      : fd_(fd), address_(std::move(address)), serverPsk_(std::make_unique<tls::ServerPsk>()) {}
+      : fd_(fd), address_(std::move(address)), serverAuth_(std::make_unique<tls::ServerAuth>()) {}
   // One OpenSSL call's outcome: rc > 0 worked; else SSL_get_error's answer,
   // whether the deadline passed, and errno as the call left it.
   struct TlsResult {
@@ -117,8 +117,8 @@ class ControlClient {
   FrameDecoder decoder_;
   ssl_st* ssl_ = nullptr;
   // Where OpenSSL's callbacks find the keys (stable addresses across moves).
-  std::unique_ptr<tls::ClientPsk> clientPsk_;
-  std::unique_ptr<tls::ServerPsk> serverPsk_;
+  std::unique_ptr<tls::ClientAuth> clientAuth_;
+  std::unique_ptr<tls::ServerAuth> serverAuth_;
   std::shared_ptr<const tls::CertificateCredential> managerCertificate_;  // a server's, if it presents one
 };
 

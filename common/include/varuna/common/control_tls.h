@@ -94,15 +94,18 @@ enum class HostCaStanding { kValid, kRevoked, kRefused };
 using AcceptHostCa =
     std::function<HostCaStanding(const PskIdentity& hostCa, const PskIdentity& peer, std::string& why)>;
 
-// Per connection, reached from OpenSSL's callbacks through the SSL's ex_data.
-// A client holds a pre-shared key (identity, key) or a certificate.
-struct ClientPsk {
+// How each end of a connection authenticates, per connection, reached from
+// OpenSSL's callbacks through the SSL's ex_data. A client holds a
+// pre-shared key (identity, key) or a certificate credential; the server
+// finds a key by identity and checks certificate chains against the job's
+// CA, and records who the peer proved to be.
+struct ClientAuth {
   std::string identity, key;
   std::shared_ptr<const CertificateCredential> certificate;
   bool managerVerified = false;  // the server proved it is the job's manager (certificate mode)
   std::string refusal;           // why the server's certificate was not accepted
 };
-struct ServerPsk {
+struct ServerAuth {
   KeyForIdentity keyFor;
   // Certificate mode: the job's CA (its root certificate) and who may use it.
   std::shared_ptr<const CertificateCredential> ca;
@@ -114,7 +117,7 @@ struct ServerPsk {
 // What a client holding `credential` presents to say `hello` (`hint` as
 // identityOf's): its certificate for a certificate credential, else a
 // pre-shared key. Throws ConfigError for a malformed certificate credential.
-ClientPsk clientCredential(const proto::Hello& hello, const std::string& hint = {});
+ClientAuth clientCredential(const proto::Hello& hello, const std::string& hint = {});
 // `hello` as it goes on the wire: a certificate credential's text (its
 // private key) never does; the certificate proved it.
 proto::Hello wireHello(proto::Hello hello);
@@ -138,8 +141,8 @@ bool attachSocket(ssl_st* ssl, int fd);
 // handshake, no certificate), or the job's manager certificate.
 bool provedKey(const ssl_st* ssl);
 // Attach the per-connection data (which must outlive the SSL) to `ssl`.
-void attachClient(ssl_st* ssl, ClientPsk* psk);
-void attachServer(ssl_st* ssl, ServerPsk* psk);
+void attachClient(ssl_st* ssl, ClientAuth* auth);
+void attachServer(ssl_st* ssl, ServerAuth* auth);
 // OpenSSL's error queue as text (and emptied), for errors.
 std::string lastError();
 
