@@ -59,8 +59,7 @@ AgentPool::AgentPool(asio::io_context& io, std::shared_ptr<HandlerGuard> guard, 
 
 AgentPool::~AgentPool() {
   alive_.reset();  // heartbeats posted to the loop are not sent
-  // The loop stopped before a posted save ran (starts it held back never ran).
-  if (launchesSavePosted_ || !launchesAwaitingSave_.empty()) saveLaunches();
+  if (launchesSavePosted_) saveLaunches();  // the loop stopped before it ran
   // Start-ups still under way (the loop stopped first): their results are
   // never read, but the threads use this pool's launcher.
   for (auto& [id, t] : launchThreads_) {
@@ -123,7 +122,6 @@ void AgentPool::startAgent(const std::string& host) {
   absences_.noteAttempt(host);
   const std::string command = agentCommand_(host);
   log::debug("starting the agent on ", host);
-  HostLauncher* launcher = launcher_.get();
   const uint64_t id = nextLaunchThread_++;
   // The agent's credential (its host's only, credentials.h) travels on the
   // command's stdin, never in the command (the remote shell's command line
@@ -135,22 +133,25 @@ void AgentPool::startAgent(const std::string& host) {
     input = agentCredential(host) + "\n";
   }
   if (!settings_.agentEnvironment.empty()) input += nlohmann::json(settings_.agentEnvironment).dump() + "\n";
-  launchOnceStartsSaved([this, launcher, host, command, id, input] {
-    launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
-      HostCommandResult result;
-      try {
-        result = launcher->run(host, command, input);
-      } catch (const std::exception& e) {  // out of a thread it would end the process
-        result.ok = false;
-        result.message = strCat("starting the agent failed: ", e.what());
-      }
-      asio::post(io_, guard_->wrap("an agent start-up's result", [this, id, host, result] {
-        reapLaunchThread(id);
-        if (auto a = agents_.find(host); a != agents_.end()) a->second.launching = false;
-        onStartupDone(host, result);
-      }));
+  launchOnceStartsSaved([this, id, host, command, input] { runStartup(id, host, command, input); });
+}
+
+void AgentPool::runStartup(uint64_t id, const std::string& host, const std::string& command, const std::string& input) {
+  HostLauncher* launcher = launcher_.get();
+  launchThreads_.emplace(id, std::thread([this, launcher, host, command, id, input] {
+    HostCommandResult result;
+    try {
+      result = launcher->run(host, command, input);
+    } catch (const std::exception& e) {  // out of a thread it would end the process
+      result.ok = false;
+      result.message = strCat("starting the agent failed: ", e.what());
+    }
+    asio::post(io_, guard_->wrap("an agent start-up's result", [this, id, host, result] {
+      reapLaunchThread(id);
+      if (auto a = agents_.find(host); a != agents_.end()) a->second.launching = false;
+      onStartupDone(host, result);
     }));
-  });
+  }));
 }
 
 void AgentPool::launchOnceStartsSaved(std::function<void()> launch) {
@@ -383,7 +384,8 @@ void AgentPool::noteAgentUp(const std::string& host, const std::shared_ptr<Frame
 
 void AgentPool::saveLaunchesSoon() {
   if (settings_.launchesFile.empty() || launchesSavePosted_) return;
-  // At most once a second: a job's first start-ups (one per host) make one write.
+  // At most once a second: the changes nothing waits for (an agent up, a
+  // host forgotten). Starts are written before they run (launchOnceStartsSaved).
   launchesSavePosted_ = true;
   clock_.runAfter(io_, std::chrono::seconds(1),
                   guard_->wrap("saving the agents' starts", [this, alive = std::weak_ptr<bool>(alive_)] {

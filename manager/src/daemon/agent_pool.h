@@ -238,6 +238,8 @@ class AgentPool {
   std::string joinRefusal(const proto::Hello& hello) const;
   void onStartupDone(const std::string& host, const HostCommandResult& result);
   void startupFailed(const std::string& host, const std::string& message);
+  // Runs the agent command on a thread of its own; its result comes back to the loop.
+  void runStartup(uint64_t id, const std::string& host, const std::string& command, const std::string& input);
   void reapLaunchThread(uint64_t id);
   void sendHeartbeats(TimePoint now);
   void sendSomeHeartbeats();
