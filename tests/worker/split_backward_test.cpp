@@ -126,6 +126,27 @@ TEST_CASE("W never runs the input's path again", "[split_backward]") {
   for (const auto& p : params) CHECK(p.grad().defined());
 }
 
+TEST_CASE("B releases what only it needed: W holds just what it reads", "[split_backward]") {
+  torch::manual_seed(8);
+  torch::nn::Linear a(5, 7), b(7, 5);
+  auto x = leaf(torch::randn({3, 5}));
+  auto pre = a(x);  // saved by GeluBackward alone (b saves the GELU's output)
+  const c10::weak_intrusive_ptr<c10::StorageImpl> preStorage(pre.storage().getWeakStorageImpl());
+  auto hidden = torch::gelu(pre);
+  pre = torch::Tensor();
+  auto out = b(hidden).sum();
+  hidden = torch::Tensor();
+  std::vector<torch::Tensor> params = paramsOf(*a);
+  for (const auto& p : paramsOf(*b)) params.push_back(p);
+  SplitBackward split(out, torch::ones_like(out), x, params);
+  REQUIRE(split.mode() == SplitBackward::Mode::kSplit);
+  CHECK_FALSE(preStorage.expired());
+  split.inputGradient();
+  CHECK(preStorage.expired());  // as a whole backward would have freed it by now
+  split.weightGradient();       // and W did not need it
+  for (const auto& p : params) CHECK(p.grad().defined());
+}
+
 TEST_CASE("batch norm's weight and bias split off exactly", "[split_backward]") {
   torch::manual_seed(3);
   torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));

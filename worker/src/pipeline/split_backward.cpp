@@ -74,6 +74,9 @@ struct SplitBackward::Plan {
     torch::autograd::edge_list params;
   };
   std::vector<Group> groups;
+  // The nodes B runs and W does not (on the input's path, not a branch
+  // point): their saved tensors are released once B is done.
+  std::vector<Node*> onlyInB;
 };
 
 SplitBackward::SplitBackward(torch::Tensor output, torch::Tensor gradOutput, torch::Tensor input,
@@ -193,6 +196,10 @@ void SplitBackward::plan(const std::vector<torch::Tensor>& params) {
     VARUNA_CHECK(it != groupOf.end(), "a covered parameter without a group");
     planned->groups[it->second].params.push_back(torch::autograd::impl::gradient_edge(params[p]));
   }
+  const std::set<Node*> branchSet(branches.begin(), branches.end());
+  for (Node* node : order) {
+    if (onPath[node] && !branchSet.count(node)) planned->onlyInB.push_back(node);
+  }
   plan_ = std::move(planned);
   mode_ = Mode::kSplit;
 }
@@ -212,6 +219,9 @@ void SplitBackward::inputGradient() {
       for (auto& group : plan_->groups) {
         for (auto& kept : group.kept) kept->active = false;
       }
+      // What only B needed goes now, as a whole backward frees it node by
+      // node: the piece holds until W just what W reads.
+      for (Node* node : plan_->onlyInB) node->release_variables();
       return;
   }
 }

@@ -15,9 +15,12 @@
 // input's path again. Parameters whose branch points share nodes form one
 // engine call; the rest are separate calls.
 //
-// Memory: B keeps the graph, so every activation of the piece stays until
-// W, and the kept gradients (one per branch point, the size of that node's
-// output) are held from B to W as well.
+// Memory: once B is done, the tensors saved by the nodes only B runs (the
+// input's path: attention, activations, a norm's input gradient) are
+// released, as a whole backward frees them node by node. What stays until W
+// is what W reads: the branch points' saved tensors (a Linear's input) and
+// the gradients kept there (one per branch point, the size of that node's
+// output). For a GPT block that is 5.5 MB of the 7.4 MB B held before.
 //
 // Where the split could not be exact, the whole backward runs in B and W
 // only marks the piece done: an output that does not depend on the input; a
