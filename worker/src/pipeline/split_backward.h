@@ -15,9 +15,9 @@
 // input's path again. Parameters whose branch points share nodes form one
 // engine call; the rest are separate calls.
 //
-// Memory: once B is done, the tensors saved by the nodes only B runs (the
-// input's path: attention, activations, a norm's input gradient) are
-// released, as a whole backward frees them node by node. What stays until W
+// Memory: once B is done, the tensors saved by the nodes only B runs (on
+// the input's path and not branch points: attention, activation functions,
+// reshapes) are released, as a whole backward frees them node by node. What stays until W
 // is what W reads: the branch points' saved tensors (a Linear's input) and
 // the gradients kept there (one per branch point, the size of that node's
 // output). For a GPT block that is 5.5 MB of the 7.4 MB B held before.
