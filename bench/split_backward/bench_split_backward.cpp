@@ -176,7 +176,8 @@ int main(int argc, char** argv) {
                         {"faults_split", median(split.faults)},
                         {"held_b_to_w_mb", median(heldForW) / 1e6},
                         {"retain_freed_memory", retain},
-                        {"config", {{"d_model", dModel}, {"heads", heads}, {"seq_len", seqLen}, {"micro_batch", microBatch}}},
+                        {"config",
+                         {{"d_model", dModel}, {"heads", heads}, {"seq_len", seqLen}, {"micro_batch", microBatch}}},
                         {"rounds", rounds},
                         {"smoke", smoke}};
   std::cout << out.dump() << std::endl;
