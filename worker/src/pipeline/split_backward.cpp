@@ -71,6 +71,7 @@ struct SplitBackward::Plan {
   struct Group {
     std::vector<Node*> branches;
     std::vector<std::shared_ptr<Kept>> kept;  // parallel to branches
+    std::vector<std::vector<size_t>> pathEdges;  // parallel to branches: which of its edges go down the path
     torch::autograd::edge_list params;
   };
   std::vector<Group> groups;
@@ -189,6 +190,12 @@ void SplitBackward::plan(const std::vector<torch::Tensor>& params) {
     branches[b]->add_pre_hook(std::make_unique<KeepGradients>(kept));
     group.branches.push_back(branches[b]);
     group.kept.push_back(std::move(kept));
+    std::vector<size_t> down;
+    for (size_t e = 0; e < branches[b]->next_edges().size(); ++e) {
+      Node* child = branches[b]->next_edges()[e].function.get();
+      if (child && onPath[child]) down.push_back(e);
+    }
+    group.pathEdges.push_back(std::move(down));
   }
   for (const auto& [acc, p] : paramOf) {
     if (!covered.count(p)) continue;
@@ -230,26 +237,44 @@ void SplitBackward::weightGradient() {
   VARUNA_CHECK(inputDone_ && !weightDone_, "a piece's weight gradient before its input gradient, or twice");
   weightDone_ = true;
   if (mode_ == Mode::kAllInW) torch::autograd::backward({output_}, {gradOutput_});
-  if (mode_ == Mode::kSplit) {
-    auto& engine = torch::autograd::Engine::get_default_engine();
-    for (auto& group : plan_->groups) {
-      torch::autograd::edge_list roots;
-      variable_list grads;
-      for (size_t b = 0; b < group.branches.size(); ++b) {
-        Node* node = group.branches[b];
-        const auto& kept = group.kept[b]->grads;
-        for (uint32_t j = 0; j < node->num_inputs(); ++j) {
-          roots.emplace_back(node->getptr(), j);
-          const bool have = j < kept.size() && kept[j].defined();
-          grads.push_back(have ? kept[j] : node->input_metadata(j).zeros_like());
-        }
-      }
-      engine.execute(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
-                     group.params);
-    }
-  }
+  if (mode_ == Mode::kSplit) runWeightBranches();
   plan_.reset();
   output_ = gradOutput_ = torch::Tensor();
+}
+
+void SplitBackward::runWeightBranches() {
+  // One engine call for all groups: each branch point's edges down the
+  // input's path are cut for the call, so the engine never goes down the
+  // path from one branch point to the next (which would run the path again
+  // and count the lower one's gradient twice), and a group's parameters are
+  // reached from its own branch points only, as in a call of its own. One
+  // call instead of one a group (ten for a GPT block) saves the engine's
+  // set-up and its walk over the graph below each root.
+  torch::autograd::edge_list roots, params;
+  variable_list grads;
+  std::vector<std::pair<Node*, std::vector<Edge>>> cut;
+  struct Restore {  // the edges go back even if the engine throws
+    std::vector<std::pair<Node*, std::vector<Edge>>>& cut;
+    ~Restore() {
+      for (auto& [node, saved] : cut) node->next_edges() = std::move(saved);
+    }
+  } restore{cut};
+  for (auto& group : plan_->groups) {
+    for (size_t b = 0; b < group.branches.size(); ++b) {
+      Node* node = group.branches[b];
+      cut.emplace_back(node, node->next_edges());
+      for (size_t e : group.pathEdges[b]) node->next_edges()[e] = Edge();
+      const auto& kept = group.kept[b]->grads;
+      for (uint32_t j = 0; j < node->num_inputs(); ++j) {
+        roots.emplace_back(node->getptr(), j);
+        const bool have = j < kept.size() && kept[j].defined();
+        grads.push_back(have ? kept[j] : node->input_metadata(j).zeros_like());
+      }
+    }
+    params.insert(params.end(), group.params.begin(), group.params.end());
+  }
+  auto& engine = torch::autograd::Engine::get_default_engine();
+  engine.execute(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true, params);
 }
 
 }  // namespace varuna

@@ -12,8 +12,9 @@
 // arriving at the node during B. W starts autograd's engine at those nodes
 // with the kept gradients and asks for the parameters only, so the engine
 // computes just the branches (for a Linear, input^T x grad) and never the
-// input's path again. Parameters whose branch points share nodes form one
-// engine call; the rest are separate calls.
+// input's path again. All branch points start one engine call, each one's
+// edges down the path cut for the call, so that no branch point's gradient
+// reaches another's along the path.
 //
 // Memory: once B is done, the tensors saved by the nodes only B runs (on
 // the input's path and not branch points: attention, activation functions,
@@ -64,6 +65,7 @@ class SplitBackward {
  private:
   struct Plan;
   void plan(const std::vector<torch::Tensor>& params);
+  void runWeightBranches();  // W of a split piece
 
   torch::Tensor output_, gradOutput_, input_;
   Mode mode_ = Mode::kNothing;
