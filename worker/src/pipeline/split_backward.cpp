@@ -5,10 +5,10 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <map>
 #include <numeric>
 #include <set>
 #include <unordered_map>
+#include <utility>
 
 #include "varuna/common/errors.h"
 
@@ -66,15 +66,16 @@ struct Components {
 
 }  // namespace
 
-// One engine call of W: branch points and the parameters below them.
+// What W needs: the branch points, each with the gradients B kept there and
+// which of its edges go down the input's path, and the parameters.
 struct SplitBackward::Plan {
-  struct Group {
-    std::vector<Node*> branches;
-    std::vector<std::shared_ptr<Kept>> kept;  // parallel to branches
-    std::vector<std::vector<size_t>> pathEdges;  // parallel to branches: which of its edges go down the path
-    torch::autograd::edge_list params;
+  struct Branch {
+    Node* node;
+    std::shared_ptr<Kept> kept;
+    std::vector<size_t> pathEdges;
   };
-  std::vector<Group> groups;
+  std::vector<Branch> branches;
+  torch::autograd::edge_list params;
   // The nodes B runs and W does not (on the input's path, not a branch
   // point): their saved tensors are released once B is done.
   std::vector<Node*> onlyInB;
@@ -178,30 +179,18 @@ void SplitBackward::plan(const std::vector<torch::Tensor>& params) {
   }
 
   auto planned = std::make_unique<Plan>();
-  std::map<int, size_t> groupOf;
-  for (int b = 0; b < B; ++b) {
-    const int c = comps.find(b);
-    if (!groupOf.count(c)) {
-      groupOf[c] = planned->groups.size();
-      planned->groups.emplace_back();
-    }
-    auto& group = planned->groups[groupOf[c]];
+  for (Node* node : branches) {
     auto kept = std::make_shared<Kept>();
-    branches[b]->add_pre_hook(std::make_unique<KeepGradients>(kept));
-    group.branches.push_back(branches[b]);
-    group.kept.push_back(std::move(kept));
+    node->add_pre_hook(std::make_unique<KeepGradients>(kept));
     std::vector<size_t> down;
-    for (size_t e = 0; e < branches[b]->next_edges().size(); ++e) {
-      Node* child = branches[b]->next_edges()[e].function.get();
+    for (size_t e = 0; e < node->next_edges().size(); ++e) {
+      Node* child = node->next_edges()[e].function.get();
       if (child && onPath[child]) down.push_back(e);
     }
-    group.pathEdges.push_back(std::move(down));
+    planned->branches.push_back({node, std::move(kept), std::move(down)});
   }
   for (const auto& [acc, p] : paramOf) {
-    if (!covered.count(p)) continue;
-    auto it = groupOf.find(comps.find(B + p));
-    VARUNA_CHECK(it != groupOf.end(), "a covered parameter without a group");
-    planned->groups[it->second].params.push_back(torch::autograd::impl::gradient_edge(params[p]));
+    if (covered.count(p)) planned->params.push_back(torch::autograd::impl::gradient_edge(params[p]));
   }
   const std::set<Node*> branchSet(branches.begin(), branches.end());
   for (Node* node : order) {
@@ -223,9 +212,7 @@ void SplitBackward::inputGradient() {
       return;
     case Mode::kSplit:
       torch::autograd::backward({output_}, {gradOutput_}, /*retain_graph=*/true, /*create_graph=*/false, {input_});
-      for (auto& group : plan_->groups) {
-        for (auto& kept : group.kept) kept->active = false;
-      }
+      for (auto& branch : plan_->branches) branch.kept->active = false;
       // What only B needed goes now, as a whole backward frees it node by
       // node: the piece holds until W just what W reads.
       for (Node* node : plan_->onlyInB) node->release_variables();
@@ -243,38 +230,38 @@ void SplitBackward::weightGradient() {
 }
 
 void SplitBackward::runWeightBranches() {
-  // One engine call for all groups: each branch point's edges down the
-  // input's path are cut for the call, so the engine never goes down the
-  // path from one branch point to the next (which would run the path again
-  // and count the lower one's gradient twice), and a group's parameters are
-  // reached from its own branch points only, as in a call of its own. One
-  // call instead of one a group (ten for a GPT block) saves the engine's
-  // set-up and its walk over the graph below each root.
-  torch::autograd::edge_list roots, params;
+  // One engine call from every branch point, each one's edges down the
+  // input's path cut for the call: the engine never goes down the path from
+  // one branch point to the next (which would run the path again and count
+  // the lower one's gradient twice), so each parameter gets what its own
+  // branch points pass it. One call instead of one per group of branch
+  // points (ten for a GPT block) saves the engine's set-up and its walk
+  // over the graph below each root.
+  torch::autograd::edge_list roots;
   variable_list grads;
-  std::vector<std::pair<Node*, std::vector<Edge>>> cut;
+  std::vector<std::pair<Edge*, Edge>> cut;  // an edge of a branch point, and what it was
   struct Restore {  // the edges go back even if the engine throws
-    std::vector<std::pair<Node*, std::vector<Edge>>>& cut;
+    std::vector<std::pair<Edge*, Edge>>& cut;
     ~Restore() {
-      for (auto& [node, saved] : cut) node->next_edges() = std::move(saved);
+      for (auto& [edge, was] : cut) *edge = std::move(was);
     }
   } restore{cut};
-  for (auto& group : plan_->groups) {
-    for (size_t b = 0; b < group.branches.size(); ++b) {
-      Node* node = group.branches[b];
-      cut.emplace_back(node, node->next_edges());
-      for (size_t e : group.pathEdges[b]) node->next_edges()[e] = Edge();
-      const auto& kept = group.kept[b]->grads;
-      for (uint32_t j = 0; j < node->num_inputs(); ++j) {
-        roots.emplace_back(node->getptr(), j);
-        const bool have = j < kept.size() && kept[j].defined();
-        grads.push_back(have ? kept[j] : node->input_metadata(j).zeros_like());
-      }
+  for (auto& branch : plan_->branches) {
+    Node* node = branch.node;
+    for (size_t e : branch.pathEdges) {
+      Edge& edge = node->next_edges()[e];
+      cut.emplace_back(&edge, std::exchange(edge, Edge()));
     }
-    params.insert(params.end(), group.params.begin(), group.params.end());
+    const auto& kept = branch.kept->grads;
+    for (uint32_t j = 0; j < node->num_inputs(); ++j) {
+      roots.emplace_back(node->getptr(), j);
+      const bool have = j < kept.size() && kept[j].defined();
+      grads.push_back(have ? kept[j] : node->input_metadata(j).zeros_like());
+    }
   }
   auto& engine = torch::autograd::Engine::get_default_engine();
-  engine.execute(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true, params);
+  engine.execute(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
+                 plan_->params);
 }
 
 }  // namespace varuna

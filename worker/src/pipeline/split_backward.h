@@ -27,8 +27,9 @@
 // Where the split could not be exact, the whole backward runs in B and W
 // only marks the piece done: an output that does not depend on the input; a
 // parameter reached from two branch points one of which lies below the other
-// on the path (a weight used twice inside the piece: W's engine would go down
-// the path from the upper one and count the lower one's gradient twice); a
+// on the path (a weight used twice inside the piece: kept whole since W ran
+// one engine call per group, which went down the path from the upper one;
+// W's cut edges would now allow it, but nothing has needed it); a
 // leaf that needs a gradient but is not one of the piece's parameters (W
 // computes the parameters' only); a branch point whose gradients carry hooks
 // (register_hook, retain_grad: they would run again in W). A piece without an
