@@ -230,6 +230,23 @@ std::vector<StageMessagePlan> planStepMessages(const Schedule& schedule, const C
   return plans;
 }
 
+StageMessagePlan receivesFirst(StageMessagePlan plan) {
+  std::vector<P2pOp> receives;
+  auto takeReceives = [&receives](std::vector<P2pOp>& ops) {
+    std::erase_if(ops, [&receives](const P2pOp& op) {
+      if (!op.send) receives.push_back(op);
+      return !op.send;
+    });
+  };
+  // In issue order: before task k, then after it.
+  for (size_t k = 0; k < plan.beforeTask.size(); ++k) {
+    takeReceives(plan.beforeTask[k]);
+    takeReceives(plan.afterTask[k]);
+  }
+  if (!plan.beforeTask.empty()) plan.beforeTask[0].insert(plan.beforeTask[0].begin(), receives.begin(), receives.end());
+  return plan;
+}
+
 Schedule evaluationOrder(const ChunkLayout& layout, int microbatches) {
   Schedule schedule(layout.stages);
   for (int s = 0; s < layout.stages; ++s) {

@@ -235,3 +235,44 @@ TEST_CASE("step messages: evaluation's order completes under in-order matching, 
   const auto plans = planStepMessages(schedule, layout);
   CHECK(describe(schedule[0], plans[0]) == "[f0.0] a0.0> [f1.0] a1.0> <a0.1 [f0.1] a0.2> <a1.1 [f1.1] a1.2>");
 }
+
+TEST_CASE("step messages: receives first (tag matching) posts every receive before the first task", "[step_messages]") {
+  // 1F1B on two stages (the golden orders above): stage 1's receives all
+  // move to the start, in the plan's order; the sends stay after the tasks
+  // that produce them.
+  const auto schedule = generateSchedule(ScheduleKind::k1F1B, 2, 3);
+  const auto layout = ChunkLayout::of(ScheduleKind::k1F1B, 2, 1);
+  const auto plans = planStepMessages(schedule, layout);
+  CHECK(describe(schedule[1], receivesFirst(plans[1])) == "<a0.0 <a1.0 <a2.0 [f0] [b0] g0.0> [f1] [b1] g1.0> [f2] [b2] g2.0>");
+  CHECK(describe(schedule[0], receivesFirst(plans[0])) == "<g0.0 <g1.0 <g2.0 [f0] a0.0> [f1] a1.0> [b0] [f2] a2.0> [b1] [b2]");
+  // Every schedule: the same operations, each once; the sends where they were.
+  for (const auto& [kind, chunks] : std::vector<std::pair<ScheduleKind, int>>{
+           {ScheduleKind::kVaruna, 1}, {ScheduleKind::kZeroBubbleH1, 1}, {ScheduleKind::kInterleaved1F1B, 2},
+           {ScheduleKind::kZeroBubbleV, 2}}) {
+    for (int P : {2, 3, 4}) {
+      const int m = 2 * P;
+      const auto s = generateSchedule(kind, P, m, chunks);
+      const auto l = ChunkLayout::of(kind, P, chunks);
+      const auto original = planStepMessages(s, l);
+      std::vector<StageMessagePlan> hoisted;
+      for (const auto& plan : original) hoisted.push_back(receivesFirst(plan));
+      INFO(toString(ScheduleChoice{kind, chunks}) << " P=" << P);
+      checkEachMessageOnce(hoisted, l, m);
+      for (int stage = 0; stage < P; ++stage) {
+        for (size_t k = 0; k < s[stage].size(); ++k) {
+          auto sends = [](const std::vector<P2pOp>& ops) {
+            std::vector<P2pOp> out;
+            std::copy_if(ops.begin(), ops.end(), std::back_inserter(out), [](const P2pOp& op) { return op.send; });
+            return out;
+          };
+          CHECK(sends(hoisted[stage].afterTask[k]) == sends(original[stage].afterTask[k]));
+          CHECK(sends(hoisted[stage].beforeTask[k]) == sends(original[stage].beforeTask[k]));
+          for (const auto& op : hoisted[stage].afterTask[k]) CHECK(op.send);
+          if (k > 0) {
+            for (const auto& op : hoisted[stage].beforeTask[k]) CHECK(op.send);
+          }
+        }
+      }
+    }
+  }
+}

@@ -7,7 +7,8 @@
 // every chunk (P = 1), data parallelism, and 3 or 4 stages. Gloo matches
 // messages by order here, as NCCL does (VARUNA_P2P_MATCH_BY_ORDER, comm.h):
 // with several cuts between one pair of ranks, only the agreed order of
-// step_messages.h pairs each message with its own receive.
+// step_messages.h pairs each message with its own receive. Two cases keep
+// Gloo's own matching by tag, where a step posts every receive first.
 
 #include <cmath>
 #include <memory>
@@ -39,6 +40,9 @@ struct ChunkedCase {
   // tensor each): with both on one stage, the tied weight's bucket must wait
   // for the embedding's backward, though the head's finishes first.
   bool tieHeadFirst = false;
+  // Gloo pairs messages by tag, as it does by default on the CPU: each step
+  // posts all its receives at its start (receivesFirst, step_messages.h).
+  bool byTag = false;
 };
 
 gpt::GptConfig tinyGpt(int64_t vocab, int layers, bool tieHeadFirst) {
@@ -73,10 +77,12 @@ TEST_CASE("interleaved and zbv training equal single-process training", "[integr
       {"zbv", 2, 1, 4, 8},         {"zbv", 2, 2, 4, 8},         {"zbv", 3, 1, 4, 8},
       {"zbv", 1, 2, 4, 8},         {"zbv", 4, 1, 6, 8},         {"zbv", 3, 2, 4, 8},
       {"zbv", 2, 2, 4, 8, true},   {"1f1b", 1, 2, 4, 8, true},
+      {"zbv", 3, 2, 4, 8, false, true}, {"interleaved", 2, 2, 4, 8, false, true},
   };
   std::map<std::tuple<int, int64_t, bool>, ReferenceRun> references;  // by (layers, global batch, head first)
   for (const auto& c : cases) {
-    DYNAMIC_SECTION(c.schedule << " P=" << c.stages << " D=" << c.replicas << (c.tieHeadFirst ? " head first" : "")) {
+    DYNAMIC_SECTION(c.schedule << " P=" << c.stages << " D=" << c.replicas << (c.tieHeadFirst ? " head first" : "")
+                               << (c.byTag ? " by tag" : "")) {
       ReferenceConfig rc;
       rc.globalBatch = c.globalBatch;
       auto key = std::make_tuple(c.layers, c.globalBatch, c.tieHeadFirst);
@@ -92,10 +98,11 @@ TEST_CASE("interleaved and zbv training equal single-process training", "[integr
       spec.replicas = c.replicas;
       spec.perReplicaBatch = c.globalBatch / c.replicas;
       spec.chunkSize = 2;
-      spec.env["VARUNA_P2P_MATCH_BY_ORDER"] = "1";
+      if (!c.byTag) spec.env["VARUNA_P2P_MATCH_BY_ORDER"] = "1";
       spec.trainArgs = trainArgs(c, rc);
       WorkerJob job(spec, scratchDir("chunked-" + c.schedule + "-" + std::to_string(c.stages) + "x" +
-                                     std::to_string(c.replicas) + (c.tieHeadFirst ? "-head-first" : "")));
+                                     std::to_string(c.replicas) + (c.tieHeadFirst ? "-head-first" : "") +
+                                     (c.byTag ? "-by-tag" : "")));
       requireAllSucceeded(job);
       CHECK_THAT(job.worker(0).stderrText(), Catch::Contains("schedule " + c.schedule));
       // zbv: stage 0 holds the first and the last virtual stage.

@@ -112,6 +112,8 @@ class Communicator {
 
   int rank() const { return options_.rank; }
   CommBackend backend() const { return options_.backend; }  // resolved: kGloo or kNccl
+  // Point-to-point messages pair by tag (Gloo, unless VARUNA_P2P_MATCH_BY_ORDER).
+  bool matchesByTag() const { return options_.backend == CommBackend::kGloo && !matchByOrder_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
   // The whole job (point-to-point uses global ranks through it).

@@ -153,7 +153,13 @@ const StageMessagePlan& Varuna::Impl::stepPlanFor(int microbatches) {
   if (it == stepPlans_.end()) {
     scheduleFor(microbatches);
     auto plans = planStepMessages(schedules_.at(microbatches), layout_);
-    it = stepPlans_.emplace(microbatches, std::move(plans[stage_])).first;
+    // On the CPU with Gloo's tag matching, every receive is posted at the
+    // step's start (receivesFirst: why, and what it costs). With CUDA
+    // tensors, Gloo's receives land in pinned host buffers: those keep to
+    // the plan's order, which allocates them as they come.
+    const bool upFront = comm_->matchesByTag() && opt_.device.is_cpu();
+    it = stepPlans_.emplace(microbatches, upFront ? receivesFirst(std::move(plans[stage_])) : std::move(plans[stage_]))
+             .first;
   }
   return it->second;
 }

@@ -64,6 +64,19 @@ struct StageMessagePlan {
 // activations only.
 std::vector<StageMessagePlan> planStepMessages(const Schedule& schedule, const ChunkLayout& layout);
 
+// The same operations for a transport that matches messages by tag (Gloo
+// on the CPU): every receive posted before the first task, in the plan's
+// order, and the sends where the plan has them. Why: Gloo sends a message
+// only once its receive is posted; a receive posted later costs, in the
+// middle of the step, a round trip through both ranks' Gloo threads and a
+// lock those threads hold while they read, which a busy CPU host may not
+// schedule for milliseconds (measured with scripts/pipeline_trace.py:
+// docs/benchmarks.md). Posted up front, a send goes out from the sending
+// task's thread at once. What it costs: a step's receive buffers are all
+// allocated at its start (each a cut's tensor for one micro-batch). Never
+// for NCCL, which matches by order.
+StageMessagePlan receivesFirst(StageMessagePlan plan);
+
 // evaluate()'s order: on every stage, its chunks in model order, each over
 // every micro-batch (forwards without activations kept). The plan of this
 // order, not the order itself, is what makes it safe under NCCL: with two
