@@ -47,6 +47,7 @@ struct TrainOptions {
   uint64_t dataSeed = 7;
   int64_t logEvery = 1;
   std::string dumpDir;
+  std::string traceDir;
   int64_t probeMemorySteps = 0;  // the first N steps of this process log their peak host memory
   std::string device = "cpu";  // "cuda": cuda:<local_rank> (with Gloo: modulo the host's GPUs)
   std::string commBackend = "auto";
@@ -135,6 +136,9 @@ void parseTrainOptions(const std::vector<std::string>& args, TrainOptions& o) {
                  "write per-step results (rank<r>_steps.jsonl), the initial and final parameters "
                  "(rank<r>_initial.pt, rank<r>_params.pt) and final buffers (rank<r>_buffers.pt), "
                  "loadable with torch.load, here");
+  app.add_option("--trace_dir", o.traceDir,
+                 "each rank writes its steps' timeline here (rank<r>_trace.json: Chrome trace events; "
+                 "scripts/pipeline_trace.py merges them and splits the step)");
   app.add_option("--probe_memory_steps", o.probeMemorySteps,
                  "with --dump_dir: the first N steps also log step_peak_rss_over_start_bytes (the step's peak "
                  "resident memory over its start, after handing the heap's free memory back: slows those steps)");
@@ -287,6 +291,7 @@ int run(int argc, char** argv) {
       o.nonFinite == "stop" ? varuna::NonFiniteGradients::kStopTraining : varuna::NonFiniteGradients::kSkipStep;
   options.hostMemory = o.hostMemory == "compact" ? varuna::HostMemory::kCompact : varuna::HostMemory::kFast;
   options.bucketBytes = o.bucketBytes;
+  options.traceDir = o.traceDir;
   options.commBackend = varuna::parseCommBackend(o.commBackend);
   options.device = o.device == "cuda" ? varuna::cudaDeviceForLocalRank(launch.localRank, options.commBackend)
                                       : torch::Device(torch::kCPU);

@@ -42,6 +42,8 @@ def parse(argv):
     p.add_argument("--dump_dir", default="",
                    help="write per-step results (rank<r>_steps.jsonl) and the initial and final parameters "
                         "(rank<r>_initial.pt, rank<r>_params.pt) here, as the C++ example")
+    p.add_argument("--trace_dir", default="",
+                   help="each rank writes its steps' timeline here (rank<r>_trace.json; scripts/pipeline_trace.py)")
     p.add_argument("--checkpoint_dir", default="", help="global store (default: run_varuna's)")
     p.add_argument("--checkpoint_every", type=int, default=0)
     p.add_argument("--keep_checkpoints", type=int, default=-1)
@@ -99,7 +101,7 @@ def main():
                           shared_weights=shared, precision=o.precision, schedule=o.schedule, device=o.device,
                           comm_backend=o.comm_backend, on_nonfinite=o.nonfinite,
                           seed=o.model_seed, peer_timeout_s=o.peer_timeout_s, launch_args=launch,
-                          global_store=store or None,
+                          global_store=store or None, trace_dir=o.trace_dir or None,
                           keep_checkpoints=o.keep_checkpoints if o.keep_checkpoints >= 0 else None)
     model.set_optimizer(make_optimizer(o, model.parameters()), init_loss_scale=o.init_loss_scale,
                         loss_scale_growth_interval=o.loss_scale_growth_interval)

@@ -88,6 +88,7 @@ void bindOptions(py::module_& m) {
       .def_readwrite("batch_size", &VarunaOptions::batchSize)
       .def_readwrite("chunk_size", &VarunaOptions::chunkSize)
       .def_readwrite("bucket_bytes", &VarunaOptions::bucketBytes)
+      .def_readwrite("trace_dir", &VarunaOptions::traceDir)
       .def_property(
           "precision", [](const VarunaOptions& o) { return toString(o.precision); },
           [](VarunaOptions& o, const std::string& p) { o.precision = parsePrecision(p); })

@@ -196,6 +196,10 @@ class Varuna:
       "compact" (host blocks of 4 MiB and more are returned to the system
       when freed: a CPU rank's peak memory is what is live, at some CPU step
       time; process-wide; docs/python.md "Memory per rank").
+    trace_dir: each rank writes what it did when in every step (tasks, waits
+      on neighbours, messages, all-reduces, update) as Chrome trace events
+      to trace_dir/rank<r>_trace.json; scripts/pipeline_trace.py merges them
+      and tells the schedule's bubble from the rest (docs/profile.md).
     shared_weights: [(name, name)] of parameters that hold one weight.
     init_fn(name, module): for a CutPoint model built on the meta device (the
       way for big models: no rank ever holds all of it), how each submodule
@@ -209,7 +213,7 @@ class Varuna:
                  fp16=False, local_rank=None, device=None, shared_weights=None, *, precision=None,
                  schedule="varuna", seed=0, piece_costs=None, bucket_bytes=None, peer_timeout_s=None,
                  launch_args=None, global_store=None, keep_checkpoints=None, init_fn=None, comm_backend="auto",
-                 on_nonfinite="skip", host_memory="fast"):
+                 on_nonfinite="skip", host_memory="fast", trace_dir=None):
         if get_batch_fn is None:
             raise ValueError("Varuna: get_batch_fn is required (sample inputs teach the runtime the shapes "
                              "that cross each cut)")
@@ -230,6 +234,8 @@ class Varuna:
         options.schedule = schedule
         options.on_nonfinite = on_nonfinite
         options.host_memory = host_memory
+        if trace_dir:
+            options.trace_dir = str(trace_dir)
         if bucket_bytes is not None:
             options.bucket_bytes = int(bucket_bytes)
         if peer_timeout_s is not None:

@@ -156,6 +156,8 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
     std::vector<PieceRange> chunks;
     for (int c = 0; c < layout_.chunks; ++c) chunks.push_back({partition_.begin(virtualStage(c)), partition_.end(virtualStage(c))});
     model_ = std::make_shared<StageModel>(opt_.model, chunks, opt_.device);
+    timeline_.emplace(opt_.traceDir, StepTimeline::Identity{.rank = opt_.rank, .stage = stage_, .replica = replica_,
+                                                            .generation = std::max(0, opt_.manager.generation), .layout = layout_});
     error = checkAgainstProfile();
     if (error.empty()) error = checkSharedWeights();
   } catch (const std::exception& e) {

@@ -36,6 +36,7 @@
 #include "comm/grad_buckets.h"
 #include "link/manager_link.h"
 #include "pipeline/stage_model.h"
+#include "pipeline/step_timeline.h"
 #include "pipeline/step_traffic.h"
 #include "pipeline/step_exchange.h"
 #include "salvage/salvage_state.h"
@@ -135,6 +136,9 @@ class Varuna::Impl {
   std::unique_ptr<CheckpointWriter> writer_;
   std::string runTag_;  // names this run's partial checkpoint folders (ckpt::runTag)
   int64_t stepsDone_ = 0;
+  // Each step's tasks and waits, to VarunaOptions::traceDir (off without
+  // one). Made with the stage, so that all ranks agree on a folder refused.
+  std::optional<StepTimeline> timeline_;
   // What this rank holds if a peer is lost now; step() notifies it. Made
   // once the stage is built.
   std::optional<SalvageState> salvageState_;

@@ -235,11 +235,16 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
 
   using Clock = std::chrono::steady_clock;
   Clock::duration computeTime{};
+  StepTimeline& timeline = *timeline_;
+  timeline.beginStep(stepsDone_ + 1, Clock::now());
   for (int k = 0; k < static_cast<int>(tasks.size()); ++k) {
     const Task& task = tasks[k];
     const int i = task.microbatch, c = task.chunk;
     MicrobatchState& state = states[c][i];
+    const auto postStart = Clock::now();
     traffic.issue(plan.beforeTask[k]);
+    const auto waitStart = Clock::now();
+    if (!plan.beforeTask[k].empty()) timeline.span("messages", "post", postStart, waitStart);
     // Waits for inputs are outside the timed region: only compute counts.
     torch::Tensor input;
     if (task.type == TaskType::kForward && !first(c)) input = traffic.takeActivation(c, i);
@@ -248,6 +253,9 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
     if (inputGradient && !last(c)) grad = traffic.takeGradient(c, i);
     const auto& pieceDone = k == finalBackward[c] ? onPieceDone : noCallback;
     const auto taskStart = Clock::now();
+    if (input.defined() || grad.defined()) {
+      timeline.span("wait", input.defined() ? "wait activation" : "wait gradient", waitStart, taskStart);
+    }
     torch::Tensor produced;  // what goes to another rank, if the plan sends it
     switch (task.type) {
       case TaskType::kForward: {
@@ -292,11 +300,19 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
         state = MicrobatchState{.chunk = c};
         break;
     }
-    computeTime += Clock::now() - taskStart;
+    const auto taskEnd = Clock::now();
+    computeTime += taskEnd - taskStart;
+    timeline.task(task, taskStart, taskEnd);
     traffic.issue(plan.afterTask[k], produced);
+    if (!plan.afterTask[k].empty()) timeline.span("messages", "post", taskEnd, Clock::now());
   }
+  const auto drainStart = Clock::now();
   traffic.finishSends();
+  const auto bucketsStart = Clock::now();
+  timeline.span("wait", "finish sends", drainStart, bucketsStart);
   buckets_.finish(*comm_);
+  const auto exchangeStart = Clock::now();
+  timeline.span("allreduce", "gradient buckets", bucketsStart, exchangeStart);
 
   if (opt_.faults.poisonGradients &&
       opt_.faults.poisonGradients({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
@@ -315,13 +331,17 @@ StepResult Varuna::Impl::step(const Batch& inputs, std::optional<double> clip) {
   if (opt_.faults.loseExchange && opt_.faults.loseExchange({stage_, replica_, stepsDone_ + 1, opt_.manager.generation})) {
     throw PeerLostError("fault injected: this rank's exchange 'failed'", -1);
   }
+  const auto updateStart = Clock::now();
+  timeline.span("allreduce", "step exchange", exchangeStart, updateStart);
   StepResult result = opt_.onNonFiniteGradients == NonFiniteGradients::kStopTraining
                           ? queueUpdateThenRead(summed, pending)
                           : applyStep(StepExchange::fromTensor(summed), pending);
+  timeline.span("update", "update", updateStart, Clock::now());
   // This step carries the request (a SIGUSR1 meanwhile asks for the same).
   if (result.checkpointRequested) clearCheckpointSignal();
   synchroniseReplicaBuffers();
   salvageState_->stepFinished();
+  timeline.endStep(Clock::now());
   return result;
 }
 

@@ -159,6 +159,11 @@ struct VarunaOptions {
   int64_t bucketBytes = 4 << 20;
   ManagerLinkOptions manager;
   CheckpointOptions checkpointing;
+  // Non-empty: each rank writes what it did when in every step (tasks, waits
+  // on neighbours, messages, all-reduces, update) as Chrome trace events to
+  // <traceDir>/rank<r>_trace.json; scripts/pipeline_trace.py merges them and
+  // splits the step into the schedule's bubble and the rest (docs/profile.md).
+  std::string traceDir;
   // Set by applyLaunchArgs from run_varuna's AutoConfig; when given they
   // override `schedule`, `scheduleChunks` and `model.pieceCosts`.
   std::optional<ScheduleChoice> launcherSchedule;
