@@ -95,6 +95,8 @@ def busy_bound(schedule):
     return None  # varuna: recompute changes the work per stage
 PEER_SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 PYTHON_TRAINER = os.path.join(ROOT, "examples", "python", "train_gpt.py")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import pipeline_trace  # noqa: E402
 
 
 def free_port():
@@ -121,6 +123,7 @@ def run_ours(build, size, stages, schedule, dump, front_end="cpp"):
            "--dump_dir", dump, "--log_every", "1000000"]
     if front_end == "cpp":
         cmd += ["--probe_memory_steps", str(cfg["warmup"])]  # warm-up steps only: the probe slows a step
+        cmd += ["--trace_dir", os.path.join(dump, "trace")]  # for busy_fraction_replayed
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     with open(os.path.join(dump, "rank0_steps.jsonl")) as f:
         times = [json.loads(line)["time_s"] for line in f]
@@ -171,6 +174,14 @@ def busy_fraction(dump, stages, warmup):
     runtime's own time."""
     parts = step_parts(dump, stages, warmup)
     return None if parts is None else parts["tasks"] + parts["optimizer"]
+
+
+def replayed_busy_fraction(dump, warmup):
+    """busy_fraction with each rank's recorded tasks replayed in their order
+    and messages free (scripts/pipeline_trace.py): the schedule's own bubble
+    under this run's task costs, without transfers and jitter."""
+    _, pipelines = pipeline_trace.summarize(os.path.join(dump, "trace"), warmup)
+    return pipelines[0]["replayed_busy_fraction"]
 
 
 def run_peer(size, schedule, weights):
@@ -252,6 +263,7 @@ def main():
         tokens = cfg["chunk"] * M * cfg["seq_len"]
         ours, python, peer, single = {}, {}, {}, float("inf")
         busy = {}  # ours (C++), per schedule: busy_fraction of its best round
+        replayed = {}  # ours (C++), per schedule: the same round's busy_fraction replayed with free messages
         parts = {}  # ours (C++), per schedule: step_parts of its best round
         memory, peer_memory = {}, {}  # per schedule: a step's peak host memory (bytes) of its best round
         paired = {s: [] for s in SCHEDULES}  # per round: Python step time / C++ step time
@@ -267,6 +279,7 @@ def main():
                         busy_now = busy_fraction(dump, P, cfg["warmup"]) if front_end == "cpp" else None
                         if front_end == "cpp" and t < table.get(schedule, float("inf")):
                             busy[schedule] = busy_now
+                            replayed[schedule] = replayed_busy_fraction(dump, cfg["warmup"])
                             parts[schedule] = step_parts(dump, P, cfg["warmup"])
                             memory[schedule] = step_memory(dump, P, cfg["warmup"])
                         table[schedule] = min(table.get(schedule, t), t)
@@ -311,6 +324,7 @@ def main():
             "efficiency": single / (P * ours[best]),
             "busy_fraction": busy,
             "busy_bound": {s: busy_bound(s) for s in busy},
+            "busy_fraction_replayed": replayed,
             "step_parts": parts,
             # The worst stage's median step peak of resident memory over the step's start:
             # activations and every other temporary of a step (weights, gradients and
@@ -326,6 +340,8 @@ def main():
               f"{r['efficiency']:.3f} (bubble bound {r['bubble_bound']:.3f}); busy fraction (analytic bound) "
               + ", ".join(f"{k} {v:.3f} ({r['busy_bound'][k] or float('nan'):.3f})" for k, v in busy.items()
                           if v is not None), flush=True)
+        print(f"[{size}] busy fraction replayed with free messages (the schedule's own bubble under the measured "
+              "task costs): " + ", ".join(f"{k} {v:.3f}" for k, v in replayed.items()), flush=True)
         print(f"[{size}] step parts (tasks / optimizer / wait / other): "
               + ", ".join(f"{k} " + " / ".join(f"{v[p]:.3f}" for p in ("tasks", "optimizer", "wait", "other"))
                           for k, v in parts.items() if v is not None), flush=True)
