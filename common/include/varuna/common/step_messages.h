@@ -14,11 +14,11 @@
 // producing them in a replay of the schedule (equal costs), ties broken by
 // sender and message. A stage issues a receive as early as the order allows
 // (at the start of the step, or right after the send before it), so that in
-// the replay every receive is posted no later than its send (whether Gloo's
-// steps are as fast as with every receive posted up front is not measured
-// apart), and each of its own sends as soon as the task producing it ends. The same plan runs on
-// Gloo (where tags make any order work), so CI's CPU tests execute the very
-// order a multi-GPU job issues.
+// the replay every receive is posted no later than its send, and each of its
+// own sends as soon as the task producing it ends. The CPU tests run the same
+// plan on Gloo matching by order (VARUNA_P2P_MATCH_BY_ORDER), so CI executes
+// the very order a multi-GPU job issues; Gloo's own matching by tag on the
+// CPU posts every receive first instead (receivesFirst below: faster there).
 //
 // Pure functions over a Schedule and its ChunkLayout; every stage computes the
 // same plan, so no message about the plan is ever needed.
