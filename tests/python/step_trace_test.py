@@ -19,7 +19,6 @@ Varuna(trace_dir=...)) and scripts/pipeline_trace.py, on real 2-stage jobs:
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,12 +88,20 @@ def check_replay_never_later(label, trace_dir):
                 failures.append(f"{label} step {step} rank {r}: replay ends at {ends[r]} us, later than {actual}")
 
 
+def traced_job(label, program, tmp):
+    """Runs the job with a trace folder under tmp; the folder, or None (a failure noted)."""
+    trace_dir = os.path.join(tmp, "trace")
+    proc = launch(program, ["--trace_dir", trace_dir])
+    if proc.returncode != 0:
+        failures.append(f"{label}: job failed ({proc.returncode}): {checks.output_of(proc)}")
+        return None
+    return trace_dir
+
+
 def check_traced_job(label, program):
     with tempfile.TemporaryDirectory() as tmp:
-        trace_dir = os.path.join(tmp, "trace")
-        proc = launch(program, ["--trace_dir", trace_dir])
-        if proc.returncode != 0:
-            failures.append(f"{label}: job failed ({proc.returncode}): {checks.output_of(proc)}")
+        trace_dir = traced_job(label, program, tmp)
+        if trace_dir is None:
             return
         for rank in (0, 1):
             path = os.path.join(trace_dir, f"rank{rank}_trace.json")
@@ -128,10 +135,8 @@ def test_cpp_and_python():
 
 def test_cut_short():
     with tempfile.TemporaryDirectory() as tmp:
-        trace_dir = os.path.join(tmp, "trace")
-        proc = launch(CPP, ["--trace_dir", trace_dir])
-        if proc.returncode != 0:
-            failures.append(f"cut_short: job failed: {checks.output_of(proc)}")
+        trace_dir = traced_job("cut_short", CPP, tmp)
+        if trace_dir is None:
             return
         for rank in (0, 1):  # each rank died writing its last step's events
             path = os.path.join(trace_dir, f"rank{rank}_trace.json")
@@ -158,7 +163,6 @@ def test_refusals():
         proc = launch(CPP, ["--trace_dir", os.path.join(blocker, "trace")])
         if proc.returncode == 0 or "trace_dir" not in proc.stdout + proc.stderr:
             failures.append(f"a trace folder under a file: exit {proc.returncode}, {checks.output_of(proc, 800)}")
-        shutil.rmtree(os.path.join(tmp, "trace"), ignore_errors=True)
 
 
 if __name__ == "__main__":
