@@ -155,7 +155,9 @@ def test_every_process_of_a_host_killed():
 
 
 def test_host_added_to_machine_list_grows_the_job():
-    m = manager("grow", machines=["127.0.0.1 slots=2"], steps=100000).start()
+    trace = ROOT / "grow-trace"  # step timelines: each generation's files stay apart
+    m = manager("grow", machines=["127.0.0.1 slots=2"], steps=100000,
+                train_args=["--trace_dir", str(trace)]).start()
     m.wait_step(20)
     m.write_machines(TWO_HOSTS)
     m.wait_event("machine_list_changed", timeout=10)
@@ -163,6 +165,16 @@ def test_host_added_to_machine_list_grows_the_job():
     plans = [(e["plan"]["stages"], e["plan"]["replicas"]) for e in m.events("launch")]
     assert plans == [(2, 1), (2, 2)], plans
     assert_nothing_left(m.job)
+    generations = [e["generation"] for e in m.events("launch")]
+    files = sorted(p.name for p in trace.glob("*_trace.json"))
+    expected = sorted([f"gen{generations[0]}_rank{r}_trace.json" for r in range(2)]
+                      + [f"gen{generations[1]}_rank{r}_trace.json" for r in range(4)])
+    assert files == expected, (files, expected)
+    sys.path.insert(0, str(SOURCE / "scripts"))
+    import pipeline_trace
+    _, pipelines = pipeline_trace.summarize(str(trace), 1)
+    assert sorted((p["generation"], p["replica"]) for p in pipelines) == [
+        (generations[0], 0), (generations[1], 0), (generations[1], 1)], pipelines
 
 
 def test_preempted_host_comes_back_when_the_list_is_written_again():
