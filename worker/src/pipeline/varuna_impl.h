@@ -170,6 +170,8 @@ class Varuna::Impl {
   std::vector<Batch> splitMicrobatches(const Batch& inputs, int64_t expected, const char* what) const;
   const StageSchedule& scheduleFor(int microbatches);
   const StageMessagePlan& stepPlanFor(int microbatches);
+  // A plan as this rank's transport issues it best (receivesFirst or as is).
+  StageMessagePlan forThisTransport(StageMessagePlan plan) const;
   // evaluate()'s order on this stage, and its plan.
   std::pair<const StageSchedule&, const StageMessagePlan&> evalPlanFor(int microbatches);
   StepTraffic::Setup trafficSetup(const std::vector<Batch>& micro, TagKind activationTag);

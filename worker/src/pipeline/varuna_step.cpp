@@ -148,18 +148,21 @@ const StageSchedule& Varuna::Impl::scheduleFor(int microbatches) {
   return it->second[stage_];
 }
 
+StageMessagePlan Varuna::Impl::forThisTransport(StageMessagePlan plan) const {
+  // On the CPU with Gloo's tag matching, every receive is posted at the
+  // start (receivesFirst: why, and what it costs). With CUDA tensors,
+  // Gloo's receives land in pinned host buffers: those keep to the plan's
+  // order, which allocates them as they come; NCCL needs that order.
+  if (comm_->matchesByTag() && opt_.device.is_cpu()) return receivesFirst(std::move(plan));
+  return plan;
+}
+
 const StageMessagePlan& Varuna::Impl::stepPlanFor(int microbatches) {
   auto it = stepPlans_.find(microbatches);
   if (it == stepPlans_.end()) {
     scheduleFor(microbatches);
     auto plans = planStepMessages(schedules_.at(microbatches), layout_);
-    // On the CPU with Gloo's tag matching, every receive is posted at the
-    // step's start (receivesFirst: why, and what it costs). With CUDA
-    // tensors, Gloo's receives land in pinned host buffers: those keep to
-    // the plan's order, which allocates them as they come.
-    const bool upFront = comm_->matchesByTag() && opt_.device.is_cpu();
-    it = stepPlans_.emplace(microbatches, upFront ? receivesFirst(std::move(plans[stage_])) : std::move(plans[stage_]))
-             .first;
+    it = stepPlans_.emplace(microbatches, forThisTransport(std::move(plans[stage_]))).first;
   }
   return it->second;
 }
@@ -171,7 +174,7 @@ std::pair<const StageSchedule&, const StageMessagePlan&> Varuna::Impl::evalPlanF
     const Schedule order = evaluationOrder(layout_, microbatches);
     auto plans = planStepMessages(order, layout_);
     evalOrders_[microbatches] = order[stage_];
-    it = evalPlans_.emplace(microbatches, std::move(plans[stage_])).first;
+    it = evalPlans_.emplace(microbatches, forThisTransport(std::move(plans[stage_]))).first;
   }
   return {evalOrders_.at(microbatches), it->second};
 }
