@@ -10,7 +10,8 @@ script
 
   - merges them into one trace (DIR/trace.json; open it in ui.perfetto.dev
     or chrome://tracing: one track per rank, the steps side by side), and
-  - splits each pipeline's step, median over the steps after --skip:
+  - splits each pipeline's step, median over the steps after --skip (each
+    share a median of its own: together they are near 1, not exactly):
       tasks     the schedule's compute (what busy_fraction counts, with update)
       wait      blocked on a neighbour's message (the bubble, transfers, and
                 a late neighbour)
@@ -57,7 +58,10 @@ def load_events(path):
 
 
 def steps_of(events):
-    """{(generation, replica): {step: {rank: (step event, [its events])}}}."""
+    """{(generation, replica): {step: {rank: (step event, [its events])}}}.
+    A step's events are those of its number inside its span: a program that
+    loads a checkpoint and steps again numbers two steps alike, and the later
+    one is kept."""
     out = defaultdict(lambda: defaultdict(dict))
     by_step = defaultdict(list)
     for e in events:
@@ -66,8 +70,25 @@ def steps_of(events):
     for e in events:
         if e.get("ph") == "X" and e["cat"] == "step":
             a = e["args"]
-            out[(a["generation"], a["replica"])][a["step"]][a["rank"]] = (e, by_step[(e["pid"], a["step"])])
+            inside = [x for x in by_step[(e["pid"], a["step"])] if e["ts"] <= x["ts"] <= e["ts"] + e["dur"]]
+            out[(a["generation"], a["replica"])][a["step"]][a["rank"]] = (e, inside)
     return out
+
+
+def check_one_pipeline(tasks_by_rank):
+    """Each virtual stage on exactly one rank, all ranks of one model: else
+    the folder mixes runs (a rank's file a longer pipeline left)."""
+    owner, sizes = {}, set()
+    for r, tasks in tasks_by_rank.items():
+        for t in tasks:
+            a = t["args"]
+            sizes.add(a["virtual_stages"])
+            if owner.setdefault(a["virtual_stage"], r) != r:
+                raise ValueError(f"virtual stage {a['virtual_stage']} ran on ranks {owner[a['virtual_stage']]} and {r}: "
+                                 "the folder mixes traces of different runs; give each run a folder of its own")
+    if len(sizes) != 1 or sorted(owner) != list(range(next(iter(sizes)))):
+        raise ValueError(f"the ranks' tasks cover virtual stages {sorted(owner)} of {sorted(sizes)}: the folder "
+                         "mixes traces of different runs; give each run a folder of its own")
 
 
 def dependencies(task):
@@ -115,6 +136,7 @@ def split_step(ranks):
     """One pipeline's step: per rank, its parts (microseconds) and busy
     fractions measured and replayed."""
     tasks = {r: sorted((e for e in evs if e["cat"] == "task"), key=lambda e: e["ts"]) for r, (_, evs) in ranks.items()}
+    check_one_pipeline(tasks)
     ends = replay(tasks)
     longest = max(ends.values())
     rows = {}

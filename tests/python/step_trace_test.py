@@ -122,9 +122,9 @@ def check_traced_job(label, program):
         if pipeline["steps"] != list(range(2, STEPS + 1)):
             failures.append(f"{label}: summarised steps {pipeline['steps']}, expected 2..{STEPS} (--skip 1)")
         for r, row in pipeline["ranks"].items():
-            shares = sum(row["shares"].values())
+            shares = sum(row["shares"].values())  # each a median of its own: near 1
             if not (0 < row["busy_fraction"] <= 1 and 0 < row["replayed_busy_fraction"] <= 1.0 + 1e-9
-                    and abs(shares - 1) < 1e-6):
+                    and abs(shares - 1) < 0.1):
                 failures.append(f"{label} rank {r}: implausible split {row}")
 
 
@@ -157,6 +157,16 @@ def test_refusals():
         proc, _ = summary(tmp)
         if proc.returncode != 2 or "--trace_dir" not in proc.stderr:
             failures.append(f"an empty folder: exit {proc.returncode}, stderr {proc.stderr[-500:]!r}")
+        # A stale rank file of a longer pipeline left in the folder: refused, not mixed in.
+        trace_dir = traced_job("refusals", CPP, tmp)
+        if trace_dir is not None:
+            with open(os.path.join(trace_dir, "rank1_trace.json")) as f:
+                stale = f.read().replace('"rank":1', '"rank":2').replace('"pid":1', '"pid":2')
+            with open(os.path.join(trace_dir, "rank2_trace.json"), "w") as f:
+                f.write(stale)
+            proc, _ = summary(trace_dir)
+            if proc.returncode != 2 or "different runs" not in proc.stderr:
+                failures.append(f"a stale rank file: exit {proc.returncode}, stderr {proc.stderr[-500:]!r}")
         blocker = os.path.join(tmp, "a_file")
         with open(blocker, "w") as f:
             f.write("not a folder")

@@ -105,6 +105,10 @@ TEST_CASE("interleaved and zbv training equal single-process training", "[integr
                                      (c.byTag ? "-by-tag" : "")));
       requireAllSucceeded(job);
       CHECK_THAT(job.worker(0).stderrText(), Catch::Contains("schedule " + c.schedule));
+      // Tag matching takes the receives-first plan; matching by order (NCCL's way) never does.
+      const bool receivesFirst =
+          job.worker(0).stderrText().find("receives posted at each step's start") != std::string::npos;
+      CHECK(receivesFirst == c.byTag);
       // zbv: stage 0 holds the first and the last virtual stage.
       if (c.schedule == "zbv") {
         CHECK_THAT(job.worker(0).stderrText(),

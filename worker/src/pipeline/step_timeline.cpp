@@ -28,10 +28,13 @@ StepTimeline::StepTimeline(const std::string& dir, Identity who) : who_(std::mov
     throw ConfigError(strCat("trace_dir: cannot write ", path_, ec ? strCat(" (", ec.message(), ")") : std::string(),
                              "; give a folder this rank can write, or leave trace_dir empty"));
   }
-  steadyOrigin_ = Clock::now();
+  // The wall clock read between two steady readings, their midpoint its
+  // steady time: a rank descheduled between the reads is off by half the gap.
+  const auto before = Clock::now();
   wallOriginMicros_ = std::chrono::duration_cast<std::chrono::microseconds>(
                           std::chrono::system_clock::now().time_since_epoch())
                           .count();
+  steadyOrigin_ = before + (Clock::now() - before) / 2;
   const std::string label = strCat("rank ", who_.rank, ": stage ", who_.stage, ", replica ", who_.replica,
                                    who_.generation > 0 ? strCat(", generation ", who_.generation) : std::string());
   file_ << "[\n";

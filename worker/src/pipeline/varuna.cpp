@@ -171,7 +171,7 @@ Varuna::Impl::Impl(VarunaOptions options) : opt_(std::move(options)), map_(Stage
     log::info("plan: ", P_, " stages x ", D_, " replicas, schedule ",
               toString(ScheduleChoice{opt_.schedule, layout_.chunks}), ", precision ",
               toString(opt_.precision), ", micro-batch ", opt_.chunkSize, "; ", partition_.describe(names),
-              describeChunks());
+              describeChunks(), postsReceivesFirst() ? "; receives posted at each step's start (Gloo by tag)" : "");
   }
   setUpGradients();
   synchroniseTiedWeights();

@@ -172,6 +172,7 @@ class Varuna::Impl {
   const StageMessagePlan& stepPlanFor(int microbatches);
   // A plan as this rank's transport issues it best (receivesFirst or as is).
   StageMessagePlan forThisTransport(StageMessagePlan plan) const;
+  bool postsReceivesFirst() const;
   // evaluate()'s order on this stage, and its plan.
   std::pair<const StageSchedule&, const StageMessagePlan&> evalPlanFor(int microbatches);
   StepTraffic::Setup trafficSetup(const std::vector<Batch>& micro, TagKind activationTag);

@@ -148,12 +148,16 @@ const StageSchedule& Varuna::Impl::scheduleFor(int microbatches) {
   return it->second[stage_];
 }
 
-StageMessagePlan Varuna::Impl::forThisTransport(StageMessagePlan plan) const {
+bool Varuna::Impl::postsReceivesFirst() const {
   // On the CPU with Gloo's tag matching, every receive is posted at the
   // start (receivesFirst: why, and what it costs). With CUDA tensors,
   // Gloo's receives land in pinned host buffers: those keep to the plan's
   // order, which allocates them as they come; NCCL needs that order.
-  if (comm_->matchesByTag() && opt_.device.is_cpu()) return receivesFirst(std::move(plan));
+  return comm_->matchesByTag() && opt_.device.is_cpu();
+}
+
+StageMessagePlan Varuna::Impl::forThisTransport(StageMessagePlan plan) const {
+  if (postsReceivesFirst()) return receivesFirst(std::move(plan));
   return plan;
 }
 
