@@ -86,7 +86,7 @@ void StepTimeline::task(const Task& t, Clock::time_point start, Clock::time_poin
   events_.push_back(e.dump());
 }
 
-void StepTimeline::span(const char* category, const std::string& name, Clock::time_point start, Clock::time_point end) {
+void StepTimeline::span(const char* category, const char* name, Clock::time_point start, Clock::time_point end) {
   if (!enabled()) return;
   auto e = event(name, category, pid(), micros(start), micros(end) - micros(start));
   e["args"] = {{"step", step_}};

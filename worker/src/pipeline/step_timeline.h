@@ -51,7 +51,8 @@ class StepTimeline {
   void task(const Task& t, Clock::time_point start, Clock::time_point end);
   // Anything else of the step: category "wait" (blocked on a neighbour),
   // "messages" (posting sends and receives), "allreduce", "update".
-  void span(const char* category, const std::string& name, Clock::time_point start, Clock::time_point end);
+  // `name` a literal: nothing is built while the timeline is off.
+  void span(const char* category, const char* name, Clock::time_point start, Clock::time_point end);
   // Appends the step's events, then a "step <n>" span around them (written
   // last: it marks the step complete), and flushes.
   void endStep(Clock::time_point end);
